@@ -1,0 +1,7 @@
+"""Light client for the ResNet18 gRPC service (grpcio and protobuf only; no torch)."""
+
+from .client import AsyncClient, Client
+from .errors import ClassifierError
+from .messages import Classification, ClassScore
+
+__all__ = ["AsyncClient", "Client", "ClassifierError", "Classification", "ClassScore"]

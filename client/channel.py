@@ -1,0 +1,66 @@
+"""Channel construction shared by Client and AsyncClient: targets, balancing, TLS, token, limits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DEFAULT_TARGET = "localhost:50051"
+
+
+@dataclass(frozen=True)
+class ChannelConfig:
+    """Where and how to connect. Several targets, or a DNS name with several addresses, are balanced
+    per call with gRPC's round_robin policy (one HTTP/2 connection to each replica)."""
+
+    targets: Sequence[str] = (DEFAULT_TARGET,)
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    token: str | None = None
+
+    @property
+    def target(self) -> str:
+        if len(self.targets) == 1:
+            return self.targets[0]
+        # gRPC's static address list resolver: ipv4:host:port,host:port (IP addresses only).
+        return "ipv4:" + ",".join(self.targets)
+
+    def options(self) -> list[tuple[str, object]]:
+        return [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.lb_policy_name", "round_robin"),
+        ]
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """None for plaintext; TLS (optionally with a client certificate) and/or a bearer token otherwise."""
+        if not (self.tls_ca or self.tls_cert):
+            return None
+        channel = grpc.ssl_channel_credentials(
+            root_certificates=_read(self.tls_ca), private_key=_read(self.tls_key),
+            certificate_chain=_read(self.tls_cert))
+        if self.token:
+            token = grpc.access_token_call_credentials(self.token)
+            return grpc.composite_channel_credentials(channel, token)
+        return channel
+
+    def metadata(self) -> list[tuple[str, str]]:
+        """A token over plaintext cannot use call credentials (gRPC refuses them without TLS)."""
+        if self.token and self.credentials() is None:
+            return [("authorization", f"Bearer {self.token}")]
+        return []
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
+    if isinstance(target, str):
+        return tuple(part.strip() for part in target.split(",") if part.strip()) or (DEFAULT_TARGET,)
+    return tuple(target)

@@ -1,0 +1,132 @@
+"""Client and AsyncClient: classify, stream, model info and health, each call with a timeout."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .api import classifier_pb2 as pb
+from .api import classifier_pb2_grpc as pb_grpc
+from .channel import ChannelConfig, parse_targets
+from .errors import ClassifierError
+from .messages import Classification, ImageLike, build_request, parse_response
+
+DEFAULT_TIMEOUT = 30.0
+
+
+def _channel_config(target, tls_ca, tls_cert, tls_key, token) -> ChannelConfig:
+    return ChannelConfig(parse_targets(target), tls_ca, tls_cert, tls_key, token)
+
+
+def _health_name(status: int) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+class Client:
+    """Blocking client. ``target`` is ``host:port``, a comma-separated list, a list, or ``dns:///name:port``."""
+
+    def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 token: str | None = None) -> None:
+        self._config = _channel_config(target, tls_ca, tls_cert, tls_key, token)
+        self.timeout = timeout
+        credentials = self._config.credentials()
+        options = self._config.options()
+        self._channel = (grpc.secure_channel(self._config.target, credentials, options) if credentials
+                         else grpc.insecure_channel(self._config.target, options))
+        self._stub = pb_grpc.ClassifierStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _call(self, method, request, timeout: float | None):
+        try:
+            return method(request, timeout=timeout or self.timeout, metadata=self._config.metadata())
+        except grpc.RpcError as error:
+            raise ClassifierError.from_rpc_error(error) from None
+
+    def classify(self, images: Iterable[ImageLike], *, top_k: int | None = None, temperature: float | None = None,
+                 full: bool = False, logits: bool = False, timeout: float | None = None) -> list[Classification]:
+        request = build_request(images, top_k=top_k, temperature=temperature, full=full, logits=logits)
+        return parse_response(self._call(self._stub.Classify, request, timeout))
+
+    def classify_stream(self, requests: Iterable[pb.ClassifyRequest], *,
+                        timeout: float | None = None) -> Iterator[list[Classification]]:
+        """Pipelined: yields each request's results in order (build requests with messages.build_request)."""
+        responses = self._call(self._stub.ClassifyStream, iter(requests), timeout)
+        try:
+            for response in responses:
+                yield parse_response(response)
+        except grpc.RpcError as error:
+            raise ClassifierError.from_rpc_error(error) from None
+
+    def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        return self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The serving status name, e.g. ``SERVING`` or ``NOT_SERVING``."""
+        response = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        return _health_name(response.status)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio twin of :class:`Client` (grpc.aio)."""
+
+    def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 token: str | None = None) -> None:
+        self._config = _channel_config(target, tls_ca, tls_cert, tls_key, token)
+        self.timeout = timeout
+        credentials = self._config.credentials()
+        options = self._config.options()
+        self._channel = (grpc.aio.secure_channel(self._config.target, credentials, options) if credentials
+                         else grpc.aio.insecure_channel(self._config.target, options))
+        self._stub = pb_grpc.ClassifierStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def _call(self, method, request, timeout: float | None):
+        try:
+            return await method(request, timeout=timeout or self.timeout, metadata=self._config.metadata())
+        except grpc.RpcError as error:
+            raise ClassifierError.from_rpc_error(error) from None
+
+    async def classify(self, images: Iterable[ImageLike], *, top_k: int | None = None,
+                       temperature: float | None = None, full: bool = False, logits: bool = False,
+                       timeout: float | None = None) -> list[Classification]:
+        request = build_request(images, top_k=top_k, temperature=temperature, full=full, logits=logits)
+        return parse_response(await self._call(self._stub.Classify, request, timeout))
+
+    async def classify_stream(self, requests: Iterable[pb.ClassifyRequest], *,
+                              timeout: float | None = None) -> AsyncIterator[list[Classification]]:
+        call = self._stub.ClassifyStream(iter(requests), timeout=timeout or self.timeout,
+                                         metadata=self._config.metadata())
+        try:
+            async for response in call:
+                yield parse_response(response)
+        except grpc.RpcError as error:
+            raise ClassifierError.from_rpc_error(error) from None
+
+    async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        return await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        response = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        return _health_name(response.status)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()

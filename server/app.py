@@ -1,0 +1,155 @@
+"""Wiring: build replicas, the core and the servicers; serve gRPC and /metrics; drain on signals."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import PlatformCollector, ProcessCollector
+
+from client.api import classifier_pb2 as pb
+from client.api import classifier_pb2_grpc as pb_grpc
+
+from . import __version__
+from .config import ConfigError, ServerConfig, parse_config
+from .devices import replica_names, resolve_devices
+from .errors import StartupError
+from .inference import InferenceCore, Limits
+from .metrics import Metrics, serve_metrics
+from .model import IMAGENET_WEIGHTS
+from .preprocess import CROP, ENCODINGS, RAW_FORMATS, RESIZE, TRANSFORM
+from .replicas import Replica, Router, load_replica
+from .temperature import default_temperature
+
+log = logging.getLogger("server")
+MODEL_NAME = "resnet18"
+MODEL_VERSION = "1"
+LABELS = list(IMAGENET_WEIGHTS.meta["categories"])
+SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name,)
+
+
+class App:
+    """One server process: gRPC (classifier, health, reflection) and the metrics endpoint."""
+
+    def __init__(self, config: ServerConfig, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self.core: InferenceCore | None = None
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> int:
+        """Bind (health NOT_SERVING), load and warm every replica, then report SERVING; returns the port."""
+        config = self.config
+        temperature, temperature_source = default_temperature(config)
+        devices = resolve_devices(config.devices)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        replicas = [await loop.run_in_executor(None, load_replica, name, device, config, self.metrics)
+                    for name, device in zip(replica_names(devices), devices, strict=True)]
+        router = Router(replicas, self.metrics)
+        limits = Limits(config.max_images_per_request, config.max_pixels)
+        self.core = InferenceCore(router, self.metrics, limits, temperature, config.preprocess_threads)
+        info = model_info(config, replicas, temperature, temperature_source)
+        self._record_model_info(replicas)
+        self._server = self._build_server(info)
+        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        await self._server.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on %s:%d (devices %s)", MODEL_NAME, config.host, self.port, ", ".join(info.devices))
+        return self.port
+
+    def _build_server(self, info: pb.ModelInfo) -> grpc.aio.Server:
+        from .service import ClassifierService
+
+        limit = self.config.max_message_mb * 1024 * 1024
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_concurrent_streams", self.config.max_concurrent_streams),
+        ])
+        pb_grpc.add_ClassifierServicer_to_server(ClassifierService(self.core, info), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        return server
+
+    def _record_model_info(self, replicas: list[Replica]) -> None:
+        for replica in replicas:
+            self.metrics.model.labels(replica.name).info(
+                {"model": MODEL_NAME, "version": MODEL_VERSION, "weights": replica.weights.source,
+                 "server_version": __version__})
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING, refuse new calls, answer accepted ones within grace, stop the workers."""
+        grace = self.config.grace_period if grace is None else grace
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self.core is not None:
+            self.core.router.stop(timeout=grace)
+            self.core.close()
+
+
+def model_info(config: ServerConfig, replicas: list[Replica], temperature: float, source: str) -> pb.ModelInfo:
+    weights = replicas[0].weights
+    return pb.ModelInfo(
+        name=MODEL_NAME,
+        version=MODEL_VERSION,
+        labels=LABELS,
+        input=pb.InputSpec(encodings=list(ENCODINGS), raw_formats=list(RAW_FORMATS), max_pixels=config.max_pixels,
+                           max_images_per_request=config.max_images_per_request, crop_size=CROP,
+                           resize_size=RESIZE, mean=list(TRANSFORM.mean), std=list(TRANSFORM.std)),
+        devices=[replica.name for replica in replicas],
+        default_temperature=temperature,
+        temperature_source=source,
+        batching=pb.BatchingSpec(max_batch_size=config.max_batch_size,
+                                 max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue),
+        weights=weights.source,
+        warning=weights.warning,
+        precision="fp32",
+    )
+
+
+async def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM or SIGINT, then drain within the grace period."""
+    app = App(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    app.metrics.registry.register(ProcessCollector(registry=None))
+    app.metrics.registry.register(PlatformCollector(registry=None))
+    await app.start()
+    serve_metrics(app.metrics, config.metrics_host, config.metrics_port)
+    await stop.wait()
+    log.info("signal received: draining for up to %.1fs", config.grace_period)
+    await app.stop()
+    log.info("stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+    except ConfigError as exc:
+        print(f"resnet-server: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(config))
+    except StartupError as exc:
+        print(f"resnet-server: error: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,236 @@
+"""Dynamic batching for one device: a bounded queue of images and the worker thread that drains it.
+
+The event loop calls :meth:`Batcher.submit` (never blocks, refuses at once when full) and awaits
+each item's future. The worker thread takes whatever is waiting, up to ``max_batch_size``, and
+runs it at once: a lone request pays no batching delay, and under load batches grow by
+themselves while the previous batch computes. ``max_batch_delay_ms`` lets the worker wait for a
+fuller batch, but never past that long after the oldest waiting image arrived. Cancelled and
+expired images are dropped before compute. Results go back to the loop with one
+``call_soon_threadsafe`` per batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ComputeFailed, DeadlineExpired, Overloaded, ServingError, Unavailable
+from .metrics import Metrics
+from .postprocess import top_k
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ImageOutput:
+    """One image's result, on the CPU."""
+
+    probabilities: torch.Tensor  # [1000], softmax(logits / T)
+    logits: torch.Tensor  # [1000], before temperature
+    top_k: list[tuple[int, float]]
+    temperature: float
+    queue_seconds: float
+    compute_seconds: float
+    device: str
+
+
+@dataclass(eq=False)
+class WorkItem:
+    """One queued image and the future its caller awaits."""
+
+    tensor: torch.Tensor
+    temperature: float
+    top_k: int
+    deadline: float | None  # time.monotonic() value, or None for no deadline
+    future: asyncio.Future
+    request_id: str = ""
+    enqueued: float = field(default_factory=time.monotonic)
+
+    def is_dead(self, now: float) -> str | None:
+        """Why this item must not be computed (cancelled, deadline), or None."""
+        if self.future.done():  # only cancellation completes a queued item's future early
+            return "cancelled"
+        if self.deadline is not None and now >= self.deadline:
+            return "deadline"
+        return None
+
+
+# (inputs [B, 3, 224, 224] on the CPU, temperatures [B]) -> (probabilities, logits), both [B, 1000] on the CPU.
+ComputeFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class Batcher:
+    def __init__(self, name: str, compute: ComputeFn, metrics: Metrics, *, max_batch_size: int,
+                 max_batch_delay_ms: float, max_queue: int) -> None:
+        self.name = name
+        self._compute = compute
+        self._max_batch_size = max_batch_size
+        self._max_delay = max_batch_delay_ms / 1000.0
+        self._max_queue = max_queue
+        self._queue: collections.deque[WorkItem] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
+        self.consecutive_failures = 0
+        self._queue_depth = metrics.queue_depth.labels(name)
+        self._queue_wait = metrics.queue_wait.labels(name)
+        self._compute_time = metrics.compute.labels(name)
+        self._batch_size = metrics.batch_size.labels(name)
+        self._dropped = metrics.dropped
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Refuse new work, finish what is queued, and join the worker."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        """Queue all items or none: a full queue refuses at once with Overloaded."""
+        with self._cond:
+            if self._stopping:
+                raise Unavailable("server is shutting down")
+            if len(self._queue) + len(items) > self._max_queue:
+                raise Overloaded(
+                    f"queue of {self.name} is full ({len(self._queue)} of {self._max_queue} images waiting); retry later"
+                )
+            self._queue.extend(items)
+            self._queue_depth.set(len(self._queue))
+            self._cond.notify()
+
+    def withdraw(self, items: Sequence[WorkItem]) -> None:
+        """Free the queue slots of a cancelled call's items that have not been taken yet."""
+        with self._cond:
+            waiting = [item for item in items if item in self._queue]
+            for item in waiting:
+                self._queue.remove(item)
+            self._queue_depth.set(len(self._queue))
+        if waiting:
+            self._dropped.labels(self.name, "cancelled").inc(len(waiting))
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def _run(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            live = self._drop_dead(batch)
+            if live:
+                self._execute(live)
+
+    def _next_batch(self) -> list[WorkItem] | None:
+        """Block until work arrives; None once stopping with nothing left."""
+        with self._cond:
+            while not self._queue and not self._stopping:
+                self._cond.wait()
+            if not self._queue:
+                return None
+            if self._max_delay > 0:
+                self._wait_for_fuller_batch()
+            size = min(len(self._queue), self._max_batch_size)
+            batch = [self._queue.popleft() for _ in range(size)]
+            self._queue_depth.set(len(self._queue))
+            return batch
+
+    def _wait_for_fuller_batch(self) -> None:
+        fill_by = self._queue[0].enqueued + self._max_delay
+        while len(self._queue) < self._max_batch_size and not self._stopping:
+            remaining = fill_by - time.monotonic()
+            if remaining <= 0:
+                return
+            self._cond.wait(remaining)
+
+    def _drop_dead(self, batch: list[WorkItem]) -> list[WorkItem]:
+        now = time.monotonic()
+        live, expired = [], []
+        for item in batch:
+            reason = item.is_dead(now)
+            if reason is None:
+                live.append(item)
+                continue
+            self._dropped.labels(self.name, reason).inc()
+            if reason == "deadline":
+                expired.append(item)
+        _fail(expired, DeadlineExpired("deadline passed while the image waited in the queue"))
+        return live
+
+    def _execute(self, batch: list[WorkItem]) -> None:
+        started = time.monotonic()
+        try:
+            probabilities, logits = self._compute_split_on_oom(batch)
+        except ServingError as exc:
+            _fail(batch, exc)
+            return
+        except Exception:
+            self.consecutive_failures += 1
+            ids = sorted({item.request_id for item in batch})
+            log.exception("batch of %d on %s failed (requests %s)", len(batch), self.name, ", ".join(ids))
+            _fail(batch, ComputeFailed(f"inference failed on {self.name} (request id {ids[0]})"))
+            return
+        self.consecutive_failures = 0
+        elapsed = time.monotonic() - started
+        self._record(batch, started, elapsed)
+        outputs = [
+            ImageOutput(probabilities[i], logits[i], top_k(probabilities[i], item.top_k), item.temperature,
+                        started - item.enqueued, elapsed, self.name)
+            for i, item in enumerate(batch)
+        ]
+        _resolve(batch, outputs)
+
+    def _compute_split_on_oom(self, batch: list[WorkItem]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the batch; on device out-of-memory, halve it and retry before giving up."""
+        try:
+            inputs = torch.stack([item.tensor for item in batch])
+            temperatures = torch.tensor([item.temperature for item in batch], dtype=torch.float32)
+            probabilities, logits = self._compute(inputs, temperatures)
+        except torch.OutOfMemoryError:
+            if len(batch) == 1:
+                raise Overloaded(f"out of memory on {self.name} even for a single image") from None
+            log.warning("out of memory on %s with a batch of %d; splitting it", self.name, len(batch))
+            half = len(batch) // 2
+            first, second = self._compute_split_on_oom(batch[:half]), self._compute_split_on_oom(batch[half:])
+            return torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]])
+        if len(probabilities) != len(batch):
+            raise RuntimeError(f"compute returned {len(probabilities)} results for {len(batch)} images")
+        return probabilities, logits
+
+    def _record(self, batch: list[WorkItem], started: float, elapsed: float) -> None:
+        self._batch_size.observe(len(batch))
+        self._compute_time.observe(elapsed)
+        for item in batch:
+            self._queue_wait.observe(started - item.enqueued)
+
+
+def _resolve(items: list[WorkItem], outputs: list[ImageOutput]) -> None:
+    if items:
+        loop = items[0].future.get_loop()
+        loop.call_soon_threadsafe(_set_results, items, outputs)
+
+
+def _fail(items: list[WorkItem], exc: BaseException) -> None:
+    if items:
+        loop = items[0].future.get_loop()
+        loop.call_soon_threadsafe(_set_exceptions, items, exc)
+
+
+def _set_results(items: list[WorkItem], outputs: list[ImageOutput]) -> None:
+    for item, output in zip(items, outputs, strict=True):
+        if not item.future.done():
+            item.future.set_result(output)
+
+
+def _set_exceptions(items: list[WorkItem], exc: BaseException) -> None:
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(exc)

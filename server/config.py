@@ -1,0 +1,143 @@
+"""Server configuration: one frozen dataclass, built from flags and their environment twins.
+
+Every flag ``--some-flag`` also reads ``RESNET_SERVER_SOME_FLAG``; a flag given on the command
+line wins over the environment, which wins over the default. Only ``main()`` calls
+:func:`parse_config`, so importing the server never reads argv or the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+ENV_PREFIX = "RESNET_SERVER_"
+
+
+class ConfigError(ValueError):
+    """A flag or environment variable has a value the server cannot start with."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 8000
+    devices: tuple[str, ...] = ("auto",)
+    weights: str = "imagenet"
+    temperature: float = 1.0
+    temperature_file: str | None = None
+    max_batch_size: int = 32
+    max_batch_delay_ms: float = 0.0
+    max_queue: int = 256
+    max_images_per_request: int = 64
+    max_pixels: int = 40_000_000
+    max_message_mb: int = 64
+    max_concurrent_streams: int = 128
+    preprocess_threads: int = 2
+    grace_period: float = 10.0
+    log_level: str = "INFO"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def positive_temperature(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"temperature must be finite and > 0, got {text}")
+    return value
+
+
+def _device_list(text: str) -> tuple[str, ...]:
+    devices = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not devices:
+        raise argparse.ArgumentTypeError("needs at least one device")
+    return devices
+
+
+# (flag, type, help). Defaults come from ServerConfig so they live in one place.
+_FLAGS: list[tuple[str, object, str]] = [
+    ("host", str, "address the gRPC server binds to"),
+    ("port", _non_negative_int, "gRPC port (0 picks a free one)"),
+    ("metrics-host", str, "address of the Prometheus /metrics endpoint"),
+    ("metrics-port", _non_negative_int, "Prometheus /metrics port (0 turns the endpoint off)"),
+    ("device", _device_list, "cpu, cuda, cuda:N, auto, or a comma-separated list (one replica each)"),
+    ("weights", str, "imagenet (torchvision, cached under TORCH_HOME), a PATH to a state_dict, or random"),
+    ("temperature", positive_temperature, "default softmax temperature T (finite, > 0)"),
+    ("temperature-file", str, "JSON file with a fitted temperature (resnet-client calibrate); overrides --temperature"),
+    ("max-batch-size", _positive_int, "most images in one forward pass"),
+    ("max-batch-delay-ms", _non_negative_float, "longest the oldest queued image waits for a fuller batch"),
+    ("max-queue", _positive_int, "images waiting per device; beyond it new work gets RESOURCE_EXHAUSTED"),
+    ("max-images-per-request", _positive_int, "most images in one request"),
+    ("max-pixels", _positive_int, "most pixels (H*W) in one image; guards against decompression bombs"),
+    ("max-message-mb", _positive_int, "largest gRPC message received or sent, in MiB"),
+    ("max-concurrent-streams", _positive_int, "most concurrent RPCs per HTTP/2 connection"),
+    ("preprocess-threads", _positive_int, "threads that decode and preprocess images"),
+    ("grace-period", _non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
+    ("log-level", str, "DEBUG, INFO, WARNING or ERROR"),
+]
+
+
+def env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.upper().replace("-", "_")
+
+
+def _field_name(flag: str) -> str:
+    return "devices" if flag == "device" else flag.replace("-", "_")
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="resnet-server",
+        description="ResNet18 image classification over gRPC. Every flag has an environment twin "
+        f"{ENV_PREFIX}<FLAG> (e.g. {env_name('device')}=cuda:1); flags win.",
+    )
+    defaults = ServerConfig()
+    for flag, kind, help_text in _FLAGS:
+        name = env_name(flag)
+        default = getattr(defaults, _field_name(flag))
+        if name in env:
+            default = _from_env(name, env[name], kind)
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        parser.add_argument(f"--{flag}", dest=_field_name(flag), type=kind, default=default,
+                            help=f"{help_text} [env {name}; default {shown}]")
+    return parser
+
+
+def _from_env(name: str, text: str, kind) -> object:
+    try:
+        return kind(text)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise ConfigError(f"{name}={text!r}: {exc}") from None
+
+
+def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """Build the configuration from argv (flags win) and env (``RESNET_SERVER_*``)."""
+    env = os.environ if env is None else env
+    namespace = build_parser(env).parse_args(argv)
+    config = ServerConfig(**vars(namespace))
+    if config.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+        raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
+    return config

@@ -1,0 +1,112 @@
+"""The transport-independent core: validate, preprocess off the loop, route, batch, await.
+
+Both gRPC APIs (our own ``resnet.v1`` and the Open Inference Protocol) call
+:meth:`InferenceCore.classify`; it also records the per-device request metrics, so every
+path is measured the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .batcher import ImageOutput, WorkItem
+from .errors import DeadlineExpired, InvalidInput, status_for
+from .metrics import Metrics
+from .postprocess import NUM_CLASSES
+from .preprocess import ImageInput, preprocess
+from .replicas import Replica, Router
+
+DEFAULT_TOP_K = 5
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_images_per_request: int
+    max_pixels: int
+
+
+@dataclass(frozen=True)
+class ClassifyCall:
+    images: Sequence[ImageInput]
+    temperature: float | None = None  # None: the served default
+    top_k: int | None = None  # None: DEFAULT_TOP_K
+    timeout: float | None = None  # seconds left before the caller's deadline
+    request_id: str = ""
+
+
+class InferenceCore:
+    def __init__(self, router: Router, metrics: Metrics, limits: Limits, default_temperature: float,
+                 preprocess_threads: int) -> None:
+        self.router = router
+        self.limits = limits
+        self.default_temperature = default_temperature
+        self._metrics = metrics
+        self._executor = ThreadPoolExecutor(preprocess_threads, thread_name_prefix="preprocess")
+
+    async def classify(self, call: ClassifyCall) -> list[ImageOutput]:
+        """Classify every image of one call on one replica; raises ServingError subclasses."""
+        started = time.monotonic()
+        replica = self.router.choose()
+        in_flight = self._metrics.in_flight.labels(replica.name)
+        in_flight.inc()
+        replica.pending += len(call.images)
+        code = "OK"
+        try:
+            return await self._classify_on(replica, call, started)
+        except BaseException as exc:
+            code = "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0].name
+            raise
+        finally:
+            replica.pending -= len(call.images)
+            in_flight.dec()
+            self._metrics.requests.labels(replica.name, code).inc()
+            self._metrics.images.labels(replica.name, code).inc(len(call.images))
+            self._metrics.request_latency.labels(replica.name).observe(time.monotonic() - started)
+
+    async def _classify_on(self, replica: Replica, call: ClassifyCall, started: float) -> list[ImageOutput]:
+        temperature, k = self._validate(call)
+        deadline = None if call.timeout is None else started + call.timeout
+        tensors = await self._preprocess(call.images)
+        loop = asyncio.get_running_loop()
+        if deadline is not None and time.monotonic() >= deadline:
+            raise DeadlineExpired("deadline passed while the images were decoded")
+        items = [WorkItem(tensor, temperature, k, deadline, loop.create_future(), call.request_id)
+                 for tensor in tensors]
+        replica.batcher.submit(items)
+        try:
+            return list(await asyncio.gather(*(item.future for item in items)))
+        except BaseException:
+            replica.batcher.withdraw(items)  # a cancelled call frees its queue slots at once
+            for item in items:
+                item.future.cancel()
+            raise
+
+    def _validate(self, call: ClassifyCall) -> tuple[float, int]:
+        if not call.images:
+            raise InvalidInput("request has no images")
+        if len(call.images) > self.limits.max_images_per_request:
+            raise InvalidInput(
+                f"request has {len(call.images)} images, over the limit of {self.limits.max_images_per_request}"
+            )
+        temperature = self.default_temperature if call.temperature is None else call.temperature
+        if not math.isfinite(temperature) or temperature <= 0:
+            raise InvalidInput(f"temperature must be finite and > 0, got {temperature}")
+        k = DEFAULT_TOP_K if call.top_k is None else call.top_k
+        if not 1 <= k <= NUM_CLASSES:
+            raise InvalidInput(f"top_k must be between 1 and {NUM_CLASSES}, got {k}")
+        return temperature, k
+
+    async def _preprocess(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        loop = asyncio.get_running_loop()
+        jobs = [loop.run_in_executor(self._executor, preprocess, image, self.limits.max_pixels) for image in images]
+        return list(await asyncio.gather(*jobs))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

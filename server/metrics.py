@@ -1,0 +1,53 @@
+"""Prometheus metrics: per-device histograms of latency, queue wait and compute, and counters.
+
+Every series carries a ``device`` label (the replica's name, e.g. ``cuda:0`` or ``cpu#1`` when
+one device holds several replicas). Units are seconds; counters end in ``_total``. Each server
+builds its own :class:`CollectorRegistry`, so tests read fresh samples with ``get_sample_value``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import start_http_server as _start_http_server
+
+# 0.5 ms to 10 s: a GPU batch takes a few ms, a CPU batch or a queued burst up to seconds.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PREFIX = "resnet_"
+
+
+class Metrics:
+    """All of the server's series, in one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        by_device = {"labelnames": ["device"], "registry": self.registry}
+        by_code = {"labelnames": ["device", "code"], "registry": self.registry}
+        self.request_latency = Histogram(
+            PREFIX + "request_duration_seconds", "Server-side latency of a classification request, "
+            "from arrival to answer (decode, queue, compute)", buckets=LATENCY_BUCKETS, **by_device)
+        self.queue_wait = Histogram(
+            PREFIX + "queue_wait_seconds", "Time an image waited in its device queue before its batch ran",
+            buckets=LATENCY_BUCKETS, **by_device)
+        self.compute = Histogram(
+            PREFIX + "batch_compute_seconds", "Time of one batch on the device: copy in, forward pass, "
+            "softmax and the copy back to the CPU", buckets=LATENCY_BUCKETS, **by_device)
+        self.batch_size = Histogram(
+            PREFIX + "batch_size", "Images per forward pass", buckets=BATCH_SIZE_BUCKETS, **by_device)
+        self.requests = Counter(PREFIX + "requests", "Classification requests answered, by gRPC status code", **by_code)
+        self.images = Counter(PREFIX + "images", "Images answered, by gRPC status code", **by_code)
+        self.dropped = Counter(
+            PREFIX + "dropped_images", "Queued images dropped before compute, by reason (deadline, cancelled)",
+            labelnames=["device", "reason"], registry=self.registry)
+        self.queue_depth = Gauge(PREFIX + "queue_depth", "Images waiting in the device queue", **by_device)
+        self.in_flight = Gauge(PREFIX + "requests_in_flight", "Requests being served", **by_device)
+        self.healthy = Gauge(PREFIX + "replica_healthy", "1 while the replica is in rotation, else 0", **by_device)
+        self.load_time = Gauge(PREFIX + "model_load_seconds", "Time to load, place and warm up the model",
+                               **by_device)
+        self.model = Info(PREFIX + "model", "The model served", **by_device)
+
+
+def serve_metrics(metrics: Metrics, host: str, port: int) -> None:
+    """Expose /metrics over HTTP in a daemon thread (port 0 means: no endpoint)."""
+    if port:
+        _start_http_server(port, addr=host, registry=metrics.registry)

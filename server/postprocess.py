@@ -1,0 +1,24 @@
+"""Temperature-scaled softmax and top-k, vectorised over a batch.
+
+Each image carries its own temperature, so one batch can mix callers with different T:
+``softmax(logits / T)`` row by row is exactly one division by a column vector. Rows never
+interact, which is why a result cannot depend on the batch it shared.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NUM_CLASSES = 1000
+
+
+def temperature_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / T) per row; logits [B, C], temperatures [B]."""
+    scaled = logits.float() / temperatures.to(device=logits.device, dtype=torch.float32).unsqueeze(1)
+    return torch.softmax(scaled, dim=1)
+
+
+def top_k(probabilities: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The k most probable classes of one row, most probable first, as (index, probability)."""
+    values, indices = torch.topk(probabilities, k)
+    return list(zip(indices.tolist(), values.tolist(), strict=True))

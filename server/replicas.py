@@ -1,0 +1,105 @@
+"""One model replica per listed device, each with its own batcher and worker thread, and the router.
+
+Independent replicas (rather than ``nn.DataParallel``) let every device run its own batches
+concurrently, with no scatter/gather through one GPU on each forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .batcher import Batcher
+from .config import ServerConfig
+from .errors import Unavailable
+from .metrics import Metrics
+from .model import LoadedWeights, build_model, load_weights
+from .postprocess import temperature_softmax
+from .preprocess import FLOAT_SHAPE
+
+log = logging.getLogger(__name__)
+
+# A replica whose batches fail this many times in a row leaves the rotation.
+FAILURES_BEFORE_EVICTION = 3
+
+
+class ModelRunner:
+    """The forward pass on one device: the only code that touches the model after start-up."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+
+    @torch.inference_mode()
+    def __call__(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(inputs.to(self.device, non_blocking=True)).float()
+        probabilities = temperature_softmax(logits, temperatures)
+        # One copy back to the CPU per batch (and so one synchronisation with the device).
+        both = torch.stack([probabilities, logits]).cpu()
+        return both[0], both[1]
+
+    def warm_up(self, batch_sizes: list[int]) -> None:
+        for size in batch_sizes:
+            self(torch.zeros((size, *FLOAT_SHAPE)), torch.ones(size))
+
+
+@dataclass
+class Replica:
+    name: str
+    device: torch.device
+    runner: ModelRunner
+    batcher: Batcher
+    weights: LoadedWeights
+    pending: int = 0  # images routed here and not yet answered; touched on the event loop only
+
+    @property
+    def healthy(self) -> bool:
+        return self.batcher.consecutive_failures < FAILURES_BEFORE_EVICTION
+
+
+def load_replica(name: str, device: torch.device, config: ServerConfig, metrics: Metrics) -> Replica:
+    """Load weights onto the device, build and warm the model, and start its batcher."""
+    started = time.monotonic()
+    weights = load_weights(config.weights, device)
+    runner = ModelRunner(build_model(weights, device), device)
+    runner.warm_up(sorted({1, config.max_batch_size}))
+    batcher = Batcher(name, runner, metrics, max_batch_size=config.max_batch_size,
+                      max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue)
+    batcher.start()
+    elapsed = time.monotonic() - started
+    metrics.load_time.labels(name).set(elapsed)
+    metrics.healthy.labels(name).set(1)
+    log.info("replica %s ready on %s in %.2fs (weights %s)", name, device, elapsed, weights.source)
+    if weights.warning:
+        log.warning("%s", weights.warning)
+    return Replica(name, device, runner, batcher, weights)
+
+
+class Router:
+    """Sends each request to the healthy replica with the least queued work, ties in turn."""
+
+    def __init__(self, replicas: list[Replica], metrics: Metrics) -> None:
+        self.replicas = replicas
+        self._metrics = metrics
+        self._turn = 0
+
+    def choose(self) -> Replica:
+        healthy = [replica for replica in self.replicas if self._check_health(replica)]
+        if not healthy:
+            raise Unavailable("no healthy model replica is left to serve the request")
+        least = min(replica.pending for replica in healthy)
+        candidates = [replica for replica in healthy if replica.pending == least]
+        self._turn += 1
+        return candidates[self._turn % len(candidates)]
+
+    def _check_health(self, replica: Replica) -> bool:
+        healthy = replica.healthy
+        self._metrics.healthy.labels(replica.name).set(1 if healthy else 0)
+        return healthy
+
+    def stop(self, timeout: float | None = None) -> None:
+        for replica in self.replicas:
+            replica.batcher.stop(timeout)

@@ -1,0 +1,126 @@
+"""Thin servicer for ``resnet.v1.Classifier``: protobuf in, core call, protobuf out.
+
+All decisions live in :class:`~server.inference.InferenceCore`; this module only converts
+messages and turns domain errors into gRPC status codes through :func:`server.errors.status_for`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from client.api import classifier_pb2 as pb
+from client.api import classifier_pb2_grpc as pb_grpc
+
+from .batcher import ImageOutput
+from .errors import ServingError, status_for
+from .inference import ClassifyCall, InferenceCore
+from .preprocess import EncodedImage, ImageInput, RawImage
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+# Requests of one stream computed ahead of the one being answered.
+STREAM_PIPELINE_DEPTH = 32
+_DTYPES = {pb.RawTensor.UINT8: "uint8", pb.RawTensor.FLOAT32: "float32"}
+
+
+def request_id(context: grpc.aio.ServicerContext) -> str:
+    """The caller's x-request-id, or a fresh one, for the logs and INTERNAL messages."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id":
+            return str(value)[:64]
+    return uuid.uuid4().hex[:16]
+
+
+async def answer(context: grpc.aio.ServicerContext, rid: str, work: Callable[[], Awaitable[T]]) -> T:
+    """Run the work; abort the call with the mapped status code if it raises."""
+    try:
+        return await work()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        code, message = status_for(exc)
+        if not isinstance(exc, ServingError):
+            log.exception("request %s failed unexpectedly", rid)
+            message = f"{message} (request id {rid})"
+        await context.abort(code, message)
+        raise  # abort raises; this line only satisfies type checkers
+
+
+def to_image_input(image: pb.Image) -> ImageInput:
+    if image.WhichOneof("data") == "raw":
+        raw = image.raw
+        return RawImage(_DTYPES.get(raw.dtype, ""), tuple(raw.shape), raw.data)
+    return EncodedImage(image.encoded)
+
+
+def to_call(request: pb.ClassifyRequest, context: grpc.aio.ServicerContext, rid: str) -> ClassifyCall:
+    return ClassifyCall(
+        images=[to_image_input(image) for image in request.images],
+        temperature=request.temperature if request.HasField("temperature") else None,
+        top_k=request.top_k if request.HasField("top_k") else None,
+        timeout=context.time_remaining(),
+        request_id=rid,
+    )
+
+
+def to_result(output: ImageOutput, labels: list[str], request: pb.ClassifyRequest) -> pb.ImageResult:
+    result = pb.ImageResult(
+        top_k=[pb.ClassScore(index=i, label=labels[i], probability=p) for i, p in output.top_k],
+        queue_ms=output.queue_seconds * 1000.0,
+        compute_ms=output.compute_seconds * 1000.0,
+        device=output.device,
+        temperature=output.temperature,
+    )
+    if request.return_probabilities:
+        result.probabilities.extend(output.probabilities.tolist())
+    if request.return_logits:
+        result.logits.extend(output.logits.tolist())
+    return result
+
+
+class ClassifierService(pb_grpc.ClassifierServicer):
+    def __init__(self, core: InferenceCore, model_info: pb.ModelInfo) -> None:
+        self._core = core
+        self._info = model_info
+        self._labels = list(model_info.labels)
+
+    async def _classify(self, request: pb.ClassifyRequest, context, rid: str) -> pb.ClassifyResponse:
+        outputs = await self._core.classify(to_call(request, context, rid))
+        return pb.ClassifyResponse(results=[to_result(output, self._labels, request) for output in outputs])
+
+    async def Classify(self, request, context):
+        rid = request_id(context)
+        return await answer(context, rid, lambda: self._classify(request, context, rid))
+
+    async def ClassifyStream(self, request_iterator, context) -> AsyncIterator[pb.ClassifyResponse]:
+        """Compute up to STREAM_PIPELINE_DEPTH requests ahead; answer in order; stop at the first error."""
+        rid = request_id(context)
+        pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue(STREAM_PIPELINE_DEPTH)
+
+        async def read_requests() -> None:
+            try:
+                async for request in request_iterator:
+                    await pending.put(asyncio.create_task(self._classify(request, context, rid)))
+            finally:
+                await pending.put(None)  # the writer stops here; `await reader` then re-raises any error
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while (task := await pending.get()) is not None:
+                yield await answer(context, rid, lambda task=task: task)
+            await reader  # surfaces a broken request stream
+        finally:
+            reader.cancel()
+            while not pending.empty():
+                task = pending.get_nowait()
+                if task is not None:
+                    task.cancel()
+
+    async def GetModelInfo(self, request, context):
+        return self._info
