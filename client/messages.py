@@ -6,12 +6,12 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from .api import classifier_pb2 as pb
 
 # A path, encoded bytes, or an array with .dtype/.shape/.tobytes(): uint8 [H, W, 3] or float32 [3, 224, 224].
-ImageLike = Union[str, os.PathLike, bytes, Any]
+ImageLike = Any  # str | os.PathLike | bytes | array; Any because arrays are duck-typed
 _RAW_DTYPES = {"uint8": pb.RawTensor.UINT8, "float32": pb.RawTensor.FLOAT32}
 
 

@@ -25,6 +25,7 @@ from .metrics import Metrics, serve_metrics
 from .model import IMAGENET_WEIGHTS
 from .preprocess import CROP, ENCODINGS, RAW_FORMATS, RESIZE, TRANSFORM
 from .replicas import Replica, Router, load_replica
+from .service import ClassifierService
 from .temperature import default_temperature
 
 log = logging.getLogger("server")
@@ -40,46 +41,55 @@ class App:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
+        # Checked before binding, so a bad --device or --temperature-file fails at once.
+        self.devices = resolve_devices(config.devices)
+        self.temperature, self.temperature_source = default_temperature(config)
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.core: InferenceCore | None = None
+        self.classifier = ClassifierService()
         self._server: grpc.aio.Server | None = None
+        self._metrics_http = None
 
     async def start(self) -> int:
-        """Bind (health NOT_SERVING), load and warm every replica, then report SERVING; returns the port."""
+        """Bind and load: the port answers health checks (NOT_SERVING) while the model loads."""
+        port = await self.bind()
+        await self.load()
+        return port
+
+    async def bind(self) -> int:
+        """Start gRPC with health NOT_SERVING; classification answers UNAVAILABLE until load() is done."""
         config = self.config
-        temperature, temperature_source = default_temperature(config)
-        devices = resolve_devices(config.devices)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        loop = asyncio.get_running_loop()
-        replicas = [await loop.run_in_executor(None, load_replica, name, device, config, self.metrics)
-                    for name, device in zip(replica_names(devices), devices, strict=True)]
-        router = Router(replicas, self.metrics)
-        limits = Limits(config.max_images_per_request, config.max_pixels)
-        self.core = InferenceCore(router, self.metrics, limits, temperature, config.preprocess_threads)
-        info = model_info(config, replicas, temperature, temperature_source)
-        self._record_model_info(replicas)
-        self._server = self._build_server(info)
-        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
-        await self._server.start()
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on %s:%d (devices %s)", MODEL_NAME, config.host, self.port, ", ".join(info.devices))
-        return self.port
-
-    def _build_server(self, info: pb.ModelInfo) -> grpc.aio.Server:
-        from .service import ClassifierService
-
-        limit = self.config.max_message_mb * 1024 * 1024
-        server = grpc.aio.server(options=[
+        limit = config.max_message_mb * 1024 * 1024
+        self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
-            ("grpc.max_concurrent_streams", self.config.max_concurrent_streams),
+            ("grpc.max_concurrent_streams", config.max_concurrent_streams),
         ])
-        pb_grpc.add_ClassifierServicer_to_server(ClassifierService(self.core, info), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        return server
+        pb_grpc.add_ClassifierServicer_to_server(self.classifier, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                            self._server)
+        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        await self._server.start()
+        self._metrics_http = serve_metrics(self.metrics, config.metrics_host, config.metrics_port)
+        return self.port
+
+    async def load(self) -> None:
+        """Load and warm every replica off the loop, then report SERVING."""
+        config = self.config
+        loop = asyncio.get_running_loop()
+        replicas = [await loop.run_in_executor(None, load_replica, name, device, config, self.metrics)
+                    for name, device in zip(replica_names(self.devices), self.devices, strict=True)]
+        limits = Limits(config.max_images_per_request, config.max_pixels)
+        self.core = InferenceCore(Router(replicas, self.metrics), self.metrics, limits, self.temperature,
+                                  config.preprocess_threads)
+        info = model_info(config, replicas, self.temperature, self.temperature_source)
+        self._record_model_info(replicas)
+        self.classifier.attach(self.core, info)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on %s:%d (devices %s)", MODEL_NAME, config.host, self.port, ", ".join(info.devices))
 
     def _record_model_info(self, replicas: list[Replica]) -> None:
         for replica in replicas:
@@ -91,15 +101,22 @@ class App:
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, status)
 
+    async def begin_drain(self) -> None:
+        """Health says NOT_SERVING so balancers and orchestrators stop sending new work."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, answer accepted ones within grace, stop the workers."""
         grace = self.config.grace_period if grace is None else grace
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.begin_drain()
         if self._server is not None:
             await self._server.stop(grace)
         if self.core is not None:
             self.core.router.stop(timeout=grace)
             self.core.close()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
 
 
 def model_info(config: ServerConfig, replicas: list[Replica], temperature: float, source: str) -> pb.ModelInfo:
@@ -124,15 +141,15 @@ def model_info(config: ServerConfig, replicas: list[Replica], temperature: float
 
 async def serve(config: ServerConfig) -> None:
     """Run until SIGTERM or SIGINT, then drain within the grace period."""
-    app = App(config)
+    metrics = Metrics()
+    metrics.registry.register(ProcessCollector(registry=None))  # RSS, CPU, open fds of this process
+    metrics.registry.register(PlatformCollector(registry=None))
+    app = App(config, metrics)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    app.metrics.registry.register(ProcessCollector(registry=None))
-    app.metrics.registry.register(PlatformCollector(registry=None))
     await app.start()
-    serve_metrics(app.metrics, config.metrics_host, config.metrics_port)
     await stop.wait()
     log.info("signal received: draining for up to %.1fs", config.grace_period)
     await app.stop()

@@ -103,7 +103,8 @@ class Batcher:
                 raise Unavailable("server is shutting down")
             if len(self._queue) + len(items) > self._max_queue:
                 raise Overloaded(
-                    f"queue of {self.name} is full ({len(self._queue)} of {self._max_queue} images waiting); retry later"
+                    f"queue of {self.name} is full ({len(self._queue)} of {self._max_queue} images waiting); "
+                    "retry later"
                 )
             self._queue.extend(items)
             self._queue_depth.set(len(self._queue))

@@ -47,7 +47,9 @@ class Metrics:
         self.model = Info(PREFIX + "model", "The model served", **by_device)
 
 
-def serve_metrics(metrics: Metrics, host: str, port: int) -> None:
-    """Expose /metrics over HTTP in a daemon thread (port 0 means: no endpoint)."""
-    if port:
-        _start_http_server(port, addr=host, registry=metrics.registry)
+def serve_metrics(metrics: Metrics, host: str, port: int):
+    """Expose /metrics over HTTP in a daemon thread; returns the HTTP server (None when port is 0)."""
+    if not port:
+        return None
+    httpd, _thread = _start_http_server(port, addr=host, registry=metrics.registry)
+    return httpd

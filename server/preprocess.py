@@ -76,8 +76,8 @@ def _check_declared_size(data: bytes, max_pixels: int) -> None:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as header:
                 width, height = header.size
-    except Image.DecompressionBombError as exc:
-        raise InvalidInput(f"image too large: {exc}") from None
+    except Image.DecompressionBombError:  # PIL's own, larger ceiling (about 179 Mpx)
+        raise InvalidInput(f"image declares more pixels than the limit of {max_pixels}") from None
     except Exception:  # noqa: BLE001 - PIL cannot parse it; torchvision's decoder has the last word
         return
     _check_pixels(height, width, max_pixels)

@@ -18,7 +18,7 @@ from client.api import classifier_pb2 as pb
 from client.api import classifier_pb2_grpc as pb_grpc
 
 from .batcher import ImageOutput
-from .errors import ServingError, status_for
+from .errors import ServingError, Unavailable, status_for
 from .inference import ClassifyCall, InferenceCore
 from .preprocess import EncodedImage, ImageInput, RawImage
 
@@ -85,13 +85,25 @@ def to_result(output: ImageOutput, labels: list[str], request: pb.ClassifyReques
 
 
 class ClassifierService(pb_grpc.ClassifierServicer):
-    def __init__(self, core: InferenceCore, model_info: pb.ModelInfo) -> None:
+    """Answers UNAVAILABLE until :meth:`attach` hands it the loaded core."""
+
+    def __init__(self) -> None:
+        self._core: InferenceCore | None = None
+        self._info = pb.ModelInfo()
+        self._labels: list[str] = []
+
+    def attach(self, core: InferenceCore, model_info: pb.ModelInfo) -> None:
         self._core = core
         self._info = model_info
         self._labels = list(model_info.labels)
 
+    def _ready_core(self) -> InferenceCore:
+        if self._core is None:
+            raise Unavailable("the model is still loading; retry when health reports SERVING")
+        return self._core
+
     async def _classify(self, request: pb.ClassifyRequest, context, rid: str) -> pb.ClassifyResponse:
-        outputs = await self._core.classify(to_call(request, context, rid))
+        outputs = await self._ready_core().classify(to_call(request, context, rid))
         return pb.ClassifyResponse(results=[to_result(output, self._labels, request) for output in outputs])
 
     async def Classify(self, request, context):
@@ -123,4 +135,8 @@ class ClassifierService(pb_grpc.ClassifierServicer):
                     task.cancel()
 
     async def GetModelInfo(self, request, context):
+        return await answer(context, request_id(context), self._model_info)
+
+    async def _model_info(self) -> pb.ModelInfo:
+        self._ready_core()
         return self._info

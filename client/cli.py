@@ -1,0 +1,140 @@
+"""resnet-client: classify images, show model info, check health (and bench, calibrate).
+
+Any failure exits non-zero with one stderr line naming the gRPC status code and the message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from .client import Client
+from .errors import ClassifierError
+from .messages import Classification
+
+TOKEN_ENV = "RESNET_CLIENT_TOKEN"
+
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", default="localhost:50051",
+                        help="host:port, a comma-separated list of IP:port, or dns:///name:port (default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per call (default %(default)s)")
+    parser.add_argument("--tls-ca", help="CA certificate (PEM) that signed the server's certificate; enables TLS")
+    parser.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
+    parser.add_argument("--tls-key", help="client private key (PEM) for mutual TLS")
+    parser.add_argument("--token", default=os.environ.get(TOKEN_ENV),
+                        help=f"bearer token sent as 'authorization: Bearer ...' [env {TOKEN_ENV}]")
+
+
+def connect(args: argparse.Namespace) -> Client:
+    return Client(args.server, timeout=args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                  tls_key=args.tls_key, token=args.token)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="resnet-client", description="Client of the ResNet18 gRPC service")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    classify = commands.add_parser("classify", help="classify image files")
+    classify.add_argument("paths", nargs="+", metavar="PATH")
+    classify.add_argument("--top-k", type=int, default=None, help="classes to show per image (default 5)")
+    classify.add_argument("--temperature", type=float, default=None, help="softmax temperature (default: server's)")
+    classify.add_argument("--full", action="store_true", help="also return the 1000 probabilities")
+    classify.add_argument("--json", action="store_true", help="one JSON object per image per line")
+    classify.set_defaults(run=run_classify)
+
+    info = commands.add_parser("info", help="show the served model")
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(run=run_info)
+
+    health = commands.add_parser("health", help="check the gRPC health service (exit 0 only when SERVING)")
+    health.add_argument("--service", default="", help="service name to check (default: the whole server)")
+    health.set_defaults(run=run_health)
+
+    for sub in (classify, info, health):
+        add_connection_flags(sub)
+    # _add_optional_commands(commands)
+    return parser
+
+
+def _add_optional_commands(commands) -> None:
+    """Commands with their own modules register themselves here."""
+    from . import bench, calibrate
+
+    for module in (bench, calibrate):
+        sub = module.add_parser(commands)
+        add_connection_flags(sub)
+
+
+def result_json(path: str, result: Classification) -> dict:
+    record = {
+        "image": path,
+        "top_k": [{"index": s.index, "label": s.label, "probability": s.probability} for s in result.top_k],
+        "device": result.device,
+        "temperature": result.temperature,
+        "queue_ms": result.queue_ms,
+        "compute_ms": result.compute_ms,
+    }
+    if result.probabilities is not None:
+        record["probabilities"] = result.probabilities
+    return record
+
+
+def run_classify(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        results = client.classify(args.paths, top_k=args.top_k, temperature=args.temperature, full=args.full)
+    for path, result in zip(args.paths, results, strict=True):
+        if args.json:
+            print(json.dumps(result_json(path, result)))
+            continue
+        print(f"{path}  (device {result.device}, queue {result.queue_ms:.1f} ms, compute {result.compute_ms:.1f} ms)")
+        for rank, score in enumerate(result.top_k, 1):
+            print(f"  {rank:>2}. {score.probability:8.4f}  {score.index:>4}  {score.label}")
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        info = client.model_info()
+    summary = {
+        "name": info.name, "version": info.version, "devices": list(info.devices), "weights": info.weights,
+        "warning": info.warning, "precision": info.precision, "default_temperature": info.default_temperature,
+        "temperature_source": info.temperature_source, "max_batch_size": info.batching.max_batch_size,
+        "max_batch_delay_ms": info.batching.max_batch_delay_ms, "max_queue": info.batching.max_queue,
+        "max_pixels": info.input.max_pixels, "max_images_per_request": info.input.max_images_per_request,
+        "encodings": list(info.input.encodings), "raw_formats": list(info.input.raw_formats),
+        "labels": len(info.labels),
+    }
+    if args.json:
+        print(json.dumps({**summary, "labels": list(info.labels)}))
+    else:
+        width = max(map(len, summary))
+        for key, value in summary.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def run_health(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        status = client.health(args.service)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ClassifierError as exc:
+        print(f"resnet-client: error: {exc.code.name}: {exc.message}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"resnet-client: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import Reference, ServerThread, base_config, save_random_weights
+
+
+@pytest.fixture(scope="session")
+def weights_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("weights") / "resnet18-seeded.pth"
+    state = save_random_weights(path)
+    return path, state
+
+
+@pytest.fixture(scope="session")
+def reference(weights_file) -> Reference:
+    return Reference(weights_file[1])
+
+
+@pytest.fixture(scope="session")
+def server(weights_file):
+    """One shared server on 127.0.0.1:0 serving the test-made weights file (the real file-loading path)."""
+    running = ServerThread(base_config(str(weights_file[0]))).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture()
+def make_server(weights_file):
+    """Start servers with custom settings; each is stopped at the end of the test."""
+    started: list[ServerThread] = []
+
+    def start(**overrides) -> ServerThread:
+        running = ServerThread(base_config(str(weights_file[0]), **overrides)).start()
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.stop(grace=1.0)

@@ -1,0 +1,129 @@
+"""Shared test helpers: an in-process server on its own event loop, images, and a torchvision reference."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import socket
+import threading
+import urllib.request
+from dataclasses import replace
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.models import ResNet18_Weights, resnet18
+
+from server.app import App
+from server.config import ServerConfig
+from server.metrics import Metrics
+
+TEST_SEED = 1234
+
+
+def base_config(weights: str, **overrides) -> ServerConfig:
+    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, devices=("cpu",), weights=weights,
+                          max_batch_size=8, preprocess_threads=2, grace_period=5.0)
+    return replace(config, **overrides)
+
+
+class ServerThread:
+    """An App running on its own asyncio loop in a daemon thread; tests talk to it over real gRPC."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.metrics = Metrics()
+        self.app = App(config, self.metrics)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine, timeout: float = 120.0):
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def start(self) -> ServerThread:
+        self.run(self.app.start())
+        return self
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.app.port}"
+
+    def sample(self, name: str, **labels) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.run(self.app.stop(grace))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def save_random_weights(path, seed: int = TEST_SEED) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    state = resnet18(weights=None).state_dict()
+    torch.save(state, path)
+    return state
+
+
+def random_rgb(seed: int, height: int = 240, width: int = 320) -> np.ndarray:
+    """A smooth-ish random picture (uint8 HxWx3), so JPEG keeps it recognisable."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, size=(height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8)
+    big = np.kron(small, np.ones((8, 8, 1), dtype=np.uint8))[:height, :width]
+    noise = rng.integers(0, 32, size=big.shape, dtype=np.uint8)
+    return (big // 2 + noise).astype(np.uint8)
+
+
+def encode(array: np.ndarray, fmt: str = "JPEG") -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+class Reference:
+    """The expected answer, computed directly with torchvision (same transform, weights and T)."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.model = resnet18(weights=None)
+        self.model.load_state_dict(state_dict)
+        self.model.eval()
+        self.transform = ResNet18_Weights.IMAGENET1K_V1.transforms()
+
+    @torch.inference_mode()
+    def logits(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.model(batch)
+
+    def input_from_bytes(self, data: bytes) -> torch.Tensor:
+        decoded = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        return self.transform(decoded)
+
+    def input_from_array(self, array: np.ndarray) -> torch.Tensor:
+        return self.transform(torch.from_numpy(array).permute(2, 0, 1))
+
+    def probabilities(self, model_input: torch.Tensor, temperature: float = 1.0) -> np.ndarray:
+        logits = self.logits(model_input.unsqueeze(0))[0]
+        return torch.softmax(logits / temperature, dim=0).numpy()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.02) -> None:
+    """Wait until a condition observed from outside (a metric, a health status) holds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)

@@ -1,0 +1,135 @@
+"""The whole request path over real gRPC, checked against torchvision computed in the test."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from client import AsyncClient, Client, ClassifierError
+from client.messages import build_request
+from tests.helpers import encode, random_rgb
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.target, timeout=60) as connected:
+        yield connected
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+@pytest.mark.parametrize("temperature", [1.0, 2.5, 0.3])
+def test_encoded_probabilities_match_torchvision(client, reference, fmt, temperature):
+    data = encode(random_rgb(7, 300, 400), fmt)
+    (result,) = client.classify([data], temperature=temperature, full=True, top_k=5)
+    expected = reference.probabilities(reference.input_from_bytes(data), temperature)
+    np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
+    assert result.temperature == pytest.approx(temperature)
+    assert result.device == "cpu"
+    top = np.argsort(-expected)[:5]
+    assert [score.index for score in result.top_k] == top.tolist()
+    labels = client.model_info().labels
+    assert [score.label for score in result.top_k] == [labels[i] for i in top]
+    assert [score.probability for score in result.top_k] == pytest.approx(expected[top].tolist(), abs=TOLERANCE)
+
+
+def test_raw_uint8_and_float_inputs_match_torchvision(client, reference):
+    array = random_rgb(11, 256, 300)
+    model_input = reference.input_from_array(array)
+    expected = reference.probabilities(model_input)
+    raw_u8, raw_f32 = client.classify([array, model_input.numpy()], full=True)
+    np.testing.assert_allclose(raw_u8.probabilities, expected, atol=TOLERANCE, rtol=0)
+    np.testing.assert_allclose(raw_f32.probabilities, expected, atol=TOLERANCE, rtol=0)
+
+
+def test_temperature_maths_on_returned_logits(client):
+    data = encode(random_rgb(3))
+    (hot,) = client.classify([data], temperature=4.0, full=True, logits=True)
+    logits = np.asarray(hot.logits, dtype=np.float64)
+    expected = np.exp(logits / 4.0 - np.max(logits / 4.0))
+    expected /= expected.sum()
+    np.testing.assert_allclose(hot.probabilities, expected, atol=1e-6)
+    (cold,) = client.classify([data], temperature=0.25, full=True)
+    # Lower T sharpens: the top class gains probability; argmax is unchanged.
+    assert np.argmax(cold.probabilities) == np.argmax(hot.probabilities)
+    assert max(cold.probabilities) > max(hot.probabilities)
+    assert sum(hot.probabilities) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_default_temperature_and_top_k(client):
+    (result,) = client.classify([encode(random_rgb(4))])
+    assert result.temperature == 1.0
+    assert len(result.top_k) == 5 and result.probabilities is None
+    probabilities = [score.probability for score in result.top_k]
+    assert probabilities == sorted(probabilities, reverse=True)
+    (everything,) = client.classify([encode(random_rgb(4))], top_k=1000)
+    assert sorted(score.index for score in everything.top_k) == list(range(1000))
+
+
+def test_batches_form_under_concurrency_and_results_do_not_depend_on_them(server, reference):
+    images = [encode(random_rgb(100 + i)) for i in range(16)]
+    before_batches = server.sample("resnet_batch_size_count", device="cpu")
+    before_images = server.sample("resnet_batch_size_sum", device="cpu")
+
+    async def fire():
+        async with AsyncClient(server.target, timeout=120) as aclient:
+            return await asyncio.gather(*(aclient.classify([image], full=True) for image in images))
+
+    results = asyncio.run(fire())
+    batches = server.sample("resnet_batch_size_count", device="cpu") - before_batches
+    batched_images = server.sample("resnet_batch_size_sum", device="cpu") - before_images
+    assert batched_images == 16
+    assert batches < 16, "concurrent requests should share forward passes"
+    for image, (result,) in zip(images, results, strict=True):
+        alone = reference.probabilities(reference.input_from_bytes(image))
+        np.testing.assert_allclose(result.probabilities, alone, atol=TOLERANCE, rtol=0)
+
+
+def test_client_side_batch_mixed_temperatures_equal_single_requests(client):
+    images = [encode(random_rgb(200 + i)) for i in range(5)]
+    together = client.classify(images, temperature=1.7, full=True)
+    for image, batched in zip(images, together, strict=True):
+        (single,) = client.classify([image], temperature=1.7, full=True)
+        np.testing.assert_allclose(batched.probabilities, single.probabilities, atol=TOLERANCE, rtol=0)
+
+
+def test_stream_answers_in_order(client, reference):
+    images = [encode(random_rgb(300 + i)) for i in range(6)]
+    requests = [build_request([image], temperature=1.0 + i, full=True) for i, image in enumerate(images)]
+    answers = list(client.classify_stream(requests))
+    assert len(answers) == 6
+    for i, (image, (result,)) in enumerate(zip(images, answers, strict=True)):
+        assert result.temperature == pytest.approx(1.0 + i)
+        expected = reference.probabilities(reference.input_from_bytes(image), 1.0 + i)
+        np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
+
+
+def test_stream_ends_with_the_first_error_code(client):
+    requests = [build_request([encode(random_rgb(1))]), build_request([b"not an image"])]
+    received = []
+    with pytest.raises(ClassifierError) as caught:
+        for answer in client.classify_stream(requests):
+            received.append(answer)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(received) == 1
+
+
+def test_model_info(client, weights_file):
+    info = client.model_info()
+    assert info.name == "resnet18" and info.version == "1"
+    assert len(info.labels) == 1000 and info.labels[0] == "tench"
+    assert list(info.devices) == ["cpu"]
+    assert info.default_temperature == 1.0 and info.temperature_source == "flag"
+    assert info.batching.max_batch_size == 8
+    assert info.weights == str(weights_file[0]) and info.warning == ""
+    assert info.input.crop_size == 224 and info.input.resize_size == 256
+    assert info.input.max_pixels == 40_000_000
+
+
+def test_health_serving(client):
+    assert client.health() == "SERVING"
+    assert client.health("resnet.v1.Classifier") == "SERVING"

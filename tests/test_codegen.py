@@ -1,0 +1,27 @@
+"""The committed gRPC code in client/api/ must be exactly what proto/ generates now."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_generated_code_is_fresh(tmp_path):
+    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "scripts" / "gen_proto.py")
+    gen_proto = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_proto)
+    fresh = {path.name: path.read_text() for path in gen_proto.generate(tmp_path)}
+    committed = {path.name: path.read_text() for path in (ROOT / "client" / "api").glob("*_pb2*.py*")}
+    assert fresh.keys() == committed.keys()
+    stale = [name for name in fresh if fresh[name] != committed[name]]
+    assert not stale, f"stale generated files {stale}: run python scripts/gen_proto.py"
+
+
+def test_client_package_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, client, client.cli; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)

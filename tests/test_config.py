@@ -1,0 +1,67 @@
+"""Flags, their RESNET_SERVER_* twins (flags win), validation, and device resolution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.config import ConfigError, ServerConfig, parse_config
+from server.devices import replica_names, resolve_devices
+from server.errors import StartupError
+
+
+def test_defaults():
+    config = parse_config([], env={})
+    assert config == ServerConfig()
+    assert config.port == 50051 and config.metrics_port == 8000 and config.devices == ("auto",)
+
+
+def test_env_twins_and_flags_win():
+    env = {"RESNET_SERVER_DEVICE": "cuda:1", "RESNET_SERVER_PORT": "6000", "RESNET_SERVER_TEMPERATURE": "2.5",
+           "RESNET_SERVER_MAX_BATCH_DELAY_MS": "3", "RESNET_SERVER_WEIGHTS": "random"}
+    config = parse_config(["--port", "7000"], env=env)
+    assert config.port == 7000
+    assert config.devices == ("cuda:1",)
+    assert config.temperature == 2.5 and config.max_batch_delay_ms == 3.0 and config.weights == "random"
+    assert parse_config(["--device", "cpu,cpu"], env=env).devices == ("cpu", "cpu")
+
+
+@pytest.mark.parametrize("argv", [["--temperature", "0"], ["--temperature", "nan"], ["--temperature", "-1"],
+                                  ["--temperature", "inf"], ["--max-batch-size", "0"], ["--max-queue", "-3"],
+                                  ["--port", "x"]])
+def test_bad_flags_exit_with_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as caught:
+        parse_config(argv, env={})
+    assert caught.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_bad_env_value_names_the_variable():
+    with pytest.raises(ConfigError, match="RESNET_SERVER_TEMPERATURE='0'"):
+        parse_config([], env={"RESNET_SERVER_TEMPERATURE": "0"})
+    with pytest.raises(ConfigError, match="log-level"):
+        parse_config(["--log-level", "LOUD"], env={})
+
+
+def test_devices():
+    assert resolve_devices(("cpu",)) == [torch.device("cpu")]
+    assert resolve_devices(("cpu", "cpu")) == [torch.device("cpu")] * 2
+    expected_auto = ([torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+                     if torch.cuda.is_available() else [torch.device("cpu")])
+    assert resolve_devices(("auto",)) == expected_auto
+    for bad in ("tpu", "gpu:0", "cuda:99"):
+        with pytest.raises(StartupError):
+            resolve_devices((bad,))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_cuda_is_a_clear_error():
+    with pytest.raises(StartupError, match="CUDA is not available"):
+        resolve_devices(("cuda:0",))
+
+
+def test_replica_names_are_unique_per_device():
+    cpu = torch.device("cpu")
+    assert replica_names([cpu]) == ["cpu"]
+    assert replica_names([cpu, cpu]) == ["cpu#0", "cpu#1"]
+    assert replica_names([torch.device("cuda", 0), cpu]) == ["cuda:0", "cpu"]

@@ -1,0 +1,143 @@
+"""Every bad input gets its exact status code and a clear message, and the server keeps serving."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import grpc
+import numpy as np
+import pytest
+
+from client import Client, ClassifierError
+from client.api import classifier_pb2 as pb
+from client.api import classifier_pb2_grpc as pb_grpc
+from tests.helpers import encode, random_rgb, wait_for
+
+GOOD = encode(random_rgb(5))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.target, timeout=60) as connected:
+        yield connected
+
+
+def raw(dtype, shape, data: bytes) -> pb.Image:
+    return pb.Image(raw=pb.RawTensor(dtype=dtype, shape=shape, data=data))
+
+
+BAD_REQUESTS = {
+    "empty request": (pb.ClassifyRequest(), "no images"),
+    "empty bytes": (pb.ClassifyRequest(images=[pb.Image(encoded=b"")]), "empty"),
+    "undecodable bytes": (pb.ClassifyRequest(images=[pb.Image(encoded=b"\x89PNG garbage")]), "cannot decode"),
+    "truncated jpeg": (pb.ClassifyRequest(images=[pb.Image(encoded=GOOD[: len(GOOD) // 3])]), "cannot decode"),
+    "raw wrong shape": (pb.ClassifyRequest(images=[raw(pb.RawTensor.UINT8, [4, 4], b"\0" * 16)]), "[H, W, 3]"),
+    "raw wrong length": (pb.ClassifyRequest(images=[raw(pb.RawTensor.UINT8, [4, 4, 3], b"\0" * 47)]), "48 bytes"),
+    "raw no dtype": (pb.ClassifyRequest(images=[raw(pb.RawTensor.DTYPE_UNSPECIFIED, [4, 4, 3], b"\0" * 48)]),
+                     "dtype"),
+    "raw float wrong shape": (pb.ClassifyRequest(images=[raw(pb.RawTensor.FLOAT32, [3, 8, 8], b"\0" * 768)]),
+                              "[3, 224, 224]"),
+    "raw float nan": (pb.ClassifyRequest(images=[raw(pb.RawTensor.FLOAT32, [3, 224, 224],
+                                                     np.full((3, 224, 224), np.nan, np.float32).tobytes())]), "NaN"),
+    "temperature zero": (pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)], temperature=0.0), "temperature"),
+    "temperature negative": (pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)], temperature=-1.0), "temperature"),
+    "temperature nan": (pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)], temperature=math.nan), "temperature"),
+    "temperature inf": (pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)], temperature=math.inf), "temperature"),
+    "top_k zero": (pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)], top_k=0), "top_k"),
+    "top_k too big": (pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)], top_k=1001), "top_k"),
+    "too many images": (pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)] * 65), "limit of 64"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+def test_bad_input_is_invalid_argument_and_server_keeps_serving(server, client, name):
+    request, fragment = BAD_REQUESTS[name]
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.ClassifierStub(channel).Classify(request, timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in caught.value.details()
+    (result,) = client.classify([GOOD])
+    assert len(result.top_k) == 5
+
+
+def test_pixel_limit_refuses_large_images(make_server):
+    small_limit = make_server(max_pixels=100 * 100)
+    with Client(small_limit.target, timeout=60) as client:
+        for image in (encode(random_rgb(1, 120, 120), "PNG"), random_rgb(1, 101, 100)):
+            with pytest.raises(ClassifierError) as caught:
+                client.classify([image])
+            assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "over the limit of 10000" in caught.value.message
+        (result,) = client.classify([encode(random_rgb(1, 100, 100), "PNG")])
+        assert result.top_k
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose (valid, CRC-checked) header declares width x height; its pixel data is a 1x1 image's."""
+    tiny = encode(np.zeros((1, 1, 3), np.uint8), "PNG")
+    ihdr = b"IHDR" + width.to_bytes(4, "big") + height.to_bytes(4, "big") + tiny[24:29]
+    return tiny[:12] + ihdr + zlib.crc32(ihdr).to_bytes(4, "big") + tiny[33:]
+
+
+@pytest.mark.parametrize("side", [7000, 20000])
+def test_decompression_bomb_is_refused_before_decoding(client, side):
+    # 49 and 400 Mpx declared: refused from the header alone (a full decode would fail differently).
+    with pytest.raises(ClassifierError) as caught:
+        client.classify([png_claiming(side, side)])
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "limit of 40000000" in caught.value.message
+
+
+def test_full_queue_is_resource_exhausted(make_server):
+    tight = make_server(max_queue=2)
+    with Client(tight.target, timeout=60) as client:
+        with pytest.raises(ClassifierError) as caught:
+            client.classify([GOOD] * 3)
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "full" in caught.value.message
+        assert len(client.classify([GOOD] * 2)) == 2
+    assert tight.sample("resnet_requests_total", device="cpu", code="RESOURCE_EXHAUSTED") == 1
+
+
+def test_passed_deadline_is_deadline_exceeded(client, server):
+    with pytest.raises(ClassifierError) as caught:
+        client.classify([GOOD] * 8, timeout=0.001)
+    assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    (result,) = client.classify([GOOD])
+    assert result.top_k
+
+
+def test_unexpected_failure_is_internal_without_internals(make_server):
+    running = make_server()
+
+    def explode(inputs, temperatures):
+        raise RuntimeError("secret internal detail /opt/model.py line 42")
+
+    running.app.core.router.replicas[0].batcher._compute = explode
+    with Client(running.target, timeout=60) as client:
+        with pytest.raises(ClassifierError) as caught:
+            client.classify([GOOD])
+    assert caught.value.code == grpc.StatusCode.INTERNAL
+    assert "secret" not in caught.value.message and "request id" in caught.value.message
+    assert running.sample("resnet_requests_total", device="cpu", code="INTERNAL") == 1
+
+
+def test_deadline_passing_in_the_queue_drops_the_image_before_compute(make_server):
+    slow_batches = make_server(max_batch_delay_ms=1500.0)
+    computed_before = slow_batches.sample("resnet_batch_size_sum", device="cpu")
+    with Client(slow_batches.target) as client:
+        with pytest.raises(ClassifierError) as caught:
+            client.classify([GOOD], timeout=0.3)
+        assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def dropped() -> float:
+            return sum(slow_batches.sample("resnet_dropped_images_total", device="cpu", reason=reason)
+                       for reason in ("cancelled", "deadline"))
+
+        wait_for(lambda: dropped() == 1)
+        assert slow_batches.sample("resnet_batch_size_sum", device="cpu") == computed_before
+        assert slow_batches.sample("resnet_queue_depth", device="cpu") == 0
+        (result,) = client.classify([GOOD], timeout=30)
+        assert result.top_k

@@ -1,0 +1,85 @@
+"""Health transitions, and SIGTERM with requests in flight: every one answered, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+
+from client import AsyncClient, Client, ClassifierError
+from tests.helpers import ServerThread, base_config, encode, free_port, random_rgb, scrape, wait_for
+
+IMAGE = encode(random_rgb(21))
+
+
+def test_health_not_serving_until_loaded_and_while_draining(weights_file):
+    running = ServerThread(base_config(str(weights_file[0])))
+    running.run(running.app.bind())
+    with Client(running.target, timeout=30) as client:
+        assert client.health() == "NOT_SERVING"
+        with pytest.raises(ClassifierError) as caught:
+            client.classify([IMAGE])
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+        running.run(running.app.load())
+        assert client.health() == "SERVING"
+        assert client.classify([IMAGE])[0].top_k
+        running.run(running.app.begin_drain())
+        assert client.health() == "NOT_SERVING"
+        assert client.health("resnet.v1.Classifier") == "NOT_SERVING"
+    running.stop()
+
+
+def queued_images(metrics_port: int) -> float:
+    for line in scrape(metrics_port).splitlines():
+        if line.startswith('resnet_queue_depth{device="cpu"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.slow
+def test_sigterm_answers_every_accepted_request_then_exits_zero(weights_file):
+    metrics_port = free_port()
+    env = {**os.environ, "RESNET_SERVER_METRICS_PORT": str(metrics_port), "RESNET_SERVER_HOST": "127.0.0.1"}
+    # A long batch delay keeps the requests queued, so SIGTERM surely finds them in flight.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server", "--port", "0", "--device", "cpu", "--weights", str(weights_file[0]),
+         "--max-batch-size", "64", "--max-batch-delay-ms", "3000", "--grace-period", "20"],
+        stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        port = _port_from_log(process)
+        results: list = []
+
+        def send_all() -> None:
+            async def run() -> list:
+                async with AsyncClient(f"127.0.0.1:{port}", timeout=60) as client:
+                    return await asyncio.gather(*(client.classify([IMAGE]) for _ in range(6)),
+                                                return_exceptions=True)
+            results.extend(asyncio.run(run()))
+
+        sender = threading.Thread(target=send_all)
+        sender.start()
+        wait_for(lambda: queued_images(metrics_port) == 6)
+        process.send_signal(signal.SIGTERM)
+        sender.join(60)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert len(results) == 6
+    assert all(isinstance(result, list) and result[0].top_k for result in results), results
+
+
+def _port_from_log(process: subprocess.Popen) -> int:
+    """The server logs 'serving resnet18 on HOST:PORT' once it is SERVING."""
+    for line in process.stderr:
+        if "serving resnet18 on" in line:
+            port = int(line.split("serving resnet18 on ")[1].split()[0].rsplit(":", 1)[1])
+            threading.Thread(target=process.stderr.read, daemon=True).start()  # keep draining the pipe
+            return port
+    raise AssertionError("server exited before serving")
