@@ -15,6 +15,7 @@ from prometheus_client import PlatformCollector, ProcessCollector
 
 from client.api import classifier_pb2 as pb
 from client.api import classifier_pb2_grpc as pb_grpc
+from client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 
 from . import __version__
 from .config import ConfigError, ServerConfig, parse_config
@@ -22,15 +23,15 @@ from .devices import replica_names, resolve_devices
 from .errors import StartupError
 from .inference import InferenceCore, Limits
 from .metrics import Metrics, serve_metrics
-from .model import IMAGENET_WEIGHTS
+from .model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION
+from .oip_service import InferenceService
+from .oip_service import model_config as oip_model_config
 from .preprocess import CROP, ENCODINGS, RAW_FORMATS, RESIZE, TRANSFORM
 from .replicas import Replica, Router, load_replica
 from .service import ClassifierService
 from .temperature import default_temperature
 
 log = logging.getLogger("server")
-MODEL_NAME = "resnet18"
-MODEL_VERSION = "1"
 LABELS = list(IMAGENET_WEIGHTS.meta["categories"])
 SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name,)
 
@@ -48,6 +49,7 @@ class App:
         self.port = 0
         self.core: InferenceCore | None = None
         self.classifier = ClassifierService()
+        self.inference = InferenceService()
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
 
@@ -68,6 +70,7 @@ class App:
             ("grpc.max_concurrent_streams", config.max_concurrent_streams),
         ])
         pb_grpc.add_ClassifierServicer_to_server(self.classifier, self._server)
+        oip_grpc.add_GRPCInferenceServiceServicer_to_server(self.inference, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self._server)
@@ -88,6 +91,8 @@ class App:
         info = model_info(config, replicas, self.temperature, self.temperature_source)
         self._record_model_info(replicas)
         self.classifier.attach(self.core, info)
+        self.inference.attach(self.core, LABELS, oip_model_config(
+            config.max_images_per_request, config.max_batch_size, config.max_batch_delay_ms, list(info.devices)))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on %s:%d (devices %s)", MODEL_NAME, config.host, self.port, ", ".join(info.devices))
 

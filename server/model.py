@@ -21,6 +21,8 @@ from .errors import StartupError
 
 log = logging.getLogger(__name__)
 
+MODEL_NAME = "resnet18"
+MODEL_VERSION = "1"
 IMAGENET_WEIGHTS = ResNet18_Weights.IMAGENET1K_V1
 RANDOM_SEED = 0
 RANDOM_WARNING = (

@@ -24,6 +24,7 @@ from .preprocess import EncodedImage, ImageInput, RawImage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R")
 # Requests of one stream computed ahead of the one being answered.
 STREAM_PIPELINE_DEPTH = 32
 _DTYPES = {pb.RawTensor.UINT8: "uint8", pb.RawTensor.FLOAT32: "float32"}
@@ -41,15 +42,47 @@ async def answer(context: grpc.aio.ServicerContext, rid: str, work: Callable[[],
     """Run the work; abort the call with the mapped status code if it raises."""
     try:
         return await work()
-    except asyncio.CancelledError:
-        raise
     except Exception as exc:
-        code, message = status_for(exc)
-        if not isinstance(exc, ServingError):
-            log.exception("request %s failed unexpectedly", rid)
-            message = f"{message} (request id {rid})"
-        await context.abort(code, message)
+        await abort_with(context, rid, exc)
         raise  # abort raises; this line only satisfies type checkers
+
+
+def caller_status(rid: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """Map an exception for the caller; unexpected ones are logged with the request id."""
+    code, message = status_for(exc)
+    if not isinstance(exc, ServingError):
+        log.error("request %s failed unexpectedly", rid, exc_info=exc)
+        message = f"{message} (request id {rid})"
+    return code, message
+
+
+async def abort_with(context: grpc.aio.ServicerContext, rid: str, exc: Exception) -> None:
+    await context.abort(*caller_status(rid, exc))
+
+
+async def in_order(requests: AsyncIterator[R], handle: Callable[[R], Awaitable[T]],
+                   depth: int = STREAM_PIPELINE_DEPTH) -> AsyncIterator[T]:
+    """Start handle(request) for up to ``depth`` requests ahead and yield the results in request order."""
+    pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue(depth)
+
+    async def read_requests() -> None:
+        try:
+            async for request in requests:
+                await pending.put(asyncio.ensure_future(handle(request)))
+        finally:
+            await pending.put(None)  # the writer stops here; `await reader` then re-raises any error
+
+    reader = asyncio.create_task(read_requests())
+    try:
+        while (task := await pending.get()) is not None:
+            yield await task
+        await reader
+    finally:
+        reader.cancel()
+        while not pending.empty():
+            task = pending.get_nowait()
+            if task is not None:
+                task.cancel()
 
 
 def to_image_input(image: pb.Image) -> ImageInput:
@@ -111,28 +144,13 @@ class ClassifierService(pb_grpc.ClassifierServicer):
         return await answer(context, rid, lambda: self._classify(request, context, rid))
 
     async def ClassifyStream(self, request_iterator, context) -> AsyncIterator[pb.ClassifyResponse]:
-        """Compute up to STREAM_PIPELINE_DEPTH requests ahead; answer in order; stop at the first error."""
+        """Answers in request order; the first failing request ends the stream with its status code."""
         rid = request_id(context)
-        pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue(STREAM_PIPELINE_DEPTH)
-
-        async def read_requests() -> None:
-            try:
-                async for request in request_iterator:
-                    await pending.put(asyncio.create_task(self._classify(request, context, rid)))
-            finally:
-                await pending.put(None)  # the writer stops here; `await reader` then re-raises any error
-
-        reader = asyncio.create_task(read_requests())
         try:
-            while (task := await pending.get()) is not None:
-                yield await answer(context, rid, lambda task=task: task)
-            await reader  # surfaces a broken request stream
-        finally:
-            reader.cancel()
-            while not pending.empty():
-                task = pending.get_nowait()
-                if task is not None:
-                    task.cancel()
+            async for response in in_order(request_iterator, lambda request: self._classify(request, context, rid)):
+                yield response
+        except Exception as exc:
+            await abort_with(context, rid, exc)
 
     async def GetModelInfo(self, request, context):
         return await answer(context, request_id(context), self._model_info)

@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
-from client import AsyncClient, Client, ClassifierError
+from client import AsyncClient, ClassifierError, Client
 from client.messages import build_request
 from tests.helpers import encode, random_rgb
 

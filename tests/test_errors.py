@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from client import Client, ClassifierError
+from client import ClassifierError, Client
 from client.api import classifier_pb2 as pb
 from client.api import classifier_pb2_grpc as pb_grpc
 from tests.helpers import encode, random_rgb, wait_for
@@ -53,9 +53,8 @@ BAD_REQUESTS = {
 @pytest.mark.parametrize("name", list(BAD_REQUESTS))
 def test_bad_input_is_invalid_argument_and_server_keeps_serving(server, client, name):
     request, fragment = BAD_REQUESTS[name]
-    with grpc.insecure_channel(server.target) as channel:
-        with pytest.raises(grpc.RpcError) as caught:
-            pb_grpc.ClassifierStub(channel).Classify(request, timeout=30)
+    with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as caught:
+        pb_grpc.ClassifierStub(channel).Classify(request, timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fragment in caught.value.details()
     (result,) = client.classify([GOOD])
@@ -116,9 +115,8 @@ def test_unexpected_failure_is_internal_without_internals(make_server):
         raise RuntimeError("secret internal detail /opt/model.py line 42")
 
     running.app.core.router.replicas[0].batcher._compute = explode
-    with Client(running.target, timeout=60) as client:
-        with pytest.raises(ClassifierError) as caught:
-            client.classify([GOOD])
+    with Client(running.target, timeout=60) as client, pytest.raises(ClassifierError) as caught:
+        client.classify([GOOD])
     assert caught.value.code == grpc.StatusCode.INTERNAL
     assert "secret" not in caught.value.message and "request id" in caught.value.message
     assert running.sample("resnet_requests_total", device="cpu", code="INTERNAL") == 1

@@ -12,7 +12,7 @@ import threading
 import grpc
 import pytest
 
-from client import AsyncClient, Client, ClassifierError
+from client import AsyncClient, ClassifierError, Client
 from tests.helpers import ServerThread, base_config, encode, free_port, random_rgb, scrape, wait_for
 
 IMAGE = encode(random_rgb(21))

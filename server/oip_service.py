@@ -1,0 +1,279 @@
+"""The Open Inference Protocol (KServe v2 gRPC, plus Triton's ModelConfig and ModelStreamInfer).
+
+Same port, same core, same batcher, metrics and error mapping as ``resnet.v1``; this module only
+translates tensors. Input ``input`` (one per request): FP32 [N, 3, 224, 224] normalised, UINT8
+[N, H, W, 3] raw RGB, or BYTES [N] encoded images, in ``raw_input_contents`` or typed ``contents``.
+Outputs: ``probabilities`` FP32 [N, 1000] and, when ``top_k`` is asked, ``top_k_indices`` INT64,
+``top_k_probabilities`` FP32 and ``top_k_labels`` BYTES, each [N, K], in ``raw_output_contents``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import AsyncIterator
+
+import numpy as np
+
+from client.api import grpc_predict_v2_pb2 as oip
+from client.api import grpc_predict_v2_pb2_grpc as oip_grpc
+from client.api import model_config_pb2 as mc
+
+from . import __version__
+from .batcher import ImageOutput
+from .errors import InvalidInput, NotFound, Unavailable
+from .inference import ClassifyCall, InferenceCore
+from .model import MODEL_NAME, MODEL_VERSION
+from .preprocess import CROP, EncodedImage, ImageInput, RawImage
+from .service import answer, caller_status, in_order, request_id
+
+INPUT_NAME = "input"
+PROBABILITIES = "probabilities"
+TOP_K_OUTPUTS = ("top_k_indices", "top_k_probabilities", "top_k_labels")
+OUTPUT_TYPES = {PROBABILITIES: "FP32", "top_k_indices": "INT64", "top_k_probabilities": "FP32",
+                "top_k_labels": "BYTES"}
+DEFAULT_TOP_K = 5
+
+
+def check_model(name: str, version: str) -> None:
+    if name != MODEL_NAME:
+        raise NotFound(f"unknown model {name!r}; this server serves {MODEL_NAME!r}")
+    if version not in ("", MODEL_VERSION):
+        raise NotFound(f"unknown version {version!r} of {MODEL_NAME}; only version {MODEL_VERSION} is served")
+
+
+def parse_bytes_tensor(raw: bytes) -> list[bytes]:
+    """Triton's BYTES wire format: each element is a 4-byte little-endian length, then the bytes."""
+    elements, offset = [], 0
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise InvalidInput("BYTES input is malformed: a 4-byte length prefix is cut short")
+        (length,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        if offset + length > len(raw):
+            raise InvalidInput("BYTES input is malformed: an element is shorter than its length prefix")
+        elements.append(raw[offset:offset + length])
+        offset += length
+    return elements
+
+
+def serialize_bytes_tensor(elements: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(element)) + element for element in elements)
+
+
+def parameter(parameters, name: str):
+    """The value of one InferParameter, whichever oneof field carries it, or None."""
+    if name not in parameters:
+        return None
+    param = parameters[name]
+    kind = param.WhichOneof("parameter_choice")
+    return None if kind is None else getattr(param, kind)
+
+
+def temperature_parameter(parameters) -> float | None:
+    value = parameter(parameters, "temperature")
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    except ValueError:
+        raise InvalidInput(f"parameter temperature must be a number, got {value!r}") from None
+
+
+def top_k_parameter(parameters) -> int | None:
+    value = parameter(parameters, "top_k")
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        return int(value)
+    except (ValueError, OverflowError):
+        raise InvalidInput(f"parameter top_k must be an integer, got {value!r}") from None
+
+
+def input_images(request: oip.ModelInferRequest) -> list[ImageInput]:
+    """Split the request's one input tensor into per-image inputs for the core."""
+    if len(request.inputs) != 1 or request.inputs[0].name != INPUT_NAME:
+        names = [tensor.name for tensor in request.inputs]
+        raise InvalidInput(f"expected exactly one input named {INPUT_NAME!r}, got {names}")
+    tensor = request.inputs[0]
+    if len(request.raw_input_contents) > 1:
+        raise InvalidInput("raw_input_contents has more entries than inputs")
+    raw = request.raw_input_contents[0] if request.raw_input_contents else None
+    shape = tuple(tensor.shape)
+    if tensor.datatype == "BYTES":
+        return _bytes_images(shape, raw, tensor.contents)
+    if tensor.datatype == "UINT8":
+        return _array_images(shape, raw, list(tensor.contents.uint_contents), np.uint8, "uint8", 4)
+    if tensor.datatype == "FP32":
+        return _array_images(shape, raw, list(tensor.contents.fp32_contents), np.float32, "float32", 4)
+    raise InvalidInput(f"input datatype must be FP32, UINT8 or BYTES, got {tensor.datatype!r}")
+
+
+def _bytes_images(shape: tuple[int, ...], raw: bytes | None, contents) -> list[ImageInput]:
+    if len(shape) != 1:
+        raise InvalidInput(f"BYTES input must have shape [N], got {list(shape)}")
+    elements = parse_bytes_tensor(raw) if raw is not None else list(contents.bytes_contents)
+    if len(elements) != shape[0]:
+        raise InvalidInput(f"BYTES input declares shape {list(shape)} but holds {len(elements)} elements")
+    return [EncodedImage(element) for element in elements]
+
+
+def _array_images(shape, raw, typed: list, np_type, dtype: str, ndim: int) -> list[ImageInput]:
+    expected = "[N, 3, 224, 224]" if dtype == "float32" else "[N, H, W, 3]"
+    if len(shape) != ndim or min(shape, default=0) <= 0:
+        raise InvalidInput(f"{dtype} input must have shape {expected}, got {list(shape)}")
+    if dtype == "float32" and tuple(shape[1:]) != (3, CROP, CROP):
+        raise InvalidInput(f"FP32 input must have shape {expected}, got {list(shape)}")
+    count = math.prod(shape)
+    if raw is None:
+        if len(typed) != count:
+            raise InvalidInput(f"input of shape {list(shape)} needs {count} values, got {len(typed)}")
+        if dtype == "uint8" and any(value > 255 for value in typed):
+            raise InvalidInput("UINT8 input holds values above 255")
+        raw = np.asarray(typed, dtype=np_type).tobytes()
+    itemsize = np.dtype(np_type).itemsize
+    if len(raw) != count * itemsize:
+        raise InvalidInput(f"input of shape {list(shape)} needs {count * itemsize} bytes, got {len(raw)}")
+    per_image = len(raw) // shape[0]
+    return [RawImage(dtype, tuple(shape[1:]), raw[i * per_image:(i + 1) * per_image]) for i in range(shape[0])]
+
+
+def requested_outputs(request: oip.ModelInferRequest, top_k_asked: bool) -> list[str]:
+    names = [output.name for output in request.outputs]
+    for name in names:
+        if name not in OUTPUT_TYPES:
+            raise InvalidInput(f"unknown output {name!r}; outputs are {list(OUTPUT_TYPES)}")
+    if names:
+        return names
+    return [PROBABILITIES, *TOP_K_OUTPUTS] if top_k_asked else [PROBABILITIES]
+
+
+def build_response(request: oip.ModelInferRequest, outputs: list[ImageOutput], names: list[str],
+                   labels: list[str]) -> oip.ModelInferResponse:
+    response = oip.ModelInferResponse(model_name=MODEL_NAME, model_version=MODEL_VERSION, id=request.id)
+    batch = len(outputs)
+    k = len(outputs[0].top_k)
+    for name in names:
+        if name == PROBABILITIES:
+            shape, data = [batch, len(outputs[0].probabilities)], _stack_probabilities(outputs)
+        elif name == "top_k_indices":
+            shape, data = [batch, k], np.array([[i for i, _ in o.top_k] for o in outputs], "<i8").tobytes()
+        elif name == "top_k_probabilities":
+            shape, data = [batch, k], np.array([[p for _, p in o.top_k] for o in outputs], "<f4").tobytes()
+        else:
+            shape = [batch, k]
+            data = serialize_bytes_tensor([labels[i].encode() for o in outputs for i, _ in o.top_k])
+        response.outputs.add(name=name, datatype=OUTPUT_TYPES[name], shape=shape)
+        response.raw_output_contents.append(data)
+    return response
+
+
+def _stack_probabilities(outputs: list[ImageOutput]) -> bytes:
+    return np.stack([output.probabilities.numpy() for output in outputs]).astype("<f4").tobytes()
+
+
+class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
+    """Answers UNAVAILABLE (and ready=false) until :meth:`attach` hands it the loaded core."""
+
+    def __init__(self) -> None:
+        self._core: InferenceCore | None = None
+        self._labels: list[str] = []
+        self._config = mc.ModelConfig()
+
+    def attach(self, core: InferenceCore, labels: list[str], config: mc.ModelConfig) -> None:
+        self._core, self._labels, self._config = core, labels, config
+
+    def _ready(self) -> bool:
+        return self._core is not None and any(replica.healthy for replica in self._core.router.replicas)
+
+    async def ServerLive(self, request, context):
+        return oip.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return oip.ServerReadyResponse(ready=self._ready())
+
+    async def ModelReady(self, request, context):
+        async def ready():
+            check_model(request.name, request.version)
+            return oip.ModelReadyResponse(ready=self._ready())
+        return await answer(context, request_id(context), ready)
+
+    async def ServerMetadata(self, request, context):
+        return oip.ServerMetadataResponse(name="resnet-grpc", version=__version__,
+                                          extensions=["model_configuration", "parameters"])
+
+    async def ModelMetadata(self, request, context):
+        async def metadata():
+            check_model(request.name, request.version)
+            return model_metadata()
+        return await answer(context, request_id(context), metadata)
+
+    async def ModelConfig(self, request, context):
+        async def config():
+            check_model(request.name, request.version)
+            return oip.ModelConfigResponse(config=self._config)
+        return await answer(context, request_id(context), config)
+
+    async def _infer(self, request: oip.ModelInferRequest, context, rid: str) -> oip.ModelInferResponse:
+        check_model(request.model_name, request.model_version)
+        top_k = top_k_parameter(request.parameters)
+        names = requested_outputs(request, top_k is not None)
+        if top_k is None and any(name in TOP_K_OUTPUTS for name in names):
+            top_k = DEFAULT_TOP_K
+        if self._core is None:
+            raise Unavailable("the model is still loading; retry when the server is ready")
+        call = ClassifyCall(input_images(request), temperature_parameter(request.parameters), top_k,
+                            context.time_remaining(), rid)
+        outputs = await self._core.classify(call)
+        return build_response(request, outputs, names, self._labels)
+
+    async def ModelInfer(self, request, context):
+        rid = request.id or request_id(context)
+        return await answer(context, rid, lambda: self._infer(request, context, rid))
+
+    async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[oip.ModelStreamInferResponse]:
+        """Triton's semantics: an error answers that request in the stream; the stream goes on."""
+        async def one(request: oip.ModelInferRequest) -> oip.ModelStreamInferResponse:
+            rid = request.id or request_id(context)
+            try:
+                return oip.ModelStreamInferResponse(infer_response=await self._infer(request, context, rid))
+            except Exception as exc:
+                code, message = caller_status(rid, exc)
+                return oip.ModelStreamInferResponse(
+                    error_message=f"[{code.name}] {message}",
+                    infer_response=oip.ModelInferResponse(model_name=request.model_name, id=request.id))
+
+        async for response in in_order(request_iterator, one):
+            yield response
+
+
+def model_metadata() -> oip.ModelMetadataResponse:
+    tensor = oip.ModelMetadataResponse.TensorMetadata
+    return oip.ModelMetadataResponse(
+        name=MODEL_NAME, versions=[MODEL_VERSION], platform="pytorch_libtorch",
+        inputs=[tensor(name=INPUT_NAME, datatype="FP32", shape=[-1, 3, CROP, CROP])],
+        outputs=[tensor(name=PROBABILITIES, datatype="FP32", shape=[-1, 1000]),
+                 *(tensor(name=name, datatype=OUTPUT_TYPES[name], shape=[-1, -1]) for name in TOP_K_OUTPUTS)],
+    )
+
+
+def model_config(max_images: int, max_batch_size: int, delay_ms: float, devices: list[str]) -> mc.ModelConfig:
+    gpus = sorted({int(name.split(":")[1].split("#")[0]) for name in devices if name.startswith("cuda")})
+    group = (mc.ModelInstanceGroup(name="gpu", kind=mc.ModelInstanceGroup.KIND_GPU, count=1, gpus=gpus) if gpus
+             else mc.ModelInstanceGroup(name="cpu", kind=mc.ModelInstanceGroup.KIND_CPU, count=len(devices)))
+    return mc.ModelConfig(
+        name=MODEL_NAME, platform="pytorch_libtorch", backend="pytorch", max_batch_size=max_images,
+        input=[mc.ModelInput(name=INPUT_NAME, data_type=mc.TYPE_FP32, format=mc.ModelInput.FORMAT_NCHW,
+                             dims=[3, CROP, CROP])],
+        output=[mc.ModelOutput(name=PROBABILITIES, data_type=mc.TYPE_FP32, dims=[1000]),
+                mc.ModelOutput(name="top_k_indices", data_type=mc.TYPE_INT64, dims=[-1]),
+                mc.ModelOutput(name="top_k_probabilities", data_type=mc.TYPE_FP32, dims=[-1]),
+                mc.ModelOutput(name="top_k_labels", data_type=mc.TYPE_STRING, dims=[-1])],
+        instance_group=[group],
+        dynamic_batching=mc.ModelDynamicBatching(preferred_batch_size=[max_batch_size],
+                                                 max_queue_delay_microseconds=int(delay_ms * 1000)),
+    )
