@@ -140,7 +140,7 @@ def model_info(config: ServerConfig, replicas: list[Replica], temperature: float
                                  max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue),
         weights=weights.source,
         warning=weights.warning,
-        precision="fp32",
+        precision=config.precision,
     )
 
 

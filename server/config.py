@@ -40,6 +40,9 @@ class ServerConfig:
     preprocess_threads: int = 2
     grace_period: float = 10.0
     log_level: str = "INFO"
+    precision: str = "fp32"
+    channels_last: bool = True
+    cudnn_benchmark: bool = True
 
 
 def _positive_int(text: str) -> int:
@@ -70,6 +73,21 @@ def positive_temperature(text: str) -> float:
     return value
 
 
+def _precision(text: str) -> str:
+    if text not in ("fp32", "fp16", "bf16"):
+        raise argparse.ArgumentTypeError(f"must be fp32, fp16 or bf16, got {text!r}")
+    return text
+
+
+def _boolean(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
+
+
 def _device_list(text: str) -> tuple[str, ...]:
     devices = tuple(part.strip() for part in text.split(",") if part.strip())
     if not devices:
@@ -97,6 +115,9 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("preprocess-threads", _positive_int, "threads that decode and preprocess images"),
     ("grace-period", _non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
     ("log-level", str, "DEBUG, INFO, WARNING or ERROR"),
+    ("precision", _precision, "fp32, fp16 or bf16 weights and activations (softmax is always fp32)"),
+    ("channels-last", _boolean, "channels_last memory format on CUDA (faster convolutions on tensor cores)"),
+    ("cudnn-benchmark", _boolean, "let cuDNN autotune convolutions (at warm-up, before SERVING)"),
 ]
 
 

@@ -45,6 +45,10 @@ class Metrics:
         self.load_time = Gauge(PREFIX + "model_load_seconds", "Time to load, place and warm up the model",
                                **by_device)
         self.model = Info(PREFIX + "model", "The model served", **by_device)
+        self.gpu_allocated = Gauge(PREFIX + "gpu_memory_allocated_bytes", "CUDA memory held by tensors",
+                                   **by_device)
+        self.gpu_reserved = Gauge(PREFIX + "gpu_memory_reserved_bytes", "CUDA memory reserved by the caching "
+                                  "allocator", **by_device)
 
 
 def serve_metrics(metrics: Metrics, host: str, port: int):

@@ -17,33 +17,12 @@ from .config import ServerConfig
 from .errors import Unavailable
 from .metrics import Metrics
 from .model import LoadedWeights, build_model, load_weights
-from .postprocess import temperature_softmax
-from .preprocess import FLOAT_SHAPE
+from .runner import ModelRunner, warm_up_sizes
 
 log = logging.getLogger(__name__)
 
 # A replica whose batches fail this many times in a row leaves the rotation.
 FAILURES_BEFORE_EVICTION = 3
-
-
-class ModelRunner:
-    """The forward pass on one device: the only code that touches the model after start-up."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
-        self.model = model
-        self.device = device
-
-    @torch.inference_mode()
-    def __call__(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model(inputs.to(self.device, non_blocking=True)).float()
-        probabilities = temperature_softmax(logits, temperatures)
-        # One copy back to the CPU per batch (and so one synchronisation with the device).
-        both = torch.stack([probabilities, logits]).cpu()
-        return both[0], both[1]
-
-    def warm_up(self, batch_sizes: list[int]) -> None:
-        for size in batch_sizes:
-            self(torch.zeros((size, *FLOAT_SHAPE)), torch.ones(size))
 
 
 @dataclass
@@ -64,14 +43,19 @@ def load_replica(name: str, device: torch.device, config: ServerConfig, metrics:
     """Load weights onto the device, build and warm the model, and start its batcher."""
     started = time.monotonic()
     weights = load_weights(config.weights, device)
-    runner = ModelRunner(build_model(weights, device), device)
-    runner.warm_up(sorted({1, config.max_batch_size}))
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = config.cudnn_benchmark
+    runner = ModelRunner(build_model(weights, device), device, config.precision, config.channels_last)
+    runner.warm_up(warm_up_sizes(config.max_batch_size, device.type == "cuda"))
     batcher = Batcher(name, runner, metrics, max_batch_size=config.max_batch_size,
                       max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue)
     batcher.start()
     elapsed = time.monotonic() - started
     metrics.load_time.labels(name).set(elapsed)
     metrics.healthy.labels(name).set(1)
+    if device.type == "cuda":  # read at scrape time, never on the serving path
+        metrics.gpu_allocated.labels(name).set_function(lambda: runner.memory()[0])
+        metrics.gpu_reserved.labels(name).set_function(lambda: runner.memory()[1])
     log.info("replica %s ready on %s in %.2fs (weights %s)", name, device, elapsed, weights.source)
     if weights.warning:
         log.warning("%s", weights.warning)

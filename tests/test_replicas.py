@@ -1,0 +1,103 @@
+"""Several replicas (two on the CPU here): routing by least queued work, per-replica metrics, failure isolation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from client import AsyncClient, Client, ClassifierError
+from server.replicas import FAILURES_BEFORE_EVICTION
+from server.runner import ModelRunner, warm_up_sizes
+from tests.helpers import encode, random_rgb
+
+IMAGE = encode(random_rgb(77))
+
+
+def classify_concurrently(target: str, count: int) -> list:
+    async def run():
+        async with AsyncClient(target, timeout=120) as client:
+            return await asyncio.gather(*(client.classify([IMAGE], full=True) for _ in range(count)))
+    return asyncio.run(run())
+
+
+def test_two_replicas_on_one_device_share_the_load_with_their_own_labels(make_server, reference):
+    running = make_server(devices=("cpu", "cpu"))
+    with Client(running.target) as client:
+        assert list(client.model_info().devices) == ["cpu#0", "cpu#1"]
+    results = classify_concurrently(running.target, 12)
+    devices = [result[0].device for result in results]
+    assert set(devices) == {"cpu#0", "cpu#1"}
+    per_replica = {name: running.sample("resnet_images_total", device=name, code="OK") for name in ("cpu#0", "cpu#1")}
+    assert sum(per_replica.values()) == 12 and min(per_replica.values()) >= 3, per_replica
+    assert per_replica["cpu#0"] == devices.count("cpu#0")
+    expected = reference.probabilities(reference.input_from_bytes(IMAGE))
+    for (result,) in results:
+        np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
+
+
+def test_sequential_requests_alternate_when_replicas_are_idle(make_server):
+    running = make_server(devices=("cpu", "cpu"))
+    with Client(running.target) as client:
+        devices = [client.classify([IMAGE])[0].device for _ in range(4)]
+    assert devices in (["cpu#1", "cpu#0", "cpu#1", "cpu#0"], ["cpu#0", "cpu#1", "cpu#0", "cpu#1"])
+
+
+def test_a_failing_replica_leaves_the_rotation_and_the_other_keeps_serving(make_server):
+    running = make_server(devices=("cpu", "cpu"))
+    broken = running.app.core.router.replicas[0]
+
+    def fail(inputs, temperatures):
+        raise RuntimeError("device fell off the bus")
+
+    broken.batcher._compute = fail
+    codes = []
+    with Client(running.target) as client:
+        for _ in range(2 * FAILURES_BEFORE_EVICTION + 4):
+            try:
+                codes.append(client.classify([IMAGE])[0].device)
+            except ClassifierError as exc:
+                codes.append(exc.code)
+    assert codes.count(grpc.StatusCode.INTERNAL) == FAILURES_BEFORE_EVICTION
+    assert codes[-4:] == ["cpu#1"] * 4
+    assert running.sample("resnet_replica_healthy", device="cpu#0") == 0
+    assert running.sample("resnet_replica_healthy", device="cpu#1") == 1
+
+
+def test_all_replicas_failing_is_unavailable(make_server):
+    running = make_server()
+    running.app.core.router.replicas[0].batcher.consecutive_failures = FAILURES_BEFORE_EVICTION
+    with Client(running.target) as client, pytest.raises(ClassifierError) as caught:
+        client.classify([IMAGE])
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_cpu_runner_returns_probabilities_and_logits_and_warm_up_sizes(weights_file):
+    from torchvision.models import resnet18
+
+    model = resnet18()
+    model.load_state_dict(weights_file[1])
+    fp32 = ModelRunner(model, torch.device("cpu"))
+    batch = torch.randn(4, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    probabilities, logits = fp32(batch, torch.ones(4))
+    assert probabilities.shape == logits.shape == (4, 1000)
+    np.testing.assert_allclose(probabilities.sum(1).numpy(), 1.0, atol=1e-5)
+    assert warm_up_sizes(32, cuda=True) == [1, 2, 4, 8, 16, 32]
+    assert warm_up_sizes(24, cuda=True) == [1, 2, 4, 8, 16, 24]
+    assert warm_up_sizes(32, cuda=False) == [1, 32]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("saved_on", ["cuda:0", "cpu"])
+def test_checkpoint_saved_on_any_device_loads_on_cuda_and_cpu(tmp_path, weights_file, saved_on):
+    from server.model import load_state_dict_file
+
+    state = {key: value.to(saved_on) for key, value in weights_file[1].items()}
+    torch.save({"state_dict": {f"module.{k}": v for k, v in state.items()}}, tmp_path / "w.pth")
+    for target in ("cuda:0", "cpu"):
+        loaded = load_state_dict_file(tmp_path / "w.pth", torch.device(target))
+        assert all(tensor.device == torch.device(target) for tensor in loaded.values())
