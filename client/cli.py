@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for sub in (classify, info, health):
         add_connection_flags(sub)
-    # _add_optional_commands(commands)
+    _add_optional_commands(commands)
     return parser
 
 

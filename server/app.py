@@ -162,6 +162,11 @@ async def serve(config: ServerConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench-model"]:
+        from .bench_model import main as bench_model
+
+        return bench_model(argv[1:])
     try:
         config = parse_config(argv)
     except ConfigError as exc:

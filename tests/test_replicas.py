@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from client import AsyncClient, Client, ClassifierError
+from client import AsyncClient, ClassifierError, Client
 from server.replicas import FAILURES_BEFORE_EVICTION
 from server.runner import ModelRunner, warm_up_sizes
 from tests.helpers import encode, random_rgb

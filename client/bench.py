@@ -1,0 +1,267 @@
+"""``resnet-client bench``: a load generator for the service, closed loop or open loop (Poisson).
+
+Bounded in count and time: every run lasts ``--warmup + --duration`` seconds per sweep point and
+targets only the server named. Several ``--processes`` keep the Python client from being the
+bottleneck. The server's own view (mean batch size, queue vs compute time per device) comes from
+its ``/metrics`` scraped before and after each point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import multiprocessing
+import os
+import random
+import re
+import sys
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+
+from .api import classifier_pb2 as pb
+from .client import AsyncClient
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    target: str
+    request: bytes  # a serialised ClassifyRequest (protobuf messages do not pickle across processes)
+    concurrency: int | None  # closed loop: requests in flight per process
+    rate: float | None  # open loop: requests per second per process
+    warmup: float
+    duration: float
+    timeout: float
+
+
+def make_image(kind: str, width: int, height: int, path: str | None = None) -> pb.Image:
+    """The image every request carries; encoded formats need Pillow (or --image FILE)."""
+    if path:
+        with open(path, "rb") as handle:
+            return pb.Image(encoded=handle.read())
+    rng = random.Random(0)
+    if kind == "uint8":
+        return pb.Image(raw=pb.RawTensor(dtype=pb.RawTensor.UINT8, shape=[height, width, 3],
+                                         data=rng.randbytes(height * width * 3)))
+    if kind == "fp32":
+        import struct
+        values = [rng.gauss(0.0, 1.0) for _ in range(3 * 224 * 224)]
+        return pb.Image(raw=pb.RawTensor(dtype=pb.RawTensor.FLOAT32, shape=[3, 224, 224],
+                                         data=struct.pack(f"<{len(values)}f", *values)))
+    try:
+        from PIL import Image
+    except ImportError:
+        raise SystemExit("resnet-client bench: --input jpeg/png needs Pillow, or pass --image FILE") from None
+    buffer = io.BytesIO()
+    Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3)).save(buffer, format=kind.upper())
+    return pb.Image(encoded=buffer.getvalue())
+
+
+async def _drive(spec: LoadSpec) -> list[tuple[float, str]]:
+    """(latency seconds, status code name) of every request that finished inside the measured window."""
+    records: list[tuple[float, str]] = []
+    request = pb.ClassifyRequest.FromString(spec.request)
+    started = time.monotonic()
+    measure_from, stop_at = started + spec.warmup, started + spec.warmup + spec.duration
+    async with AsyncClient(spec.target, timeout=spec.timeout) as client:
+        stub = client._stub  # send the prepared message as is: no per-call re-encoding of images
+
+        async def one() -> None:
+            sent = time.monotonic()
+            try:
+                await stub.Classify(request, timeout=spec.timeout)
+                code = "OK"
+            except Exception as exc:  # grpc.aio.AioRpcError
+                code = exc.code().name if hasattr(exc, "code") else type(exc).__name__
+            done = time.monotonic()
+            if measure_from <= sent and done <= stop_at:
+                records.append((done - sent, code))
+
+        if spec.concurrency:
+            async def loop() -> None:
+                while time.monotonic() < stop_at:
+                    await one()
+            await asyncio.gather(*(loop() for _ in range(spec.concurrency)))
+        else:
+            tasks = []
+            rng = random.Random(os.getpid())
+            next_at = time.monotonic()
+            while next_at < stop_at:
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+                tasks.append(asyncio.ensure_future(one()))
+                next_at += rng.expovariate(spec.rate)
+            await asyncio.gather(*tasks)
+    return records
+
+
+def _worker(spec: LoadSpec) -> list[tuple[float, str]]:
+    return asyncio.run(_drive(spec))
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, round(q / 100.0 * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+_SAMPLE = re.compile(r'^(resnet_\w+)\{([^}]*)\} ([-+\deE.naif]+)$')
+
+
+def scrape(url: str | None) -> dict[tuple[str, str], float]:
+    """{(series, device): value} for the sums and counts the server view needs; {} without a URL."""
+    if not url:
+        return {}
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    values: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(1).endswith(("_sum", "_count")):
+            device = re.search(r'device="([^"]*)"', match.group(2))
+            if device:
+                values[(match.group(1), device.group(1))] = float(match.group(3))
+    return values
+
+
+def server_view(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Per device: mean batch size and mean queue wait / compute time (ms) over the run."""
+    def delta(series: str, device: str) -> float:
+        return after.get((series, device), 0.0) - before.get((series, device), 0.0)
+
+    view = {}
+    for device in sorted({device for _, device in after}):
+        batches = delta("resnet_batch_size_count", device)
+        images = delta("resnet_batch_size_sum", device)
+        if not batches:
+            continue
+        view[device] = {
+            "mean_batch_size": images / batches,
+            "mean_queue_ms": 1000 * delta("resnet_queue_wait_seconds_sum", device) / max(images, 1),
+            "mean_compute_ms": 1000 * delta("resnet_batch_compute_seconds_sum", device) / batches,
+        }
+    return view
+
+
+def run_point(args: argparse.Namespace, image: pb.Image, concurrency: int | None, rate: float | None) -> dict:
+    request = pb.ClassifyRequest(images=[image] * args.images_per_request, top_k=1).SerializeToString()
+    per_process = [LoadSpec(args.server, request,
+                            _share(concurrency, args.processes, i), None if rate is None else rate / args.processes,
+                            args.warmup, args.duration, args.timeout) for i in range(args.processes)]
+    per_process = [spec for spec in per_process if spec.concurrency or spec.rate]
+    before = scrape(args.metrics)
+    with multiprocessing.get_context("spawn").Pool(len(per_process)) as pool:
+        pending = pool.map_async(_worker, per_process)
+        _progress(pending, args.warmup + args.duration, args.quiet)
+        records = [record for chunk in pending.get() for record in chunk]
+    after = scrape(args.metrics)
+    latencies = sorted(latency for latency, code in records if code == "OK")
+    ok = len(latencies)
+    return {
+        "concurrency": concurrency, "rate": rate, "requests": len(records), "ok": ok,
+        "requests_per_s": ok / args.duration, "images_per_s": ok * args.images_per_request / args.duration,
+        "p50_ms": 1000 * percentile(latencies, 50), "p90_ms": 1000 * percentile(latencies, 90),
+        "p99_ms": 1000 * percentile(latencies, 99), "max_ms": 1000 * (latencies[-1] if latencies else float("nan")),
+        "errors": dict(Counter(code for _, code in records if code != "OK")),
+        "server": server_view(before, after),
+    }
+
+
+def _share(total: int | None, parts: int, index: int) -> int | None:
+    if total is None:
+        return None
+    return total // parts + (1 if index < total % parts else 0)
+
+
+def _progress(pending, seconds: float, quiet: bool) -> None:
+    started = time.monotonic()
+    while not pending.ready():
+        pending.wait(0.5)
+        if not quiet:
+            done = min(1.0, (time.monotonic() - started) / seconds)
+            bar = "#" * int(30 * done)
+            print(f"\r  [{bar:<30}] {100 * done:5.1f}%", end="", file=sys.stderr, flush=True)
+    if not quiet:
+        print(file=sys.stderr)
+
+
+def print_table(points: list[dict]) -> None:
+    print(f"{'load':>10} {'req/s':>8} {'img/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} "
+          f"{'batch':>6} {'queue ms':>9} {'compute ms':>10}  errors")
+    for point in points:
+        load = f"c={point['concurrency']}" if point["concurrency"] else f"r={point['rate']:g}"
+        view = next(iter(point["server"].values()), {})
+        print(f"{load:>10} {point['requests_per_s']:8.1f} {point['images_per_s']:8.1f} {point['p50_ms']:8.1f} "
+              f"{point['p90_ms']:8.1f} {point['p99_ms']:8.1f} {point['max_ms']:8.1f} "
+              f"{view.get('mean_batch_size', float('nan')):6.2f} {view.get('mean_queue_ms', float('nan')):9.2f} "
+              f"{view.get('mean_compute_ms', float('nan')):10.2f}  {point['errors'] or ''}")
+
+
+def plot(points: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [point["concurrency"] or point["rate"] for point in points]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(x, [point["images_per_s"] for point in points], marker="o")
+    left.set(xlabel="concurrency" if points[0]["concurrency"] else "rate (req/s)", ylabel="images/s",
+             title="throughput")
+    for key in ("p50_ms", "p99_ms"):
+        right.plot(x, [point[key] for point in points], marker="o", label=key)
+    right.set(xlabel=left.get_xlabel(), ylabel="ms", title="latency")
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    bench = commands.add_parser("bench", help="load-test a server (closed or open loop)")
+    load = bench.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, help="closed loop: requests in flight (default 1)")
+    load.add_argument("--rate", type=float, help="open loop: requests per second, Poisson arrivals")
+    bench.add_argument("--sweep", type=lambda t: [float(x) for x in t.split(",")],
+                       help="several concurrencies (or rates with --rate), e.g. 1,4,16,64")
+    bench.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="jpeg")
+    bench.add_argument("--image", help="send this file instead of a generated image")
+    bench.add_argument("--image-size", default="640x480", help="WxH of the generated image")
+    bench.add_argument("--images-per-request", type=int, default=1)
+    bench.add_argument("--processes", type=int, default=1, help="client processes sharing the load")
+    bench.add_argument("--duration", type=float, default=10.0, help="measured seconds per point")
+    bench.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each point")
+    bench.add_argument("--metrics", help="server's /metrics URL (default http://HOST:8000/metrics)")
+    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--plot", help="write throughput and latency against load to this PNG")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.set_defaults(run=run_bench)
+    return bench
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.metrics is None and "," not in args.server:
+        args.metrics = f"http://{args.server.rsplit(':', 1)[0].removeprefix('dns:///')}:8000/metrics"
+    width, height = (int(v) for v in args.image_size.lower().split("x"))
+    image = make_image(args.input, width, height, args.image)
+    loads = args.sweep or [args.rate if args.rate else (args.concurrency or 1)]
+    points = []
+    for load in loads:
+        concurrency, rate = (None, load) if args.rate else (int(load), None)
+        points.append(run_point(args, image, concurrency, rate))
+    if args.json:
+        for point in points:
+            print(json.dumps(point))
+    else:
+        print_table(points)
+    if args.plot:
+        plot(points, args.plot)
+    if all(point["ok"] == 0 for point in points):
+        print(f"resnet-client: error: no request succeeded: {points[-1]['errors']}", file=sys.stderr)
+        return 1
+    return 0

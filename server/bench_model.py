@@ -1,0 +1,101 @@
+"""``resnet-server bench-model``: the in-process ceiling the served throughput is measured against.
+
+No gRPC: the same ModelRunner (device, precision, weights) timed over a list of batch sizes, and,
+separately, decode + preprocess for the chosen input kind, then both in series (what one image
+costs the server's CPU when it also has to be decoded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .config import _device_list, _precision
+from .devices import resolve_devices
+from .model import build_model, load_weights
+from .preprocess import EncodedImage, RawImage, preprocess
+from .runner import ModelRunner
+
+MAX_PIXELS = 40_000_000
+
+
+def sample_input(kind: str, width: int, height: int, seed: int = 0):
+    """One image of the chosen kind, as the server would receive it."""
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    if kind in ("jpeg", "png"):
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format=kind.upper())
+        return EncodedImage(buffer.getvalue())
+    if kind == "uint8":
+        return RawImage("uint8", pixels.shape, pixels.tobytes())
+    return RawImage("float32", (3, 224, 224), rng.standard_normal((3, 224, 224), dtype=np.float32).tobytes())
+
+
+def timed_rate(step: Callable[[], int], duration: float, warmup: int = 2) -> float:
+    """Items per second of ``step`` (which returns how many items it did), run for about ``duration``."""
+    for _ in range(warmup):
+        step()
+    done, started = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - started) < duration:
+        done += step()
+    return done / elapsed
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    device = resolve_devices(args.device)[0]
+    runner = ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
+                         channels_last=True)
+    image = sample_input(args.input, *args.image_size)
+    model_input = preprocess(image, MAX_PIXELS)
+    forward = {}
+    for size in args.batch_sizes:
+        batch, temperatures = model_input.expand(size, -1, -1, -1).contiguous(), torch.ones(size)
+        forward[size] = timed_rate(lambda b=batch, t=temperatures: len(runner(b, t)[0]), args.duration)
+    preprocess_rate = timed_rate(lambda: (preprocess(image, MAX_PIXELS), 1)[1], args.duration)
+    best = max(forward, key=forward.get)
+    serial = 1.0 / (1.0 / forward[best] + 1.0 / preprocess_rate)
+    return {"device": str(device), "precision": args.precision, "input": args.input,
+            "image_size": list(args.image_size), "forward_images_per_s": forward,
+            "best_batch_size": best, "preprocess_images_per_s": preprocess_rate,
+            "ceiling_with_preprocess_images_per_s": serial,
+            "batch1_latency_ms": 1000.0 / forward[min(forward)] if 1 in forward else None,
+            "torch_threads": torch.get_num_threads()}
+
+
+def _size(text: str) -> tuple[int, int]:
+    width, height = text.lower().split("x")
+    return int(width), int(height)
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="resnet-server bench-model", description=__doc__)
+    parser.add_argument("--device", type=_device_list, default=("cpu",))
+    parser.add_argument("--precision", type=_precision, default="fp32")
+    parser.add_argument("--weights", default="random")
+    parser.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 8, 16, 32])
+    parser.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="uint8")
+    parser.add_argument("--image-size", type=_size, default=(640, 480), help="WxH of the sample image")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"device {result['device']}  precision {result['precision']}  torch threads {result['torch_threads']}")
+    for size, rate in result["forward_images_per_s"].items():
+        print(f"  forward batch {size:>4}: {rate:9.1f} images/s")
+    print(f"  decode+preprocess ({args.input} {args.image_size[0]}x{args.image_size[1]}): "
+          f"{result['preprocess_images_per_s']:9.1f} images/s")
+    print(f"  ceiling with preprocess (best batch {result['best_batch_size']}): "
+          f"{result['ceiling_with_preprocess_images_per_s']:9.1f} images/s")
+    return 0

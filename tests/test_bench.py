@@ -1,0 +1,44 @@
+"""The load generator and the in-process ceiling, run briefly against a real server."""
+
+from __future__ import annotations
+
+import json
+
+from client.cli import main as client_main
+from server.app import main as server_main
+from tests.helpers import free_port
+
+
+def test_bench_closed_loop_reports_throughput_latency_and_the_server_view(make_server, capsys, tmp_path):
+    running = make_server(metrics_port=free_port())
+    plot = tmp_path / "bench.png"
+    code = client_main(["bench", "--server", running.target, "--sweep", "1,4", "--duration", "2", "--warmup", "0.5",
+                        "--input", "uint8", "--image-size", "64x48", "--json", "--quiet", "--plot", str(plot),
+                        "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"])
+    assert code == 0
+    points = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [point["concurrency"] for point in points] == [1, 4]
+    for point in points:
+        assert point["ok"] > 0 and point["errors"] == {} and point["images_per_s"] > 0
+        assert 0 < point["p50_ms"] <= point["p99_ms"] <= point["max_ms"]
+        assert point["server"]["cpu"]["mean_batch_size"] >= 1
+    assert points[1]["server"]["cpu"]["mean_batch_size"] > 1  # four in flight share forward passes
+    assert plot.stat().st_size > 0
+
+
+def test_bench_open_loop_counts_errors_by_code(make_server, capsys):
+    running = make_server(max_pixels=100)
+    code = client_main(["bench", "--server", running.target, "--rate", "20", "--duration", "1", "--warmup", "0",
+                        "--input", "uint8", "--image-size", "64x48", "--json", "--quiet"])
+    assert code == 1
+    captured = capsys.readouterr()
+    point = json.loads(captured.out)
+    assert point["ok"] == 0 and point["errors"]["INVALID_ARGUMENT"] == point["requests"] > 5
+
+
+def test_bench_model_reports_the_ceiling(weights_file, capsys):
+    assert server_main(["bench-model", "--weights", str(weights_file[0]), "--batch-sizes", "1,2",
+                        "--duration", "0.5", "--input", "jpeg", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["forward_images_per_s"]) == {"1", "2"} or set(result["forward_images_per_s"]) == {1, 2}
+    assert result["preprocess_images_per_s"] > 0 and result["ceiling_with_preprocess_images_per_s"] > 0
