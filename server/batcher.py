@@ -67,10 +67,17 @@ ComputeFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Ten
 
 
 class Batcher:
-    def __init__(self, name: str, compute: ComputeFn, metrics: Metrics, *, max_batch_size: int,
+    """``setup`` runs first on the worker thread and returns the compute function. Loading, warm-up
+    and every forward pass thus share one thread: with OpenMP, each thread that runs parallel torch
+    ops gets its own team of spinning workers, and on a small CPU two teams cost a third of the speed."""
+
+    def __init__(self, name: str, setup: Callable[[], ComputeFn], metrics: Metrics, *, max_batch_size: int,
                  max_batch_delay_ms: float, max_queue: int) -> None:
         self.name = name
-        self._compute = compute
+        self._setup = setup
+        self._compute: ComputeFn | None = None
+        self._ready = threading.Event()
+        self._setup_error: BaseException | None = None
         self._max_batch_size = max_batch_size
         self._max_delay = max_batch_delay_ms / 1000.0
         self._max_queue = max_queue
@@ -86,7 +93,11 @@ class Batcher:
         self._dropped = metrics.dropped
 
     def start(self) -> None:
+        """Start the worker and wait until its setup is done (re-raising any setup error)."""
         self._thread.start()
+        self._ready.wait()
+        if self._setup_error is not None:
+            raise self._setup_error
 
     def stop(self, timeout: float | None = None) -> None:
         """Refuse new work, finish what is queued, and join the worker."""
@@ -125,6 +136,13 @@ class Batcher:
         return len(self._queue)
 
     def _run(self) -> None:
+        try:
+            self._compute = self._setup()
+        except BaseException as exc:  # handed to start(), which re-raises it in the caller
+            self._setup_error = exc
+            return
+        finally:
+            self._ready.set()
         while (batch := self._next_batch()) is not None:
             live = self._drop_dead(batch)
             if live:

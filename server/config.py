@@ -38,6 +38,7 @@ class ServerConfig:
     max_message_mb: int = 64
     max_concurrent_streams: int = 128
     preprocess_threads: int = 2
+    torch_threads: int = 0
     grace_period: float = 10.0
     log_level: str = "INFO"
     precision: str = "fp32"
@@ -112,7 +113,8 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("max-pixels", _positive_int, "most pixels (H*W) in one image; guards against decompression bombs"),
     ("max-message-mb", _positive_int, "largest gRPC message received or sent, in MiB"),
     ("max-concurrent-streams", _positive_int, "most concurrent RPCs per HTTP/2 connection"),
-    ("preprocess-threads", _positive_int, "threads that decode and preprocess images"),
+    ("preprocess-threads", _positive_int, "threads that decode and preprocess images (one torch thread each)"),
+    ("torch-threads", _non_negative_int, "torch threads of each replica's forward pass (0: every core)"),
     ("grace-period", _non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
     ("log-level", str, "DEBUG, INFO, WARNING or ERROR"),
     ("precision", _precision, "fp32, fp16 or bf16 weights and activations (softmax is always fp32)"),

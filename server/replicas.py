@@ -7,6 +7,7 @@ concurrently, with no scatter/gather through one GPU on each forward pass.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -39,17 +40,35 @@ class Replica:
         return self.batcher.consecutive_failures < FAILURES_BEFORE_EVICTION
 
 
+class _ReplicaSetup:
+    """Runs on the replica's worker thread: load weights, build, place and warm up the model."""
+
+    def __init__(self, device: torch.device, config: ServerConfig) -> None:
+        self.device = device
+        self.config = config
+        self.weights: LoadedWeights | None = None
+        self.runner: ModelRunner | None = None
+
+    def __call__(self) -> ModelRunner:
+        config, device = self.config, self.device
+        # This thread's OpenMP team: set here, since other threads (preprocessing) set theirs to 1.
+        torch.set_num_threads(config.torch_threads or len(os.sched_getaffinity(0)))
+        self.weights = load_weights(config.weights, device)
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = config.cudnn_benchmark
+        self.runner = ModelRunner(build_model(self.weights, device), device, config.precision, config.channels_last)
+        self.runner.warm_up(warm_up_sizes(config.max_batch_size, device.type == "cuda"))
+        return self.runner
+
+
 def load_replica(name: str, device: torch.device, config: ServerConfig, metrics: Metrics) -> Replica:
-    """Load weights onto the device, build and warm the model, and start its batcher."""
+    """Start the replica's worker thread, which loads and warms the model before taking work."""
     started = time.monotonic()
-    weights = load_weights(config.weights, device)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = config.cudnn_benchmark
-    runner = ModelRunner(build_model(weights, device), device, config.precision, config.channels_last)
-    runner.warm_up(warm_up_sizes(config.max_batch_size, device.type == "cuda"))
-    batcher = Batcher(name, runner, metrics, max_batch_size=config.max_batch_size,
+    setup = _ReplicaSetup(device, config)
+    batcher = Batcher(name, setup, metrics, max_batch_size=config.max_batch_size,
                       max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue)
     batcher.start()
+    runner, weights = setup.runner, setup.weights
     elapsed = time.monotonic() - started
     metrics.load_time.labels(name).set(elapsed)
     metrics.healthy.labels(name).set(1)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The CPU benchmark in one go: the in-process ceiling, then the served sweep, side by side, same weights.
+# Usage: scripts/bench_cpu.sh [OUT_DIR]   (default results/); about 4 minutes on 2 cores.
+# BENCH_IMAGE_SIZE (WxH, default 640x480) and BENCH_DURATION (seconds per point, default 15) tune it.
+# Talks only to a server it starts on 127.0.0.1 and stops it (by PID) when done.
+set -euo pipefail
+out=${1:-results}
+mkdir -p "$out"
+duration=${BENCH_DURATION:-15}
+port=${BENCH_PORT:-50151}
+metrics=${BENCH_METRICS_PORT:-8151}
+size=${BENCH_IMAGE_SIZE:-640x480}
+
+resnet-server bench-model --weights random --batch-sizes 1,4,8,16,32 --input uint8 --image-size $size \
+  --duration 8 --json > "$out/ceiling_uint8.json"
+resnet-server bench-model --weights random --batch-sizes 1,16 --input jpeg --image-size $size \
+  --duration 8 --json > "$out/ceiling_jpeg.json"
+
+serve() {  # serve [extra flags...]: start a server in the background, wait for SERVING
+  resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device cpu --weights random \
+    --log-level WARNING "$@" &
+  server_pid=$!
+  for _ in $(seq 120); do
+    resnet-client health --server 127.0.0.1:$port --timeout 1 >/dev/null 2>&1 && return 0
+    sleep 0.5
+  done
+  echo "server did not become healthy" >&2; return 1
+}
+stop() { kill -TERM "$server_pid"; wait "$server_pid" || true; }
+trap 'kill -TERM "${server_pid:-}" 2>/dev/null || true' EXIT
+
+bench() {  # bench NAME ARGS...
+  resnet-client bench --server 127.0.0.1:$port --metrics http://127.0.0.1:$metrics/metrics \
+    --duration "$duration" --warmup 3 --image-size $size --quiet --json "${@:2}" > "$out/$1.json"
+}
+
+serve
+bench served_uint8 --input uint8 --sweep 1,16
+bench served_jpeg --input jpeg --sweep 1,16
+stop
+serve --max-batch-size 1
+bench served_uint8_nobatch --input uint8 --concurrency 16
+stop
+
+python3 scripts/bench_table.py "$out" "$size" | tee "$out/bench_cpu.md"

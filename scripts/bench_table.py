@@ -1,0 +1,55 @@
+"""Turn the JSON written by scripts/bench_cpu.sh into the README's performance table and ratios."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+
+def load(folder: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (folder / f"{name}.json").read_text().splitlines() if line.strip()]
+
+
+def main(folder: Path, size: str) -> None:
+    uint8 = load(folder, "ceiling_uint8")[0]
+    jpeg = load(folder, "ceiling_jpeg")[0]
+    ceiling_uint8 = max(uint8["forward_images_per_s"].values())
+    ceiling_uint8_pre = uint8["ceiling_with_preprocess_images_per_s"]
+    ceiling_jpeg = jpeg["ceiling_with_preprocess_images_per_s"]
+    batch1_ms = 1000.0 / uint8["forward_images_per_s"]["1"]
+    served = {name: {p["concurrency"]: p for p in load(folder, name)}
+              for name in ("served_uint8", "served_jpeg", "served_uint8_nobatch")}
+    print(f"Measured {time.strftime('%Y-%m-%d')} on {platform.node()} ({platform.processor() or platform.machine()}, "
+          f"torch threads {uint8['torch_threads']}), scripts/bench_cpu.sh, {size} images, seeded random weights.\n")
+    print("| what | images/s | p50 ms | p99 ms | mean batch | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for size, rate in uint8["forward_images_per_s"].items():
+        print(f"| in-process forward, batch {size} | {rate:.1f} | | | | |")
+    print(f"| in-process preprocess, uint8 | {uint8['preprocess_images_per_s']:.1f} | | | | |")
+    print(f"| in-process ceiling with uint8 preprocess | {ceiling_uint8_pre:.1f} | | | | |")
+    print(f"| in-process decode+preprocess, JPEG | {jpeg['preprocess_images_per_s']:.1f} | | | | |")
+    print(f"| in-process ceiling with JPEG decode | {ceiling_jpeg:.1f} | | | | |")
+    rows = [("served uint8, c=1", served["served_uint8"][1], None),
+            ("served uint8, c=16", served["served_uint8"][16], ceiling_uint8),
+            ("served JPEG, c=1", served["served_jpeg"][1], None),
+            ("served JPEG, c=16", served["served_jpeg"][16], ceiling_jpeg),
+            ("served uint8, c=16, --max-batch-size 1", served["served_uint8_nobatch"][16], ceiling_uint8)]
+    for label, point, ceiling in rows:
+        view = next(iter(point["server"].values()), {})
+        ratio = f"{point['images_per_s'] / ceiling:.2f} x ceiling" if ceiling else ""
+        if ceiling == ceiling_uint8:
+            ratio += f" ({point['images_per_s'] / ceiling_uint8_pre:.2f} x with preprocess)"
+        print(f"| {label} | {point['images_per_s']:.1f} | {point['p50_ms']:.1f} | {point['p99_ms']:.1f} | "
+              f"{view.get('mean_batch_size', float('nan')):.2f} | {ratio} |")
+    c1, c16 = served["served_uint8"][1], served["served_uint8"][16]
+    print(f"\nc=1 p50 {c1['p50_ms']:.1f} ms vs in-process batch-1 latency {batch1_ms:.1f} ms "
+          f"(+{c1['p50_ms'] - batch1_ms:.1f} ms); c=16 p99/p50 = {c16['p99_ms'] / c16['p50_ms']:.2f}; "
+          f"batching on/off at c=16: {c16['images_per_s']:.1f} vs "
+          f"{served['served_uint8_nobatch'][16]['images_per_s']:.1f} images/s")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "results"), sys.argv[2] if len(sys.argv) > 2 else "640x480")
