@@ -68,11 +68,12 @@ async def _drive(spec: LoadSpec) -> list[tuple[float, str]]:
     measure_from, stop_at = started + spec.warmup, started + spec.warmup + spec.duration
     async with AsyncClient(spec.target, timeout=spec.timeout) as client:
         stub = client._stub  # send the prepared message as is: no per-call re-encoding of images
+        metadata = client._config.metadata()
 
         async def one() -> None:
             sent = time.monotonic()
             try:
-                await stub.Classify(request, timeout=spec.timeout)
+                await stub.Classify(request, timeout=spec.timeout, metadata=metadata)
                 code = "OK"
             except Exception as exc:  # grpc.aio.AioRpcError
                 code = exc.code().name if hasattr(exc, "code") else type(exc).__name__

@@ -28,6 +28,7 @@ from .oip_service import InferenceService
 from .oip_service import model_config as oip_model_config
 from .preprocess import CROP, ENCODINGS, RAW_FORMATS, RESIZE, TRANSFORM
 from .replicas import Replica, Router, load_replica
+from .security import TokenAuthInterceptor, load_tokens, server_credentials
 from .service import ClassifierService
 from .temperature import default_temperature
 
@@ -42,8 +43,10 @@ class App:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
-        # Checked before binding, so a bad --device or --temperature-file fails at once.
+        # Checked before binding, so a bad --device, --temperature-file or TLS file fails at once.
         self.devices = resolve_devices(config.devices)
+        self.credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+        self.tokens = load_tokens(config.auth_token_file)
         self.temperature, self.temperature_source = default_temperature(config)
         self.health = health.aio.HealthServicer()
         self.port = 0
@@ -64,7 +67,8 @@ class App:
         config = self.config
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         limit = config.max_message_mb * 1024 * 1024
-        self._server = grpc.aio.server(options=[
+        interceptors = [TokenAuthInterceptor(self.tokens, config.auth_health)] if self.tokens else []
+        self._server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.max_concurrent_streams", config.max_concurrent_streams),
@@ -74,7 +78,9 @@ class App:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self._server)
-        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        self.port = (self._server.add_secure_port(address, self.credentials) if self.credentials
+                     else self._server.add_insecure_port(address))
         await self._server.start()
         self._metrics_http = serve_metrics(self.metrics, config.metrics_host, config.metrics_port)
         return self.port

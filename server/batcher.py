@@ -211,7 +211,7 @@ class Batcher:
         """Run the batch; on device out-of-memory, halve it and retry before giving up."""
         try:
             inputs = torch.stack([item.tensor for item in batch])
-            temperatures = torch.tensor([item.temperature for item in batch], dtype=torch.float32)
+            temperatures = torch.tensor([item.temperature for item in batch], dtype=torch.float64)
             probabilities, logits = self._compute(inputs, temperatures)
         except torch.OutOfMemoryError:
             if len(batch) == 1:

@@ -42,6 +42,11 @@ class ServerConfig:
     grace_period: float = 10.0
     log_level: str = "INFO"
     precision: str = "fp32"
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    auth_token_file: str | None = None
+    auth_health: bool = False
     channels_last: bool = True
     cudnn_benchmark: bool = True
 
@@ -117,6 +122,11 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("torch-threads", _non_negative_int, "torch threads of each replica's forward pass (0: every core)"),
     ("grace-period", _non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
     ("log-level", str, "DEBUG, INFO, WARNING or ERROR"),
+    ("tls-cert", str, "server certificate chain (PEM); with --tls-key turns TLS on"),
+    ("tls-key", str, "server private key (PEM)"),
+    ("tls-client-ca", str, "CA (PEM) that client certificates must chain to: mutual TLS, certificates required"),
+    ("auth-token-file", str, "file of accepted bearer tokens, one per line; calls without one get UNAUTHENTICATED"),
+    ("auth-health", _boolean, "require the token on the health service too (probes then need it)"),
     ("precision", _precision, "fp32, fp16 or bf16 weights and activations (softmax is always fp32)"),
     ("channels-last", _boolean, "channels_last memory format on CUDA (faster convolutions on tensor cores)"),
     ("cudnn-benchmark", _boolean, "let cuDNN autotune convolutions (at warm-up, before SERVING)"),

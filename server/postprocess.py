@@ -13,9 +13,15 @@ NUM_CLASSES = 1000
 
 
 def temperature_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """softmax(logits / T) per row; logits [B, C], temperatures [B]."""
-    scaled = logits.float() / temperatures.to(device=logits.device, dtype=torch.float32).unsqueeze(1)
-    return torch.softmax(scaled, dim=1)
+    """softmax(logits / T) per row; logits [B, C], temperatures [B] (float64: any finite T > 0 is valid).
+
+    Subtracting each row's maximum first (softmax is shift-invariant) keeps every scaled logit <= 0,
+    so a tiny T sends the others to -inf (probability 0) instead of overflowing to inf - inf = NaN.
+    Float64 keeps T = 1e-100 from rounding to 0; it is 1000 values per image, so the cost is nil.
+    """
+    shifted = (logits - logits.amax(dim=1, keepdim=True)).double()
+    scaled = shifted / temperatures.to(device=logits.device, dtype=torch.float64).unsqueeze(1)
+    return torch.softmax(scaled, dim=1).float()
 
 
 def top_k(probabilities: torch.Tensor, k: int) -> list[tuple[int, float]]:

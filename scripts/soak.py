@@ -1,0 +1,175 @@
+"""Soak test (not in CI): mixed traffic at about twice capacity against one server on 127.0.0.1.
+
+A quarter of the requests are bad input of 14 kinds, some good ones carry tiny deadlines. Reports
+requests sent and answered by status code, wrong answers among good requests (must be 0), server
+RSS at 1 minute and at the end (growth must stay under 5%), and the largest p99 latency of
+accepted requests over 10-second windows. Starts its own server and stops it (by PID) at the end.
+
+Usage: python scripts/soak.py [--duration 600] [--rate 50] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+import zlib
+from collections import Counter, defaultdict
+
+import grpc
+import numpy as np
+from PIL import Image
+
+from client.api import classifier_pb2 as pb
+from client.api import classifier_pb2_grpc as pb_grpc
+
+PORT, METRICS_PORT = 50177, 8177
+
+
+def jpeg(seed: int, size=(320, 240)) -> bytes:
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buffer, "PNG")
+    tiny = buffer.getvalue()
+    ihdr = b"IHDR" + width.to_bytes(4, "big") + height.to_bytes(4, "big") + tiny[24:29]
+    return tiny[:12] + ihdr + zlib.crc32(ihdr).to_bytes(4, "big") + tiny[33:]
+
+
+def raw(dtype, shape, data) -> pb.Image:
+    return pb.Image(raw=pb.RawTensor(dtype=dtype, shape=shape, data=data))
+
+
+GOOD = [jpeg(seed) for seed in range(4)]
+BAD = {
+    "empty_request": pb.ClassifyRequest(),
+    "empty_bytes": pb.ClassifyRequest(images=[pb.Image(encoded=b"")]),
+    "junk_bytes": pb.ClassifyRequest(images=[pb.Image(encoded=b"\xff\xd8 not really a jpeg")]),
+    "truncated_jpeg": pb.ClassifyRequest(images=[pb.Image(encoded=GOOD[0][:500])]),
+    "bomb_png": pb.ClassifyRequest(images=[pb.Image(encoded=png_claiming(30000, 30000))]),
+    "raw_bad_shape": pb.ClassifyRequest(images=[raw(pb.RawTensor.UINT8, [10, 10], b"\0" * 100)]),
+    "raw_bad_length": pb.ClassifyRequest(images=[raw(pb.RawTensor.UINT8, [10, 10, 3], b"\0" * 299)]),
+    "raw_no_dtype": pb.ClassifyRequest(images=[raw(pb.RawTensor.DTYPE_UNSPECIFIED, [10, 10, 3], b"\0" * 300)]),
+    "raw_nan": pb.ClassifyRequest(images=[raw(pb.RawTensor.FLOAT32, [3, 224, 224],
+                                              np.full(3 * 224 * 224, np.nan, np.float32).tobytes())]),
+    "temperature_zero": pb.ClassifyRequest(images=[pb.Image(encoded=GOOD[1])], temperature=0.0),
+    "temperature_nan": pb.ClassifyRequest(images=[pb.Image(encoded=GOOD[1])], temperature=math.nan),
+    "top_k_zero": pb.ClassifyRequest(images=[pb.Image(encoded=GOOD[2])], top_k=0),
+    "top_k_huge": pb.ClassifyRequest(images=[pb.Image(encoded=GOOD[2])], top_k=5000),
+    "too_many_images": pb.ClassifyRequest(images=[pb.Image(encoded=GOOD[3])] * 65),
+}
+
+
+def rss(metrics_port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return float(re.search(r"^process_resident_memory_bytes (\S+)$", text, re.M).group(1))
+
+
+async def soak(args) -> dict:
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{PORT}")
+    stub = pb_grpc.ClassifierStub(channel)
+    expected = [(await stub.Classify(pb.ClassifyRequest(images=[pb.Image(encoded=image)], top_k=5),
+                                     timeout=60)).results[0] for image in GOOD]
+    sent, answered, wrong = Counter(), Counter(), Counter()
+    windows: dict[int, list[float]] = defaultdict(list)
+    rng = random.Random(1)
+    started = time.monotonic()
+    rss_at_1min = None
+    tasks = []
+
+    async def one(kind: str, request: pb.ClassifyRequest, timeout: float, good_index: int | None) -> None:
+        begin = time.monotonic()
+        try:
+            response = await stub.Classify(request, timeout=timeout)
+            code = "OK"
+            if good_index is not None:
+                got, want = response.results[0], expected[good_index]
+                same = [s.index for s in got.top_k] == [s.index for s in want.top_k] and all(
+                    abs(a.probability - b.probability) <= 1e-5 for a, b in zip(got.top_k, want.top_k, strict=True))
+                if not same:
+                    wrong[kind] += 1
+            windows[int((begin - started) // 10)].append(time.monotonic() - begin)
+        except grpc.aio.AioRpcError as error:
+            code = error.code().name
+            if good_index is not None and code not in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"):
+                wrong[kind] += 1
+        answered[(kind.split(":")[0], code)] += 1
+
+    next_at = started
+    while next_at < started + args.duration:
+        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        draw = rng.random()
+        if draw < 0.25:
+            name = rng.choice(sorted(BAD))
+            kind, request, timeout, good = f"bad:{name}", BAD[name], 30.0, None
+        else:
+            good = rng.randrange(len(GOOD))
+            tiny = draw > 0.95
+            kind = "good_tiny_deadline" if tiny else "good"
+            request = pb.ClassifyRequest(images=[pb.Image(encoded=GOOD[good])], top_k=5)
+            timeout = 0.005 if tiny else 30.0
+        sent[kind.split(":")[0]] += 1
+        tasks.append(asyncio.ensure_future(one(kind, request, timeout, good)))
+        if rss_at_1min is None and time.monotonic() - started >= 60:
+            rss_at_1min = rss(METRICS_PORT)
+        next_at += rng.expovariate(args.rate)
+    await asyncio.gather(*tasks)
+    rss_end = rss(METRICS_PORT)
+    await channel.close()
+    p99s = [float(np.percentile(values, 99)) for values in windows.values() if len(values) >= 20]
+    return {
+        "duration_s": args.duration, "rate": args.rate, "sent": dict(sent),
+        "answered": {f"{kind}/{code}": count for (kind, code), count in sorted(answered.items())},
+        "wrong_answers_among_good": sum(wrong.values()),
+        "rss_1min_mb": (rss_at_1min or rss_end) / 2**20, "rss_end_mb": rss_end / 2**20,
+        "rss_growth_pct": 100 * (rss_end - (rss_at_1min or rss_end)) / (rss_at_1min or rss_end),
+        "max_window_p99_ms": 1000 * max(p99s) if p99s else None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=600.0)
+    parser.add_argument("--rate", type=float, default=50.0, help="requests/s (about 2x a 2-core CPU's capacity)")
+    parser.add_argument("--json", help="also write the report here")
+    args = parser.parse_args()
+    server = subprocess.Popen([sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(PORT),
+                               "--metrics-port", str(METRICS_PORT), "--device", "cpu", "--weights", "random",
+                               "--max-queue", "64", "--log-level", "ERROR"])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{PORT}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=120)
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        with grpc.insecure_channel(f"127.0.0.1:{PORT}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while health.Check(health_pb2.HealthCheckRequest(), timeout=10).status != 1:
+                time.sleep(0.2)
+        report = asyncio.run(soak(args))
+    finally:
+        server.terminate()
+        server.wait(60)
+    report["server_exit_code"] = server.returncode
+    print(json.dumps(report, indent=2))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+    ok = report["wrong_answers_among_good"] == 0 and report["rss_growth_pct"] < 5 and server.returncode == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
