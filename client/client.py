@@ -16,8 +16,13 @@ from .messages import Classification, ImageLike, build_request, parse_response
 DEFAULT_TIMEOUT = 30.0
 
 
-def _channel_config(target, tls_ca, tls_cert, tls_key, token) -> ChannelConfig:
-    return ChannelConfig(parse_targets(target), tls_ca, tls_cert, tls_key, token)
+def _connect(channels, target, tls_ca, tls_cert, tls_key, token):
+    """(config, channel) from ``grpc`` or ``grpc.aio`` (both spell the channel constructors alike)."""
+    config = ChannelConfig(parse_targets(target), tls_ca, tls_cert, tls_key, token)
+    credentials = config.credentials()
+    if credentials is None:
+        return config, channels.insecure_channel(config.target, config.options())
+    return config, channels.secure_channel(config.target, credentials, config.options())
 
 
 def _health_name(status: int) -> str:
@@ -30,12 +35,8 @@ class Client:
     def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None) -> None:
-        self._config = _channel_config(target, tls_ca, tls_cert, tls_key, token)
+        self._config, self._channel = _connect(grpc, target, tls_ca, tls_cert, tls_key, token)
         self.timeout = timeout
-        credentials = self._config.credentials()
-        options = self._config.options()
-        self._channel = (grpc.secure_channel(self._config.target, credentials, options) if credentials
-                         else grpc.insecure_channel(self._config.target, options))
         self._stub = pb_grpc.ClassifierStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -84,12 +85,8 @@ class AsyncClient:
     def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None) -> None:
-        self._config = _channel_config(target, tls_ca, tls_cert, tls_key, token)
+        self._config, self._channel = _connect(grpc.aio, target, tls_ca, tls_cert, tls_key, token)
         self.timeout = timeout
-        credentials = self._config.credentials()
-        options = self._config.options()
-        self._channel = (grpc.aio.secure_channel(self._config.target, credentials, options) if credentials
-                         else grpc.aio.insecure_channel(self._config.target, options))
         self._stub = pb_grpc.ClassifierStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

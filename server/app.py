@@ -91,7 +91,7 @@ class App:
         loop = asyncio.get_running_loop()
         replicas = [await loop.run_in_executor(None, load_replica, name, device, config, self.metrics)
                     for name, device in zip(replica_names(self.devices), self.devices, strict=True)]
-        limits = Limits(config.max_images_per_request, config.max_pixels)
+        limits = Limits(config.max_images_per_request, config.max_pixels, config.max_queue)
         self.core = InferenceCore(Router(replicas, self.metrics), self.metrics, limits, self.temperature,
                                   config.preprocess_threads)
         info = model_info(config, replicas, self.temperature, self.temperature_source)

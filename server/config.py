@@ -113,7 +113,8 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("temperature-file", str, "JSON file with a fitted temperature (resnet-client calibrate); overrides --temperature"),
     ("max-batch-size", _positive_int, "most images in one forward pass"),
     ("max-batch-delay-ms", _non_negative_float, "longest the oldest queued image waits for a fuller batch"),
-    ("max-queue", _positive_int, "images waiting per device; beyond it new work gets RESOURCE_EXHAUSTED"),
+    ("max-queue", _positive_int, "images accepted per replica and not yet answered; beyond it new requests get "
+                                 "RESOURCE_EXHAUSTED at once"),
     ("max-images-per-request", _positive_int, "most images in one request"),
     ("max-pixels", _positive_int, "most pixels (H*W) in one image; guards against decompression bombs"),
     ("max-message-mb", _positive_int, "largest gRPC message received or sent, in MiB"),

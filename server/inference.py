@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .batcher import ImageOutput, WorkItem
-from .errors import DeadlineExpired, InvalidInput, status_for
+from .errors import DeadlineExpired, InvalidInput, Overloaded, status_for
 from .metrics import Metrics
 from .postprocess import NUM_CLASSES
 from .preprocess import ImageInput, preprocess
@@ -30,6 +30,9 @@ DEFAULT_TOP_K = 5
 class Limits:
     max_images_per_request: int
     max_pixels: int
+    # Images accepted per replica and not yet answered (decoding, queued or computing). Checked when a
+    # request arrives, so overload is refused before any decoding work, and accepted latency stays bounded.
+    max_queue: int
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ class InferenceCore:
 
     async def _classify_on(self, replica: Replica, call: ClassifyCall, started: float) -> list[ImageOutput]:
         temperature, k = self._validate(call)
+        if replica.pending > self.limits.max_queue:  # pending already counts this call's images
+            raise Overloaded(f"{replica.name} has {replica.pending - len(call.images)} images in flight "
+                             f"(limit {self.limits.max_queue}); retry later")
         deadline = None if call.timeout is None else started + call.timeout
         tensors = await self._preprocess(call.images)
         loop = asyncio.get_running_loop()

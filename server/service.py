@@ -57,6 +57,8 @@ def caller_status(rid: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
 
 
 async def abort_with(context: grpc.aio.ServicerContext, rid: str, exc: Exception) -> None:
+    if context.done():  # the caller is gone (deadline passed or cancelled): there is no one to answer
+        raise asyncio.CancelledError(f"request {rid} ended before its answer") from exc
     await context.abort(*caller_status(rid, exc))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import zlib
 
@@ -9,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from client import ClassifierError, Client
+from client import AsyncClient, ClassifierError, Client
 from client.api import classifier_pb2 as pb
 from client.api import classifier_pb2_grpc as pb_grpc
 from tests.helpers import encode, random_rgb, wait_for
@@ -95,9 +96,27 @@ def test_full_queue_is_resource_exhausted(make_server):
         with pytest.raises(ClassifierError) as caught:
             client.classify([GOOD] * 3)
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "full" in caught.value.message
+        assert "limit 2" in caught.value.message
         assert len(client.classify([GOOD] * 2)) == 2
     assert tight.sample("resnet_requests_total", device="cpu", code="RESOURCE_EXHAUSTED") == 1
+
+
+def test_overload_is_refused_at_once_while_accepted_work_is_answered(make_server):
+    busy = make_server(max_queue=2, max_batch_delay_ms=1500.0)
+
+    async def overload():
+        async with AsyncClient(busy.target, timeout=60) as client:
+            accepted = asyncio.ensure_future(client.classify([GOOD, GOOD]))
+            await asyncio.get_running_loop().run_in_executor(
+                None, wait_for, lambda: busy.sample("resnet_queue_depth", device="cpu") == 2)
+            with pytest.raises(ClassifierError) as caught:
+                await client.classify([GOOD])  # answered while the accepted pair still waits
+            assert not accepted.done()
+            return caught.value.code, await accepted
+
+    code, accepted = asyncio.run(overload())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(accepted) == 2 and all(result.top_k for result in accepted)
 
 
 def test_passed_deadline_is_deadline_exceeded(client, server):

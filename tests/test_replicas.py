@@ -101,3 +101,12 @@ def test_checkpoint_saved_on_any_device_loads_on_cuda_and_cpu(tmp_path, weights_
     for target in ("cuda:0", "cpu"):
         loaded = load_state_dict_file(tmp_path / "w.pth", torch.device(target))
         assert all(tensor.device == torch.device(target) for tensor in loaded.values())
+
+
+def test_client_round_robin_spreads_calls_over_three_servers(make_server):
+    servers = [make_server() for _ in range(3)]
+    with Client([running.target for running in servers], timeout=60) as client:
+        for _ in range(12):
+            assert client.classify([IMAGE])[0].top_k
+    counts = [running.sample("resnet_requests_total", device="cpu", code="OK") for running in servers]
+    assert sum(counts) == 12 and min(counts) >= 2, counts

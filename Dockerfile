@@ -1,0 +1,38 @@
+# syntax=docker/dockerfile:1
+# The serving image. GPU by default: PyPI's torch is a CUDA build (it also runs on the CPU).
+# A CPU-only, much smaller image: --build-arg TORCH_INDEX_URL=<PyTorch's CPU wheel index (its /whl/cpu URL)>
+# Bake ImageNet weights in at build time: --build-arg BAKE_WEIGHTS=true (needs network at build time).
+ARG BASE_IMAGE=python:3.11-slim
+
+FROM ${BASE_IMAGE} AS builder
+ARG TORCH_INDEX_URL=""
+ARG BAKE_WEIGHTS=false
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 TORCH_HOME=/opt/torch
+RUN python -m venv /opt/venv && mkdir -p /opt/torch
+ENV PATH=/opt/venv/bin:$PATH
+# Dependencies first, so code changes do not reinstall torch.
+RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install torch torchvision --index-url "$TORCH_INDEX_URL"; fi
+COPY pyproject.toml README.md /src/
+COPY client /src/client
+COPY server /src/server
+RUN pip install "/src[server]"
+RUN if [ "$BAKE_WEIGHTS" = "true" ]; then \
+      python -c "from torchvision.models import ResNet18_Weights as W; W.IMAGENET1K_V1.get_state_dict(progress=False)"; \
+    fi
+
+FROM ${BASE_IMAGE} AS runtime
+RUN useradd --system --uid 10001 --create-home resnet
+COPY --from=builder /opt/venv /opt/venv
+COPY --from=builder --chown=resnet:resnet /opt/torch /opt/torch
+ENV PATH=/opt/venv/bin:$PATH \
+    TORCH_HOME=/opt/torch \
+    PYTHONUNBUFFERED=1 \
+    RESNET_SERVER_HOST=0.0.0.0 \
+    RESNET_SERVER_PORT=50051 \
+    RESNET_SERVER_METRICS_PORT=8000
+USER resnet
+EXPOSE 50051 8000
+VOLUME ["/opt/torch"]
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+  CMD ["resnet-client", "health", "--server", "127.0.0.1:50051", "--timeout", "3"]
+ENTRYPOINT ["resnet-server"]

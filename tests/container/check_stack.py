@@ -1,0 +1,88 @@
+"""Checks a running compose stack from the host: classify through the gateway, both replicas in
+Prometheus, every dashboard query evaluates with data, and (if running) Grafana serves the dashboard.
+Bounded: every wait gives up after a few minutes. Exit code 0 only when every check passes."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from PIL import Image
+
+from client import Client
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def query(prometheus: str, expr: str) -> dict:
+    return get_json(f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+
+
+def wait_until(check, what: str, timeout: float = 180.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+        except OSError:
+            result = None
+        if result:
+            return result
+        time.sleep(2)
+    raise SystemExit(f"FAILED: {what} (waited {timeout:.0f}s)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gateway", required=True)
+    parser.add_argument("--prometheus", required=True)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--grafana")
+    args = parser.parse_args()
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (320, 240), (200, 120, 40)).save(buffer, "JPEG")
+    devices = set()
+    with Client(args.gateway, timeout=60) as client:
+        for _ in range(40):  # the gateway balances per call, so both replicas serve some of these
+            (result,) = client.classify([buffer.getvalue()], top_k=3)
+            devices.add(result.device)
+            assert len(result.top_k) == 3
+    print(f"ok: classified 40 images through the gateway (devices: {sorted(devices)})")
+
+    def instances() -> list[str]:
+        answer = query(args.prometheus, "sum by (instance) (resnet_request_duration_seconds_count)")
+        found = sorted(series["metric"]["instance"] for series in answer["data"]["result"]
+                       if float(series["value"][1]) > 0)
+        return found if len(found) >= args.replicas else []
+
+    found = wait_until(instances, f"latency series from {args.replicas} replicas in Prometheus")
+    print(f"ok: Prometheus has per-device latency series from {len(found)} replicas: {found}")
+
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/resnet.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            answer = wait_until(lambda e=expr: (r := query(args.prometheus, e))["status"] == "success" and (
+                r["data"]["result"] or "gpu_memory" in e) and r, f"dashboard query {expr}", timeout=120)
+            print(f"ok: {len(answer['data']['result'])} series  {expr[:90]}")
+
+    if args.grafana:
+        found = wait_until(lambda: get_json(f"{args.grafana}/api/dashboards/uid/resnet-serving"),
+                           "Grafana serves the dashboard")
+        print(f"ok: Grafana dashboard {found['dashboard']['title']!r} loads")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Fast checks of the deployment files: compose validates, Prometheus accepts its config, and every
+Grafana dashboard query evaluates with data in a real Prometheus scraping a real server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from client import Client
+from tests.helpers import encode, free_port, random_rgb, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_CI = bool(os.environ.get("CI"))
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None and not IN_CI,
+                                    reason="promtool/prometheus (Debian package prometheus) not installed")
+
+
+def compose_binary() -> list[str] | None:
+    local = Path(sys.executable).parent / "docker-compose"
+    if local.exists():
+        return [str(local)]
+    return ["docker-compose"] if shutil.which("docker-compose") else None
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/resnet.json").read_text())
+    return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+
+
+@pytest.mark.skipif(compose_binary() is None and not IN_CI, reason="docker compose v2 binary not installed")
+@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"]])
+def test_compose_file_is_valid(files):
+    args = [*compose_binary(), *sum((["-f", name] for name in files), []), "config", "--format", "json"]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    config = json.loads(done.stdout)
+    server = config["services"]["server"]
+    assert "ports" not in server  # no fixed host port, so --scale works
+    assert config["services"]["prometheus"]["depends_on"]["server"]["condition"] == "service_healthy"
+    has_gpu = "deploy" in server and server["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+    assert has_gpu == (len(files) == 1)
+
+
+@needs_promtool
+def test_prometheus_config_is_valid():
+    done = subprocess.run(["promtool", "check", "config", str(ROOT / "deploy/prometheus/prometheus.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def prometheus_query(port: int, expr: str) -> dict:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@needs_promtool
+@pytest.mark.slow
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(make_server, tmp_path):
+    running = make_server(metrics_port=free_port())
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: resnet-server\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{running.app.config.metrics_port}']}}]\n")
+    port = free_port()
+    prometheus = subprocess.Popen(
+        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        image = encode(random_rgb(3))
+        with Client(running.target) as client:
+            deadline = time.monotonic() + 60
+            # Traffic across several scrapes, so rate() over [1m] has two samples that differ.
+            while time.monotonic() < deadline:
+                client.classify([image])
+                try:
+                    up = prometheus_query(port, 'count_over_time(resnet_requests_total{code="OK"}[1m])')
+                except OSError:
+                    continue
+                if up["data"]["result"] and float(up["data"]["result"][0]["value"][1]) >= 4:
+                    break
+            client.classify([image])
+        wait_for(lambda: prometheus_query(port, "up")["data"]["result"], timeout=30)
+        for expr in dashboard_queries():
+            answer = prometheus_query(port, expr)
+            assert answer["status"] == "success", (expr, answer)
+            if "gpu_memory" not in expr:  # GPU gauges exist only on CUDA replicas
+                assert answer["data"]["result"], f"no data for {expr}"
+    finally:
+        prometheus.terminate()
+        prometheus.wait(30)
