@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # The serving image. GPU by default: PyPI's torch is a CUDA build (it also runs on the CPU).
 # A CPU-only, much smaller image: --build-arg TORCH_INDEX_URL=<PyTorch's CPU wheel index (its /whl/cpu URL)>
 # Bake ImageNet weights in at build time: --build-arg BAKE_WEIGHTS=true (needs network at build time).

@@ -133,3 +133,14 @@ def test_model_info(client, weights_file):
 def test_health_serving(client):
     assert client.health() == "SERVING"
     assert client.health("resnet.v1.Classifier") == "SERVING"
+
+
+def test_server_reflection_lists_the_services(server):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(server.target) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        (response,) = list(stub.ServerReflectionInfo(iter([request]), timeout=30))
+    names = {service.name for service in response.list_services_response.service}
+    assert {"resnet.v1.Classifier", "grpc.health.v1.Health"} <= names

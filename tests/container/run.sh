@@ -5,7 +5,7 @@
 #
 # Where no registry is reachable it first builds stand-ins for the public base images from Debian
 # (debootstrap), and only for images that are missing, so on a normal machine nothing is faked.
-# Needs root (dockerd, debootstrap). Usage: tests/container/run.sh
+# Needs root (dockerd, debootstrap). Usage: PYTHON=.venv/bin/python tests/container/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export COMPOSE_PROJECT_NAME=resnet-proof
@@ -65,7 +65,11 @@ stand_in "$NGINX_IMAGE" nginx-light,ca-certificates 'true' '["nginx", "-g", "dae
 trap cleanup EXIT
 
 step "building the server image"
-"${compose[@]}" build --pull=false server 2>&1 | tail -3 || docker build --network host -t resnet-grpc:latest .
+# The classic builder with host networking: pip inside the build reaches the package index the same way
+# the host does (BuildKit's buildx plugin is often missing on hosts that run dockerd by hand).
+DOCKER_BUILDKIT=0 docker build --network host -t resnet-grpc:latest --build-arg BASE_IMAGE="$PY_IMAGE" . \
+  | grep -E '^(Step|Successfully)' || true
+docker image inspect resnet-grpc:latest >/dev/null
 
 services=(server gateway prometheus)
 if docker image inspect "$GRAFANA_IMAGE" >/dev/null 2>&1 || docker pull -q "$GRAFANA_IMAGE" >/dev/null 2>&1; then
@@ -75,9 +79,10 @@ else
 fi
 
 step "docker compose up --scale server=2 (${services[*]})"
-"${compose[@]}" up -d --wait --wait-timeout 600 --scale server=2 "${services[@]}"
+"${compose[@]}" up -d --no-build --pull never --wait --wait-timeout 600 --scale server=2 "${services[@]}"
 
-python3 tests/container/check_stack.py --gateway "127.0.0.1:$GATEWAY_PORT" \
+# The checker is a client of the stack: run it with the project installed (pip install -e ".[test]").
+"${PYTHON:-python3}" tests/container/check_stack.py --gateway "127.0.0.1:$GATEWAY_PORT" \
   --prometheus "http://127.0.0.1:$PROMETHEUS_PORT" --replicas 2 \
   $([[ " ${services[*]} " == *" grafana "* ]] && echo --grafana http://127.0.0.1:${GRAFANA_PORT:-3000})
 step "container proof passed"
