@@ -6,32 +6,32 @@ ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE} AS builder
 ARG TORCH_INDEX_URL=""
 ARG BAKE_WEIGHTS=false
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 TORCH_HOME=/opt/torch
-RUN python -m venv /opt/venv && mkdir -p /opt/torch
-ENV PATH=/opt/venv/bin:$PATH
-# Dependencies first, so code changes do not reinstall torch.
-RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install torch torchvision --index-url "$TORCH_INDEX_URL"; fi
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 TORCH_HOME=/opt/torch PATH=/opt/venv/bin:$PATH
 COPY pyproject.toml README.md /src/
 COPY client /src/client
 COPY server /src/server
-RUN pip install "/src[server]"
-RUN if [ "$BAKE_WEIGHTS" = "true" ]; then \
+# One RUN, one layer: on copy-on-write-less storage (vfs) every layer is a full copy of torch.
+RUN python -m venv /opt/venv && mkdir -p /opt/torch \
+ && if [ -n "$TORCH_INDEX_URL" ]; then pip install torch torchvision --index-url "$TORCH_INDEX_URL"; fi \
+ && pip install "/src[server]" \
+ && if [ "$BAKE_WEIGHTS" = "true" ]; then \
       python -c "from torchvision.models import ResNet18_Weights as W; W.IMAGENET1K_V1.get_state_dict(progress=False)"; \
     fi
 
 FROM ${BASE_IMAGE} AS runtime
+# Metadata first and the two large copies last, so no layer after them copies torch again.
 RUN useradd --system --uid 10001 --create-home resnet
-COPY --from=builder /opt/venv /opt/venv
-COPY --from=builder --chown=resnet:resnet /opt/torch /opt/torch
 ENV PATH=/opt/venv/bin:$PATH \
     TORCH_HOME=/opt/torch \
     PYTHONUNBUFFERED=1 \
     RESNET_SERVER_HOST=0.0.0.0 \
     RESNET_SERVER_PORT=50051 \
     RESNET_SERVER_METRICS_PORT=8000
-USER resnet
 EXPOSE 50051 8000
-VOLUME ["/opt/torch"]
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
   CMD ["resnet-client", "health", "--server", "127.0.0.1:50051", "--timeout", "3"]
 ENTRYPOINT ["resnet-server"]
+USER resnet
+COPY --from=builder /opt/venv /opt/venv
+# TORCH_HOME: writable by the server (weights download there once); compose mounts a volume on it.
+COPY --from=builder --chown=resnet:resnet /opt/torch /opt/torch

@@ -47,7 +47,9 @@ stand_in() {
   debootstrap --variant=minbase --include="$packages" bookworm "$root" "$mirror" >/dev/null
   cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
   (cd "$root" && eval "$setup")
-  tar -C "$root" -c . | docker import --change "CMD $cmd" - "$image" >/dev/null
+  chmod 755 "$root"  # mktemp made it 0700: "/" would then be closed to non-root users in the image
+  tar -C "$root" -c . | docker import --change "CMD $cmd" \
+    --change "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" - "$image" >/dev/null
   rm -rf "$root"
 }
 
@@ -69,7 +71,7 @@ step "building the server image"
 # the host does (BuildKit's buildx plugin is often missing on hosts that run dockerd by hand).
 DOCKER_BUILDKIT=0 docker build --network host -t resnet-grpc:latest --build-arg BASE_IMAGE="$PY_IMAGE" . \
   | grep -E '^(Step|Successfully)' || true
-docker image inspect resnet-grpc:latest >/dev/null
+docker image inspect resnet-grpc:latest >/dev/null || { echo "FAILED: docker build" >&2; exit 1; }
 
 services=(server gateway prometheus)
 if docker image inspect "$GRAFANA_IMAGE" >/dev/null 2>&1 || docker pull -q "$GRAFANA_IMAGE" >/dev/null 2>&1; then
@@ -79,10 +81,15 @@ else
 fi
 
 step "docker compose up --scale server=2 (${services[*]})"
-"${compose[@]}" up -d --no-build --pull never --wait --wait-timeout 600 --scale server=2 "${services[@]}"
+if ! "${compose[@]}" up -d --no-build --pull never --wait --wait-timeout 900 --scale server=2 "${services[@]}"; then
+  "${compose[@]}" logs --tail 30 >&2 || true
+  echo "FAILED: docker compose up" >&2
+  exit 1
+fi
 
 # The checker is a client of the stack: run it with the project installed (pip install -e ".[test]").
+started_checks=$SECONDS
 "${PYTHON:-python3}" tests/container/check_stack.py --gateway "127.0.0.1:$GATEWAY_PORT" \
   --prometheus "http://127.0.0.1:$PROMETHEUS_PORT" --replicas 2 \
   $([[ " ${services[*]} " == *" grafana "* ]] && echo --grafana http://127.0.0.1:${GRAFANA_PORT:-3000})
-step "container proof passed"
+step "container proof passed (whole run ${SECONDS}s, checks $((SECONDS - started_checks))s)"
