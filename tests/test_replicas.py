@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -12,7 +14,7 @@ import torch
 from client import AsyncClient, ClassifierError, Client
 from server.replicas import FAILURES_BEFORE_EVICTION
 from server.runner import ModelRunner, warm_up_sizes
-from tests.helpers import encode, random_rgb
+from tests.helpers import encode, free_port, random_rgb, scrape, wait_for
 
 IMAGE = encode(random_rgb(77))
 
@@ -103,10 +105,39 @@ def test_checkpoint_saved_on_any_device_loads_on_cuda_and_cpu(tmp_path, weights_
         assert all(tensor.device == torch.device(target) for tensor in loaded.values())
 
 
-def test_client_round_robin_spreads_calls_over_three_servers(make_server):
-    servers = [make_server() for _ in range(3)]
-    with Client([running.target for running in servers], timeout=60) as client:
-        for _ in range(12):
-            assert client.classify([IMAGE])[0].top_k
-    counts = [running.sample("resnet_requests_total", device="cpu", code="OK") for running in servers]
-    assert sum(counts) == 12 and min(counts) >= 2, counts
+def requests_ok(metrics_port: int) -> float:
+    for line in scrape(metrics_port).splitlines():
+        if line.startswith('resnet_requests_total{code="OK",device="cpu"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.slow
+def test_client_round_robin_spreads_calls_over_three_server_processes(weights_file):
+    ports = [(free_port(), free_port()) for _ in range(3)]
+    processes = [subprocess.Popen(
+        [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics),
+         "--device", "cpu", "--weights", str(weights_file[0]), "--log-level", "WARNING"])
+        for port, metrics in ports]
+    try:
+        targets = [f"127.0.0.1:{port}" for port, _ in ports]
+        for target in targets:
+            with Client(target, timeout=5) as probe:
+                wait_for(lambda probe=probe: _serving(probe), timeout=120, interval=0.2)
+        with Client(targets, timeout=60) as client:
+            for _ in range(12):
+                assert client.classify([IMAGE])[0].top_k
+        counts = [requests_ok(metrics) for _, metrics in ports]
+        assert sum(counts) == 12 and min(counts) >= 2, counts
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            assert process.wait(timeout=60) == 0
+
+
+def _serving(client: Client) -> bool:
+    try:
+        return client.health() == "SERVING"
+    except ClassifierError:
+        return False
