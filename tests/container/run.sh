@@ -21,6 +21,7 @@ start_docker() {
   docker info >/dev/null 2>&1 && return
   command -v dockerd >/dev/null || { apt-get update -q && apt-get install -y -q docker.io; }
   step "starting dockerd (vfs storage)"
+  pgrep -x dockerd >/dev/null || rm -f /var/run/docker.pid  # left behind by a dockerd that was killed
   (dockerd --storage-driver=vfs >/tmp/resnet-proof-dockerd.log 2>&1 &)
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && return; sleep 1; done
   echo "dockerd did not start" >&2; return 1
