@@ -57,7 +57,10 @@ def caller_status(rid: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
 
 
 async def abort_with(context: grpc.aio.ServicerContext, rid: str, exc: Exception) -> None:
-    if context.done():  # the caller is gone (deadline passed or cancelled): there is no one to answer
+    remaining = context.time_remaining()
+    if context.done() or (remaining is not None and remaining <= 0):
+        # The caller is gone (cancelled, or its deadline passed): there is no one to answer, and
+        # grpc refuses to send a status on a finished call.
         raise asyncio.CancelledError(f"request {rid} ended before its answer") from exc
     await context.abort(*caller_status(rid, exc))
 
