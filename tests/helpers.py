@@ -118,6 +118,14 @@ def scrape(port: int) -> str:
         return response.read().decode()
 
 
+def scraped_value(port: int, sample: str) -> float:
+    """One sample's value from a server's /metrics, e.g. 'resnet_queue_depth{device="cpu"}'; 0 if absent."""
+    for line in scrape(port).splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.02) -> None:
     """Wait until a condition observed from outside (a metric, a health status) holds."""
     import time

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from client import AsyncClient, ClassifierError, Client
-from tests.helpers import ServerThread, base_config, encode, free_port, random_rgb, scrape, wait_for
+from tests.helpers import ServerThread, base_config, encode, free_port, random_rgb, scraped_value, wait_for
 
 IMAGE = encode(random_rgb(21))
 
@@ -33,13 +33,6 @@ def test_health_not_serving_until_loaded_and_while_draining(weights_file):
         assert client.health() == "NOT_SERVING"
         assert client.health("resnet.v1.Classifier") == "NOT_SERVING"
     running.stop()
-
-
-def queued_images(metrics_port: int) -> float:
-    for line in scrape(metrics_port).splitlines():
-        if line.startswith('resnet_queue_depth{device="cpu"}'):
-            return float(line.split()[-1])
-    return 0.0
 
 
 @pytest.mark.slow
@@ -64,7 +57,7 @@ def test_sigterm_answers_every_accepted_request_then_exits_zero(weights_file):
 
         sender = threading.Thread(target=send_all)
         sender.start()
-        wait_for(lambda: queued_images(metrics_port) == 6)
+        wait_for(lambda: scraped_value(metrics_port, 'resnet_queue_depth{device="cpu"}') == 6)
         process.send_signal(signal.SIGTERM)
         sender.join(60)
         assert process.wait(timeout=30) == 0

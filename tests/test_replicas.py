@@ -14,7 +14,7 @@ import torch
 from client import AsyncClient, ClassifierError, Client
 from server.replicas import FAILURES_BEFORE_EVICTION
 from server.runner import ModelRunner, warm_up_sizes
-from tests.helpers import encode, free_port, random_rgb, scrape, wait_for
+from tests.helpers import encode, free_port, random_rgb, scraped_value, wait_for
 
 IMAGE = encode(random_rgb(77))
 
@@ -105,13 +105,6 @@ def test_checkpoint_saved_on_any_device_loads_on_cuda_and_cpu(tmp_path, weights_
         assert all(tensor.device == torch.device(target) for tensor in loaded.values())
 
 
-def requests_ok(metrics_port: int) -> float:
-    for line in scrape(metrics_port).splitlines():
-        if line.startswith('resnet_requests_total{code="OK",device="cpu"}'):
-            return float(line.split()[-1])
-    return 0.0
-
-
 @pytest.mark.slow
 def test_client_round_robin_spreads_calls_over_three_server_processes(weights_file):
     ports = [(free_port(), free_port()) for _ in range(3)]
@@ -127,7 +120,7 @@ def test_client_round_robin_spreads_calls_over_three_server_processes(weights_fi
         with Client(targets, timeout=60) as client:
             for _ in range(12):
                 assert client.classify([IMAGE])[0].top_k
-        counts = [requests_ok(metrics) for _, metrics in ports]
+        counts = [scraped_value(metrics, 'resnet_requests_total{code="OK",device="cpu"}') for _, metrics in ports]
         assert sum(counts) == 12 and min(counts) >= 2, counts
     finally:
         for process in processes:
