@@ -40,5 +40,5 @@ def test_bench_model_reports_the_ceiling(weights_file, capsys):
     assert server_main(["bench-model", "--weights", str(weights_file[0]), "--batch-sizes", "1,2",
                         "--duration", "0.5", "--input", "jpeg", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert set(result["forward_images_per_s"]) == {"1", "2"} or set(result["forward_images_per_s"]) == {1, 2}
+    assert set(result["forward_images_per_s"]) == {"1", "2"}  # JSON object keys
     assert result["preprocess_images_per_s"] > 0 and result["ceiling_with_preprocess_images_per_s"] > 0
