@@ -131,10 +131,6 @@ class Batcher:
         if waiting:
             self._dropped.labels(self.name, "cancelled").inc(len(waiting))
 
-    @property
-    def queued(self) -> int:
-        return len(self._queue)
-
     def _run(self) -> None:
         try:
             self._compute = self._setup()

@@ -40,10 +40,6 @@ class Unavailable(ServingError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-class Unauthenticated(ServingError):
-    code = grpc.StatusCode.UNAUTHENTICATED
-
-
 class ComputeFailed(ServingError):
     """A batch failed on the device; the message is generic on purpose."""
 
