@@ -160,7 +160,11 @@ async def serve(config: ServerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await app.start()
+    try:
+        await app.start()
+    except BaseException:
+        await app.stop(0)  # close the bound port before the error ends the process
+        raise
     await stop.wait()
     log.info("signal received: draining for up to %.1fs", config.grace_period)
     await app.stop()

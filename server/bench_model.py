@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     device = resolve_devices(args.device)[0]
     runner = ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
-                         channels_last=True)
+                         channels_last=True, compiled=args.compile)
+    runner.warm_up(args.batch_sizes)  # compiles each size with --compile, as the server does before SERVING
     image = sample_input(args.input, *args.image_size)
     model_input = preprocess(image, MAX_PIXELS)
     forward = {}
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> dict:
     preprocess_rate = timed_rate(lambda: (preprocess(image, MAX_PIXELS), 1)[1], args.duration)
     best = max(forward, key=forward.get)
     serial = 1.0 / (1.0 / forward[best] + 1.0 / preprocess_rate)
-    return {"device": str(device), "precision": args.precision, "input": args.input,
+    return {"device": str(device), "precision": args.precision, "compiled": args.compile, "input": args.input,
             "image_size": list(args.image_size), "forward_images_per_s": forward,
             "best_batch_size": best, "preprocess_images_per_s": preprocess_rate,
             "ceiling_with_preprocess_images_per_s": serial,
@@ -82,6 +83,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--precision", type=_precision, default="fp32")
     parser.add_argument("--weights", default="random")
     parser.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 8, 16, 32])
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model, as resnet-server --compile")
     parser.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="uint8")
     parser.add_argument("--image-size", type=_size, default=(640, 480), help="WxH of the sample image")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
@@ -91,7 +93,8 @@ def main(argv: Sequence[str]) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"device {result['device']}  precision {result['precision']}  torch threads {result['torch_threads']}")
+    print(f"device {result['device']}  precision {result['precision']}  compiled {result['compiled']}  "
+          f"torch threads {result['torch_threads']}")
     for size, rate in result["forward_images_per_s"].items():
         print(f"  forward batch {size:>4}: {rate:9.1f} images/s")
     print(f"  decode+preprocess ({args.input} {args.image_size[0]}x{args.image_size[1]}): "

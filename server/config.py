@@ -49,6 +49,7 @@ class ServerConfig:
     auth_health: bool = False
     channels_last: bool = True
     cudnn_benchmark: bool = True
+    compile: bool = False
 
 
 def _positive_int(text: str) -> int:
@@ -131,6 +132,8 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("precision", _precision, "fp32, fp16 or bf16 weights and activations (softmax is always fp32)"),
     ("channels-last", _boolean, "channels_last memory format on CUDA (faster convolutions on tensor cores)"),
     ("cudnn-benchmark", _boolean, "let cuDNN autotune convolutions (at warm-up, before SERVING)"),
+    ("compile", _boolean, "torch.compile the model for each power-of-two batch size up to --max-batch-size "
+                          "(at warm-up, before SERVING); batches are padded up to the next size"),
 ]
 
 
@@ -155,7 +158,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         if name in env:
             default = _from_env(name, env[name], kind)
         shown = ",".join(default) if isinstance(default, tuple) else default
-        parser.add_argument(f"--{flag}", dest=_field_name(flag), type=kind, default=default,
+        # A boolean flag alone means true: `--compile` is `--compile true`.
+        optional_value = {"nargs": "?", "const": True} if kind is _boolean else {}
+        parser.add_argument(f"--{flag}", dest=_field_name(flag), type=kind, default=default, **optional_value,
                             help=f"{help_text} [env {name}; default {shown}]")
     return parser
 

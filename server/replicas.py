@@ -15,7 +15,7 @@ import torch
 
 from .batcher import Batcher
 from .config import ServerConfig
-from .errors import Unavailable
+from .errors import StartupError, Unavailable
 from .metrics import Metrics
 from .model import LoadedWeights, build_model, load_weights
 from .runner import ModelRunner, warm_up_sizes
@@ -56,8 +56,17 @@ class _ReplicaSetup:
         self.weights = load_weights(config.weights, device)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = config.cudnn_benchmark
-        self.runner = ModelRunner(build_model(self.weights, device), device, config.precision, config.channels_last)
-        self.runner.warm_up(warm_up_sizes(config.max_batch_size, device.type == "cuda"))
+        self.runner = ModelRunner(build_model(self.weights, device), device, config.precision, config.channels_last,
+                                  compiled=config.compile)
+        sizes = warm_up_sizes(config.max_batch_size, device.type == "cuda" or config.compile)
+        try:
+            self.runner.warm_up(sizes)
+        except Exception as exc:
+            if not config.compile:
+                raise
+            # Compilation failures (no C++ compiler for CPU kernels, an unsupported GPU) are a setup problem.
+            raise StartupError(f"--compile failed on {device}: {type(exc).__name__}: {str(exc)[:300]} "
+                               "(inductor needs a C++ compiler for CPU devices; or run without --compile)") from exc
         return self.runner
 
 

@@ -26,9 +26,16 @@ def test_env_twins_and_flags_win():
     assert parse_config(["--device", "cpu,cpu"], env=env).devices == ("cpu", "cpu")
 
 
+def test_a_boolean_flag_alone_means_true():
+    assert parse_config(["--compile"], env={}).compile is True
+    assert parse_config(["--compile", "false"], env={"RESNET_SERVER_COMPILE": "1"}).compile is False
+    assert parse_config([], env={"RESNET_SERVER_COMPILE": "yes"}).compile is True
+    assert parse_config(["--channels-last", "off"], env={}).channels_last is False
+
+
 @pytest.mark.parametrize("argv", [["--temperature", "0"], ["--temperature", "nan"], ["--temperature", "-1"],
                                   ["--temperature", "inf"], ["--max-batch-size", "0"], ["--max-queue", "-3"],
-                                  ["--port", "x"]])
+                                  ["--port", "x"], ["--compile", "maybe"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as caught:
         parse_config(argv, env={})

@@ -87,9 +87,24 @@ def test_cpu_runner_returns_probabilities_and_logits_and_warm_up_sizes(weights_f
     probabilities, logits = fp32(batch, torch.ones(4))
     assert probabilities.shape == logits.shape == (4, 1000)
     np.testing.assert_allclose(probabilities.sum(1).numpy(), 1.0, atol=1e-5)
-    assert warm_up_sizes(32, cuda=True) == [1, 2, 4, 8, 16, 32]
-    assert warm_up_sizes(24, cuda=True) == [1, 2, 4, 8, 16, 24]
-    assert warm_up_sizes(32, cuda=False) == [1, 32]
+    assert warm_up_sizes(32, every_power_of_two=True) == [1, 2, 4, 8, 16, 32]
+    assert warm_up_sizes(24, every_power_of_two=True) == [1, 2, 4, 8, 16, 24]
+    assert warm_up_sizes(32, every_power_of_two=False) == [1, 32]
+
+
+@pytest.mark.slow
+def test_compiled_model_pads_an_odd_batch_and_matches_torchvision(make_server, reference):
+    running = make_server(compile=True, max_batch_size=4)
+    assert running.app.core.router.replicas[0].runner.compiled_sizes == [1, 2, 4]
+    images = [encode(random_rgb(seed)) for seed in (1, 2, 3)]
+    with Client(running.target) as client:
+        results = client.classify(images, full=True)
+    # One batch of 3 (padded to the compiled 4 inside the runner; the padding row never comes back).
+    assert running.sample("resnet_batch_size_count", device="cpu") == 1
+    assert running.sample("resnet_batch_size_sum", device="cpu") == 3
+    for image, result in zip(images, results, strict=True):
+        expected = reference.probabilities(reference.input_from_bytes(image))
+        np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.cuda
