@@ -5,8 +5,10 @@ optional reduced precision and ``channels_last``, and exactly one synchronisatio
 the results land in pinned CPU memory). On the CPU it is a plain forward pass.
 
 With ``compiled=True`` the model goes through ``torch.compile`` (inductor, weights frozen as
-constants) once per warm-up batch size, with static shapes; a batch of another size is padded
-with zeros up to the next compiled size and the padding rows are dropped from the results.
+constants) once per warm-up batch size (powers of two), with static shapes. A batch of another
+size is split into compiled sizes on the CPU, where the cost of a forward pass grows linearly
+with the batch, so padding would be wasted work (a batch of 9 padded to 16 measured 30% slower
+serving); on CUDA it is padded with zero rows up to the next size, one launch instead of several.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class ModelRunner:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.compiled = compiled
         self._network = _compile(self.model) if compiled else self.model
-        self.compiled_sizes: list[int] = []  # filled by warm_up; batches are padded up to one of them
+        self.compiled_sizes: list[int] = []  # filled by warm_up
 
     @torch.inference_mode()
     def __call__(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +51,7 @@ class ModelRunner:
 
     def _forward(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = inputs.to(dtype=self.dtype).contiguous(memory_format=self.memory_format)
-        logits = self._network(self._pad(inputs))[: len(inputs)].float()
+        logits = self._run_network(inputs).float()
         probabilities = temperature_softmax(logits, temperatures)
         if not self.cuda:
             # On the CPU this is already host memory: one stack, no copy.
@@ -57,32 +59,53 @@ class ModelRunner:
             return both[0], both[1]
         return probabilities, logits
 
-    def _pad(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Zero rows up to the next compiled batch size (compiled graphs have static shapes)."""
+    def _run_network(self, inputs: torch.Tensor) -> torch.Tensor:
         if not self.compiled_sizes:
-            return inputs
-        size = next((s for s in self.compiled_sizes if s >= len(inputs)), None)
-        if size is None:
-            raise ValueError(f"batch of {len(inputs)} is over the largest compiled size {self.compiled_sizes[-1]}")
-        if size == len(inputs):
-            return inputs
-        return torch.cat([inputs, inputs.new_zeros((size - len(inputs), *inputs.shape[1:]))])
+            return self._network(inputs)
+        if self.cuda:
+            size = next((s for s in self.compiled_sizes if s >= len(inputs)), None)
+            if size is None:
+                raise ValueError(f"batch of {len(inputs)} is over the largest compiled size {self.compiled_sizes[-1]}")
+            return self._network(_fresh_batch(inputs, size))[: len(inputs)]
+        outputs, start = [], 0
+        for size in _split(len(inputs), self.compiled_sizes):
+            outputs.append(self._network(_fresh_batch(inputs[start:start + size], size)))
+            start += size
+        return torch.cat(outputs)
 
     def warm_up(self, batch_sizes: list[int]) -> None:
         """Run every batch size once, so autotuning (cudnn.benchmark) and compilation are paid before SERVING."""
-        sizes = sorted(set(batch_sizes))
+        sizes = sorted({1, *batch_sizes} if self.compiled else set(batch_sizes))  # 1: any batch splits into them
         if self.compiled:
             _allow_recompiles(len(sizes))
+            self.compiled_sizes = sizes  # warm-up batches take the path served ones will
         for size in sizes:
             self(torch.zeros((size, *FLOAT_SHAPE)), torch.ones(size))
-        if self.compiled:
-            self.compiled_sizes = sizes
 
     def memory(self) -> tuple[int, int]:
         """(allocated, reserved) bytes on the device; (0, 0) off CUDA."""
         if not self.cuda:
             return 0, 0
         return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+
+
+def _split(count: int, sizes: list[int]) -> list[int]:
+    """Greedy largest-first split of a batch into available sizes (which include 1)."""
+    parts = []
+    while count:
+        part = max(size for size in sizes if size <= count)
+        parts.append(part)
+        count -= part
+    return parts
+
+
+def _fresh_batch(inputs: torch.Tensor, size: int) -> torch.Tensor:
+    """A new tensor of ``size`` rows, the inputs first and zero rows after, made under inference mode:
+    dynamo also guards on the input's dispatch keys, and a caller's ordinary tensor would otherwise
+    compile every graph a second time."""
+    batch = inputs.new_zeros((size, *inputs.shape[1:]))
+    batch[: len(inputs)] = inputs
+    return batch
 
 
 def _compile(model: torch.nn.Module) -> torch.nn.Module:

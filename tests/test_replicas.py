@@ -13,7 +13,7 @@ import torch
 
 from client import AsyncClient, ClassifierError, Client
 from server.replicas import FAILURES_BEFORE_EVICTION
-from server.runner import ModelRunner, warm_up_sizes
+from server.runner import ModelRunner, _split, warm_up_sizes
 from tests.helpers import encode, free_port, random_rgb, scraped_value, wait_for
 
 IMAGE = encode(random_rgb(77))
@@ -90,16 +90,17 @@ def test_cpu_runner_returns_probabilities_and_logits_and_warm_up_sizes(weights_f
     assert warm_up_sizes(32, every_power_of_two=True) == [1, 2, 4, 8, 16, 32]
     assert warm_up_sizes(24, every_power_of_two=True) == [1, 2, 4, 8, 16, 24]
     assert warm_up_sizes(32, every_power_of_two=False) == [1, 32]
+    assert _split(13, [1, 2, 4, 8]) == [8, 4, 1] and _split(3, [1, 4]) == [1, 1, 1]
 
 
 @pytest.mark.slow
-def test_compiled_model_pads_an_odd_batch_and_matches_torchvision(make_server, reference):
+def test_compiled_model_splits_an_odd_batch_and_matches_torchvision(make_server, reference):
     running = make_server(compile=True, max_batch_size=4)
     assert running.app.core.router.replicas[0].runner.compiled_sizes == [1, 2, 4]
     images = [encode(random_rgb(seed)) for seed in (1, 2, 3)]
     with Client(running.target) as client:
         results = client.classify(images, full=True)
-    # One batch of 3 (padded to the compiled 4 inside the runner; the padding row never comes back).
+    # One batch of 3, run by the runner as compiled graphs of 2 and 1 (on CUDA: padded to 4).
     assert running.sample("resnet_batch_size_count", device="cpu") == 1
     assert running.sample("resnet_batch_size_sum", device="cpu") == 3
     for image, result in zip(images, results, strict=True):
