@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The CPU benchmark in one go: the in-process ceiling, then the served sweep, side by side, same weights.
-# Usage: scripts/bench_cpu.sh [OUT_DIR]   (default results/); about 4 minutes on 2 cores.
-# BENCH_IMAGE_SIZE (WxH, default 640x480) and BENCH_DURATION (seconds per point, default 15) tune it.
+# Usage: scripts/bench_cpu.sh [OUT_DIR]   (default results/); about 6 minutes on 2 cores.
+# BENCH_IMAGE_SIZE (WxH, default 640x480) and BENCH_DURATION (seconds per point, default 15) tune it;
+# BENCH_COMPILE=1 measures torch.compile (--compile) in both the ceiling and the server; BENCH_ROUNDS
+# (default 3) alternates ceiling and served c=16 that many times, so the headline ratio is a median of
+# pairs measured seconds apart rather than one pair (this VM's speed drifts 10-15% over minutes).
 # Talks only to a server it starts on 127.0.0.1 and stops it (by PID) when done.
 set -euo pipefail
 out=${1:-results}
@@ -10,17 +13,22 @@ duration=${BENCH_DURATION:-15}
 port=${BENCH_PORT:-50151}
 metrics=${BENCH_METRICS_PORT:-8151}
 size=${BENCH_IMAGE_SIZE:-640x480}
+rounds=${BENCH_ROUNDS:-3}
+compile=()
+[ "${BENCH_COMPILE:-0}" = 1 ] && compile=(--compile)
 
-resnet-server bench-model --weights random --batch-sizes 1,4,8,16,32 --input uint8 --image-size $size \
-  --duration 8 --json > "$out/ceiling_uint8.json"
-resnet-server bench-model --weights random --batch-sizes 1,16 --input jpeg --image-size $size \
-  --duration 8 --json > "$out/ceiling_jpeg.json"
+ceiling() {  # ceiling BATCH_SIZES INPUT
+  resnet-server bench-model --weights random --batch-sizes "$1" --input "$2" --image-size $size --duration 8 \
+    --json "${compile[@]}"
+}
+ceiling 1,4,8,16,32 uint8 > "$out/ceiling_uint8.json"
+ceiling 1,16 jpeg > "$out/ceiling_jpeg.json"
 
 serve() {  # serve [extra flags...]: start a server in the background, wait for SERVING
   resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device cpu --weights random \
-    --log-level WARNING "$@" &
+    --log-level WARNING "${compile[@]}" "$@" &
   server_pid=$!
-  for _ in $(seq 120); do
+  for _ in $(seq 400); do  # --compile compiles every batch size before SERVING
     resnet-client health --server 127.0.0.1:$port --timeout 1 >/dev/null 2>&1 && return 0
     sleep 0.5
   done
@@ -37,6 +45,12 @@ bench() {  # bench NAME ARGS...
 serve
 bench served_uint8 --input uint8 --sweep 1,16
 bench served_jpeg --input jpeg --sweep 1,16
+: > "$out/rounds_ceiling.json"; : > "$out/rounds_served.json"
+for round in $(seq "$rounds"); do  # the server idles while the ceiling runs
+  ceiling 8,16 uint8 >> "$out/rounds_ceiling.json"
+  bench "round_$round" --input uint8 --concurrency 16 && cat "$out/round_$round.json" >> "$out/rounds_served.json"
+  rm "$out/round_$round.json"
+done
 stop
 serve --max-batch-size 1
 bench served_uint8_nobatch --input uint8 --concurrency 16

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,8 +23,10 @@ def main(folder: Path, size: str) -> None:
     batch1_ms = 1000.0 / uint8["forward_images_per_s"]["1"]
     served = {name: {p["concurrency"]: p for p in load(folder, name)}
               for name in ("served_uint8", "served_jpeg", "served_uint8_nobatch")}
+    compiled = " with --compile" if uint8.get("compiled") else ""
     print(f"Measured {time.strftime('%Y-%m-%d')} on {platform.node()} ({platform.processor() or platform.machine()}, "
-          f"torch threads {uint8['torch_threads']}), scripts/bench_cpu.sh, {size} images, seeded random weights.\n")
+          f"torch threads {uint8['torch_threads']}), scripts/bench_cpu.sh{compiled}, {size} images, "
+          "seeded random weights.\n")
     print("| what | images/s | p50 ms | p99 ms | mean batch | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for size, rate in uint8["forward_images_per_s"].items():
@@ -49,6 +52,19 @@ def main(folder: Path, size: str) -> None:
           f"(+{c1['p50_ms'] - batch1_ms:.1f} ms); c=16 p99/p50 = {c16['p99_ms'] / c16['p50_ms']:.2f}; "
           f"batching on/off at c=16: {c16['images_per_s']:.1f} vs "
           f"{served['served_uint8_nobatch'][16]['images_per_s']:.1f} images/s")
+    print_rounds(folder)
+
+
+def print_rounds(folder: Path) -> None:
+    """The headline ratio: served uint8 c=16 over the forward ceiling, pair by pair, seconds apart."""
+    if not (folder / "rounds_served.json").exists():
+        return
+    ceilings = [max(c["forward_images_per_s"].values()) for c in load(folder, "rounds_ceiling")]
+    served = [point["images_per_s"] for point in load(folder, "rounds_served")]
+    ratios = [s / c for s, c in zip(served, ceilings, strict=True)]
+    pairs = ", ".join(f"{s:.1f}/{c:.1f}" for s, c in zip(served, ceilings, strict=True))
+    print(f"\nAlternating rounds, served uint8 c=16 / in-process forward ceiling: {pairs} images/s; "
+          f"ratio median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one go, for a machine with CUDA: the CUDA-marked tests, reduced-precision agreement,
-# the in-process ceiling and the served sweep (uint8, batching on and off). Writes results/gpu/.
-# Usage: scripts/gpu_check.sh [OUT_DIR]   (about 8 minutes on one H100)
+# GPU JPEG decode agreement, the in-process ceiling (eager per precision, compiled fp16) and the served
+# sweeps (uint8 batching on and off, fp16, JPEG decoded on the GPU vs the CPU). Writes results/gpu/.
+# Usage: scripts/gpu_check.sh [OUT_DIR]   (about 10 minutes on one H100)
 set -uo pipefail
 out=${1:-results/gpu}
 mkdir -p "$out"
@@ -11,10 +12,13 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 
 python -m pytest -q -m cuda -p no:cacheprovider 2>&1 | tee "$out/cuda_tests.txt"
 python scripts/precision_check.py --device cuda:0 --json "$out/precision.json" | tee "$out/precision.txt"
+python scripts/decode_check.py --device cuda:0 --json "$out/decode.json" | tee "$out/decode.txt"
 for precision in fp32 fp16 bf16; do
   resnet-server bench-model --device cuda:0 --precision $precision --batch-sizes 1,8,32,64,128 \
     --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_$precision.json"
 done
+resnet-server bench-model --device cuda:0 --precision fp16 --compile --batch-sizes 1,64,128 \
+  --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_fp16_compiled.json"
 
 serve() {
   resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device cuda:0 --weights random \
@@ -25,10 +29,15 @@ serve() {
 }
 stop() { kill -TERM "$server_pid"; wait "$server_pid"; }
 trap 'kill -TERM "${server_pid:-}" 2>/dev/null || true' EXIT
-bench() {
+bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise
   resnet-client bench --server 127.0.0.1:$port --metrics http://127.0.0.1:$metrics/metrics --input uint8 \
     --image-size 224x224 --duration 15 --warmup 3 --processes 8 --quiet --json "${@:2}" > "$out/$1.json"
 }
 serve --max-batch-size 64 && bench served_batched --sweep 1,16,64,256 && stop
 serve --max-batch-size 1 && bench served_nobatch --concurrency 256 && stop
+serve --max-batch-size 128 --precision fp16 && bench served_fp16 --sweep 64,256 && stop
+for where in true false; do
+  serve --max-batch-size 64 --decode-on-device $where && \
+    bench served_jpeg_decode_on_device_$where --input jpeg --image-size 640x480 --concurrency 256 && stop
+done
 echo "results in $out"

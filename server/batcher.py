@@ -18,12 +18,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import ComputeFailed, DeadlineExpired, Overloaded, ServingError, Unavailable
 from .metrics import Metrics
 from .postprocess import top_k
+
+if TYPE_CHECKING:
+    from .device_decode import DeferredJpeg
+    from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +50,7 @@ class ImageOutput:
 class WorkItem:
     """One queued image and the future its caller awaits."""
 
-    tensor: torch.Tensor
+    tensor: torch.Tensor | DeferredJpeg  # the model input, or a JPEG the replica decodes on its device
     temperature: float
     top_k: int
     deadline: float | None  # time.monotonic() value, or None for no deadline
@@ -62,20 +67,21 @@ class WorkItem:
         return None
 
 
-# (inputs [B, 3, 224, 224] on the CPU, temperatures [B]) -> (probabilities, logits), both [B, 1000] on the CPU.
+# (inputs [B, 3, 224, 224] on the CPU or the device, temperatures [B]) -> (probabilities, logits), [B, 1000] on the CPU.
 ComputeFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Batcher:
-    """``setup`` runs first on the worker thread and returns the compute function. Loading, warm-up
+    """``setup`` runs first on the worker thread and returns the model runner. Loading, warm-up
     and every forward pass thus share one thread: with OpenMP, each thread that runs parallel torch
     ops gets its own team of spinning workers, and on a small CPU two teams cost a third of the speed."""
 
-    def __init__(self, name: str, setup: Callable[[], ComputeFn], metrics: Metrics, *, max_batch_size: int,
+    def __init__(self, name: str, setup: Callable[[], ModelRunner], metrics: Metrics, *, max_batch_size: int,
                  max_batch_delay_ms: float, max_queue: int) -> None:
         self.name = name
         self._setup = setup
-        self._compute: ComputeFn | None = None
+        self._compute: ComputeFn | None = None  # the runner's forward pass; tests swap it to inject faults
+        self._runner: ModelRunner | None = None
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
         self._max_batch_size = max_batch_size
@@ -133,7 +139,8 @@ class Batcher:
 
     def _run(self) -> None:
         try:
-            self._compute = self._setup()
+            self._runner = self._setup()
+            self._compute = self._runner
         except BaseException as exc:  # handed to start(), which re-raises it in the caller
             self._setup_error = exc
             return
@@ -183,7 +190,11 @@ class Batcher:
     def _execute(self, batch: list[WorkItem]) -> None:
         started = time.monotonic()
         try:
-            probabilities, logits = self._compute_split_on_oom(batch)
+            batch, inputs = self._prepare(batch)
+            if not batch:
+                return
+            temperatures = torch.tensor([item.temperature for item in batch], dtype=torch.float64)
+            probabilities, logits = self._compute_split_on_oom(inputs, temperatures)
         except ServingError as exc:
             _fail(batch, exc)
             return
@@ -203,21 +214,28 @@ class Batcher:
         ]
         _resolve(batch, outputs)
 
-    def _compute_split_on_oom(self, batch: list[WorkItem]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prepare(self, batch: list[WorkItem]) -> tuple[list[WorkItem], torch.Tensor]:
+        """Stack the batch's inputs, decoding deferred JPEGs; an image that cannot be decoded fails alone."""
+        inputs, rejected = self._runner.prepare([item.tensor for item in batch])
+        for index, error in rejected.items():
+            _fail([batch[index]], error)
+        return [item for i, item in enumerate(batch) if i not in rejected], inputs
+
+    def _compute_split_on_oom(self, inputs: torch.Tensor, temperatures: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the batch; on device out-of-memory, halve it and retry before giving up."""
         try:
-            inputs = torch.stack([item.tensor for item in batch])
-            temperatures = torch.tensor([item.temperature for item in batch], dtype=torch.float64)
             probabilities, logits = self._compute(inputs, temperatures)
         except torch.OutOfMemoryError:
-            if len(batch) == 1:
+            if len(inputs) == 1:
                 raise Overloaded(f"out of memory on {self.name} even for a single image") from None
-            log.warning("out of memory on %s with a batch of %d; splitting it", self.name, len(batch))
-            half = len(batch) // 2
-            first, second = self._compute_split_on_oom(batch[:half]), self._compute_split_on_oom(batch[half:])
+            log.warning("out of memory on %s with a batch of %d; splitting it", self.name, len(inputs))
+            half = len(inputs) // 2
+            first = self._compute_split_on_oom(inputs[:half], temperatures[:half])
+            second = self._compute_split_on_oom(inputs[half:], temperatures[half:])
             return torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]])
-        if len(probabilities) != len(batch):
-            raise RuntimeError(f"compute returned {len(probabilities)} results for {len(batch)} images")
+        if len(probabilities) != len(inputs):
+            raise RuntimeError(f"compute returned {len(probabilities)} results for {len(inputs)} images")
         return probabilities, logits
 
     def _record(self, batch: list[WorkItem], started: float, elapsed: float) -> None:

@@ -50,6 +50,7 @@ class ServerConfig:
     channels_last: bool = True
     cudnn_benchmark: bool = True
     compile: bool = False
+    decode_on_device: str = "auto"
 
 
 def _positive_int(text: str) -> int:
@@ -95,6 +96,12 @@ def _boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
 
 
+def _auto_boolean(text: str) -> str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    return "true" if _boolean(text) else "false"
+
+
 def _device_list(text: str) -> tuple[str, ...]:
     devices = tuple(part.strip() for part in text.split(",") if part.strip())
     if not devices:
@@ -134,6 +141,8 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("cudnn-benchmark", _boolean, "let cuDNN autotune convolutions (at warm-up, before SERVING)"),
     ("compile", _boolean, "torch.compile the model for each power-of-two batch size up to --max-batch-size "
                           "(at warm-up, before SERVING); batches are padded up to the next size"),
+    ("decode-on-device", _auto_boolean, "decode JPEGs in batches on the replica's device (nvjpeg on CUDA) and "
+                                        "resize/normalise there; auto: on for CUDA devices, off for the CPU"),
 ]
 
 
@@ -159,7 +168,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             default = _from_env(name, env[name], kind)
         shown = ",".join(default) if isinstance(default, tuple) else default
         # A boolean flag alone means true: `--compile` is `--compile true`.
-        optional_value = {"nargs": "?", "const": True} if kind is _boolean else {}
+        optional_value = {"nargs": "?", "const": kind("true")} if kind in (_boolean, _auto_boolean) else {}
         parser.add_argument(f"--{flag}", dest=_field_name(flag), type=kind, default=default, **optional_value,
                             help=f"{help_text} [env {name}; default {shown}]")
     return parser

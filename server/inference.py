@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .batcher import ImageOutput, WorkItem
+from .device_decode import DeferredJpeg, defer_or_preprocess
 from .errors import DeadlineExpired, InvalidInput, Overloaded, status_for
 from .metrics import Metrics
 from .postprocess import NUM_CLASSES
@@ -86,7 +87,7 @@ class InferenceCore:
             raise Overloaded(f"{replica.name} has {replica.pending - len(call.images)} images in flight "
                              f"(limit {self.limits.max_queue}); retry later")
         deadline = None if call.timeout is None else started + call.timeout
-        tensors = await self._preprocess(call.images)
+        tensors = await self._preprocess(call.images, replica.decode_on_device)
         loop = asyncio.get_running_loop()
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExpired("deadline passed while the images were decoded")
@@ -116,9 +117,10 @@ class InferenceCore:
             raise InvalidInput(f"top_k must be between 1 and {NUM_CLASSES}, got {k}")
         return temperature, k
 
-    async def _preprocess(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+    async def _preprocess(self, images: Sequence[ImageInput], defer_jpegs: bool) -> list[torch.Tensor | DeferredJpeg]:
         loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self._executor, preprocess, image, self.limits.max_pixels) for image in images]
+        prepare = defer_or_preprocess if defer_jpegs else preprocess
+        jobs = [loop.run_in_executor(self._executor, prepare, image, self.limits.max_pixels) for image in images]
         return list(await asyncio.gather(*jobs))
 
     def close(self) -> None:

@@ -49,6 +49,9 @@ class Metrics:
                                    **by_device)
         self.gpu_reserved = Gauge(PREFIX + "gpu_memory_reserved_bytes", "CUDA memory reserved by the caching "
                                   "allocator", **by_device)
+        self.gpu_utilization = Gauge(PREFIX + "gpu_utilization_ratio", "Share of the last sample period in which "
+                                     "a kernel ran on the GPU (NVML; present when nvidia-ml-py is installed)",
+                                     **by_device)
 
 
 def serve_metrics(metrics: Metrics, host: str, port: int):

@@ -54,11 +54,16 @@ def preprocess(image: ImageInput, max_pixels: int) -> torch.Tensor:
     raise InvalidInput(f"raw tensor dtype must be uint8 or float32, got {image.dtype or 'unspecified'}")
 
 
-def decode(data: bytes, max_pixels: int) -> torch.Tensor:
-    """Encoded bytes to uint8 [3, H, W] RGB, refusing images over max_pixels before decoding them."""
+def check_header(data: bytes, max_pixels: int) -> None:
+    """The checks done on arrival for an image decoded later: not empty, not over the pixel limit."""
     if not data:
         raise InvalidInput("image is empty (0 bytes)")
     _check_declared_size(data, max_pixels)
+
+
+def decode(data: bytes, max_pixels: int) -> torch.Tensor:
+    """Encoded bytes to uint8 [3, H, W] RGB, refusing images over max_pixels before decoding them."""
+    check_header(data, max_pixels)
     try:
         decoded = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
     except (RuntimeError, ValueError) as exc:

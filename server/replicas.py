@@ -33,6 +33,7 @@ class Replica:
     runner: ModelRunner
     batcher: Batcher
     weights: LoadedWeights
+    decode_on_device: bool = False  # JPEGs go to the batcher undecoded, decoded there in one batch
     pending: int = 0  # images routed here and not yet answered; touched on the event loop only
 
     @property
@@ -81,13 +82,27 @@ def load_replica(name: str, device: torch.device, config: ServerConfig, metrics:
     elapsed = time.monotonic() - started
     metrics.load_time.labels(name).set(elapsed)
     metrics.healthy.labels(name).set(1)
-    if device.type == "cuda":  # read at scrape time, never on the serving path
-        metrics.gpu_allocated.labels(name).set_function(lambda: runner.memory()[0])
-        metrics.gpu_reserved.labels(name).set_function(lambda: runner.memory()[1])
+    if device.type == "cuda":
+        _watch_gpu(name, device, runner, metrics)
     log.info("replica %s ready on %s in %.2fs (weights %s)", name, device, elapsed, weights.source)
     if weights.warning:
         log.warning("%s", weights.warning)
-    return Replica(name, device, runner, batcher, weights)
+    decode_on_device = config.decode_on_device == "true" or (
+        config.decode_on_device == "auto" and device.type == "cuda")
+    return Replica(name, device, runner, batcher, weights, decode_on_device)
+
+
+def _watch_gpu(name: str, device: torch.device, runner: ModelRunner, metrics: Metrics) -> None:
+    """GPU gauges, read at scrape time, never on the serving path. Utilisation needs NVML (the optional
+    nvidia-ml-py package); torch.cuda.utilization maps CUDA_VISIBLE_DEVICES indices to NVML's for us."""
+    metrics.gpu_allocated.labels(name).set_function(lambda: runner.memory()[0])
+    metrics.gpu_reserved.labels(name).set_function(lambda: runner.memory()[1])
+    try:
+        torch.cuda.utilization(device)
+    except Exception as exc:  # noqa: BLE001 - no pynvml, or NVML cannot see the device: no gauge
+        log.info("no GPU utilisation gauge for %s (%s: %s)", name, type(exc).__name__, exc)
+        return
+    metrics.gpu_utilization.labels(name).set_function(lambda: torch.cuda.utilization(device) / 100.0)
 
 
 class Router:

@@ -13,8 +13,12 @@ serving); on CUDA it is padded with zero rows up to the next size, one launch in
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from .device_decode import DeferredJpeg, decode_batch
+from .errors import InvalidInput
 from .postprocess import temperature_softmax
 from .preprocess import FLOAT_SHAPE
 
@@ -35,12 +39,30 @@ class ModelRunner:
         self.compiled_sizes: list[int] = []  # filled by warm_up
 
     @torch.inference_mode()
+    def prepare(self, images: list[torch.Tensor | DeferredJpeg]) -> tuple[torch.Tensor, dict[int, InvalidInput]]:
+        """One batch's inputs as one tensor (on the device when JPEGs were decoded there), and the images
+        that could not be decoded, by position in ``images``; those are left out of the tensor."""
+        deferred = [i for i, image in enumerate(images) if isinstance(image, DeferredJpeg)]
+        if not deferred:
+            return torch.stack(images), {}
+        with self._on_stream():
+            decoded = dict(zip(deferred, decode_batch([images[i] for i in deferred], self.device), strict=True))
+            errors = {i: result for i, result in decoded.items() if isinstance(result, InvalidInput)}
+            kept = [decoded.get(i, image).to(self.device) for i, image in enumerate(images) if i not in errors]
+            return (torch.stack(kept) if kept else torch.empty((0, *FLOAT_SHAPE))), errors
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    @torch.inference_mode()
     def __call__(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """inputs [B, 3, 224, 224] and temperatures [B] on the CPU -> (probabilities, logits) on the CPU."""
+        """inputs [B, 3, 224, 224] (on the CPU, or already on the device) and temperatures [B] on the CPU
+        -> (probabilities, logits) on the CPU."""
         if not self.cuda:
             return self._forward(inputs, temperatures)
         with torch.cuda.stream(self.stream):
-            on_device = inputs.pin_memory().to(self.device, non_blocking=True)
+            on_device = inputs if inputs.device == self.device else inputs.pin_memory().to(self.device,
+                                                                                           non_blocking=True)
             temperatures_on_device = temperatures.pin_memory().to(self.device, non_blocking=True)
             probabilities, logits = self._forward(on_device, temperatures_on_device)
             both = torch.stack([probabilities, logits])

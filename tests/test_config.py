@@ -33,9 +33,17 @@ def test_a_boolean_flag_alone_means_true():
     assert parse_config(["--channels-last", "off"], env={}).channels_last is False
 
 
+def test_decode_on_device_is_auto_true_or_false():
+    assert parse_config([], env={}).decode_on_device == "auto"
+    assert parse_config(["--decode-on-device"], env={}).decode_on_device == "true"
+    assert parse_config([], env={"RESNET_SERVER_DECODE_ON_DEVICE": "off"}).decode_on_device == "false"
+    assert parse_config(["--decode-on-device", "AUTO"], env={}).decode_on_device == "auto"
+
+
 @pytest.mark.parametrize("argv", [["--temperature", "0"], ["--temperature", "nan"], ["--temperature", "-1"],
                                   ["--temperature", "inf"], ["--max-batch-size", "0"], ["--max-queue", "-3"],
-                                  ["--port", "x"], ["--compile", "maybe"]])
+                                  ["--port", "x"], ["--compile", "maybe"],
+                                  ["--decode-on-device", "gpu"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as caught:
         parse_config(argv, env={})

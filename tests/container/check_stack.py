@@ -74,7 +74,7 @@ def main() -> int:
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
             expr = target["expr"]
-            wanted = 0 if "gpu_memory" in expr else args.replicas if "instance" in expr else 1
+            wanted = 0 if "resnet_gpu_" in expr else args.replicas if "instance" in expr else 1
 
             def evaluated(e=expr, wanted=wanted):
                 answer = query(args.prometheus, e)
