@@ -61,7 +61,7 @@ def make_image(kind: str, width: int, height: int, path: str | None = None) -> p
 
 
 async def _drive(spec: LoadSpec) -> list[tuple[float, str]]:
-    """(latency seconds, status code name) of every request that finished inside the measured window."""
+    """(latency seconds, status code name) of every request that completed inside the measured window."""
     records: list[tuple[float, str]] = []
     request = pb.ClassifyRequest.FromString(spec.request)
     started = time.monotonic()
@@ -78,7 +78,10 @@ async def _drive(spec: LoadSpec) -> list[tuple[float, str]]:
             except Exception as exc:  # grpc.aio.AioRpcError
                 code = exc.code().name if hasattr(exc, "code") else type(exc).__name__
             done = time.monotonic()
-            if measure_from <= sent and done <= stop_at:
+            # Every call that completes inside the window counts, whenever it was sent: counting only calls sent
+            # inside it would miss those in flight as it opens, an undercount of about latency / duration
+            # (4% at 600 ms over 15 s).
+            if measure_from <= done <= stop_at:
                 records.append((done - sent, code))
 
         if spec.concurrency:
