@@ -3,8 +3,9 @@
 # Usage: scripts/bench_cpu.sh [OUT_DIR]   (default results/); about 6 minutes on 2 cores.
 # BENCH_IMAGE_SIZE (WxH, default 640x480) and BENCH_DURATION (seconds per point, default 15) tune it;
 # BENCH_COMPILE=1 measures torch.compile (--compile) in both the ceiling and the server; BENCH_ROUNDS
-# (default 3) alternates ceiling and served c=16 that many times, so the headline ratio is a median of
-# pairs measured seconds apart rather than one pair (this VM's speed drifts 10-15% over minutes).
+# (default 3) alternates the ceiling (batch 1, 8, 16) and served uint8 (c=1, c=16) that many times, so the
+# headline figures are medians of pairs measured seconds apart rather than one pair (this VM's speed
+# drifts 10-15% over minutes).
 # Talks only to a server it starts on 127.0.0.1 and stops it (by PID) when done.
 set -euo pipefail
 out=${1:-results}
@@ -47,8 +48,8 @@ bench served_uint8 --input uint8 --sweep 1,16
 bench served_jpeg --input jpeg --sweep 1,16
 : > "$out/rounds_ceiling.json"; : > "$out/rounds_served.json"
 for round in $(seq "$rounds"); do  # the server idles while the ceiling runs
-  ceiling 8,16 uint8 >> "$out/rounds_ceiling.json"
-  bench "round_$round" --input uint8 --concurrency 16 && cat "$out/round_$round.json" >> "$out/rounds_served.json"
+  ceiling 1,8,16 uint8 >> "$out/rounds_ceiling.json"
+  bench "round_$round" --input uint8 --sweep 1,16 && cat "$out/round_$round.json" >> "$out/rounds_served.json"
   rm "$out/round_$round.json"
 done
 stop

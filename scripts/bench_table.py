@@ -56,15 +56,26 @@ def main(folder: Path, size: str) -> None:
 
 
 def print_rounds(folder: Path) -> None:
-    """The headline ratio: served uint8 c=16 over the forward ceiling, pair by pair, seconds apart."""
+    """The headline figures, pair by pair, seconds apart: served uint8 c=16 over the forward ceiling, and
+    served c=1 p50 latency over the in-process batch-1 latency."""
     if not (folder / "rounds_served.json").exists():
         return
-    ceilings = [max(c["forward_images_per_s"].values()) for c in load(folder, "rounds_ceiling")]
-    served = [point["images_per_s"] for point in load(folder, "rounds_served")]
-    ratios = [s / c for s, c in zip(served, ceilings, strict=True)]
-    pairs = ", ".join(f"{s:.1f}/{c:.1f}" for s, c in zip(served, ceilings, strict=True))
+    ceilings = load(folder, "rounds_ceiling")
+    served = load(folder, "rounds_served")
+    c16 = [point for point in served if point["concurrency"] == 16]
+    c1 = [point for point in served if point["concurrency"] == 1]
+    best = [max(ceiling["forward_images_per_s"].values()) for ceiling in ceilings]
+    ratios = [point["images_per_s"] / ceiling for point, ceiling in zip(c16, best, strict=True)]
+    pairs = ", ".join(f"{point['images_per_s']:.1f}/{ceiling:.1f}" for point, ceiling in zip(c16, best, strict=True))
     print(f"\nAlternating rounds, served uint8 c=16 / in-process forward ceiling: {pairs} images/s; "
           f"ratio median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
+    if not c1:
+        return
+    batch1_ms = [1000.0 / ceiling["forward_images_per_s"]["1"] for ceiling in ceilings]
+    gaps = [point["p50_ms"] - ms for point, ms in zip(c1, batch1_ms, strict=True)]
+    pairs = ", ".join(f"{point['p50_ms']:.1f}/{ms:.1f}" for point, ms in zip(c1, batch1_ms, strict=True))
+    print(f"Alternating rounds, served uint8 c=1 p50 / in-process batch-1 latency: {pairs} ms; "
+          f"difference median {statistics.median(gaps):+.1f} ms (range {min(gaps):+.1f} to {max(gaps):+.1f})")
 
 
 if __name__ == "__main__":

@@ -7,12 +7,11 @@ Usage: python scripts/decode_check.py --device cuda:0 [--weights imagenet|PATH|r
 
 from __future__ import annotations
 
-import argparse
 import io
-import json
 
 import numpy as np
 import torch
+from check_args import check_parser, write_json
 from PIL import Image
 
 from server.device_decode import DeferredJpeg, decode_batch
@@ -36,12 +35,7 @@ def sample_jpegs(count: int, seed: int = 0) -> list[bytes]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--weights", default="random")
-    parser.add_argument("--images", type=int, default=256)
-    parser.add_argument("--json")
-    args = parser.parse_args()
+    args = check_parser(__doc__, images=256).parse_args()
     device = torch.device(args.device)
     jpegs = sample_jpegs(args.images)
     on_cpu = torch.stack([TRANSFORM(decode(data, 10**8)) for data in jpegs])
@@ -58,9 +52,7 @@ def main() -> None:
     print(f"GPU decode vs CPU decode: top-1 agrees on {100 * result['top1_agreement']:.2f}% of {args.images} "
           f"images; max |p - p_cpu| = {result['max_probability_difference']:.2e}; largest input difference "
           f"{result['max_input_difference']:.3f} (normalised units)")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

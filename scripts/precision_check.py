@@ -5,22 +5,15 @@ Usage: python scripts/precision_check.py --device cuda:0 [--weights imagenet|PAT
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import torch
+from check_args import check_parser, write_json
 
 from server.model import build_model, load_weights
 from server.runner import ModelRunner
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--weights", default="random")
-    parser.add_argument("--images", type=int, default=512)
-    parser.add_argument("--json")
-    args = parser.parse_args()
+    args = check_parser(__doc__, images=512).parse_args()
     device = torch.device(args.device)
     # Fixed inputs: smooth random images (normalised), so classes differ between images.
     generator = torch.Generator().manual_seed(0)
@@ -40,9 +33,7 @@ def main() -> None:
                               "max_probability_difference": (probabilities - reference).abs().max().item()}
         print(f"{precision}: top-1 agrees with fp32 on {100 * agreement:.2f}% of {args.images} images; "
               f"max |p - p_fp32| = {results[precision]['max_probability_difference']:.2e}")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"weights": args.weights, "images": args.images, **results}, handle, indent=2)
+    write_json(args.json, {"weights": args.weights, "images": args.images, **results})
 
 
 if __name__ == "__main__":

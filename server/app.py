@@ -26,7 +26,7 @@ from .metrics import Metrics, serve_metrics
 from .model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION
 from .oip_service import InferenceService
 from .oip_service import model_config as oip_model_config
-from .preprocess import CROP, ENCODINGS, RAW_FORMATS, RESIZE, TRANSFORM
+from .preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
 from .replicas import Replica, Router, load_replica
 from .security import TokenAuthInterceptor, load_tokens, server_credentials
 from .service import ClassifierService
@@ -138,7 +138,7 @@ def model_info(config: ServerConfig, replicas: list[Replica], temperature: float
         labels=LABELS,
         input=pb.InputSpec(encodings=list(ENCODINGS), raw_formats=list(RAW_FORMATS), max_pixels=config.max_pixels,
                            max_images_per_request=config.max_images_per_request, crop_size=CROP,
-                           resize_size=RESIZE, mean=list(TRANSFORM.mean), std=list(TRANSFORM.std)),
+                           resize_size=RESIZE, mean=MEAN, std=STD),
         devices=[replica.name for replica in replicas],
         default_temperature=temperature,
         temperature_source=source,

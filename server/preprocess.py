@@ -1,9 +1,12 @@
 """Decode and preprocess one image into the model's input: float32 [3, 224, 224], normalised.
 
-The transform is exactly torchvision's ImageNet eval preset for ResNet18
-(``ResNet18_Weights.IMAGENET1K_V1.transforms()``: resize 256 bilinear with antialias, centre crop
-224, scale to [0, 1], normalise). These functions block: callers run them in worker threads,
-never on the event loop.
+The transform is torchvision's ImageNet eval preset for ResNet18 (``ResNet18_Weights.IMAGENET1K_V1
+.transforms()``: resize 256 bilinear with antialias, centre crop 224, scale to [0, 1], normalise),
+built from torchvision's ``transforms.v2`` with the preset's own numbers. v2 resizes uint8 images in
+uint8 (torch's vectorised path) where the v1 preset converts to float first: measured on one core,
+0.65 ms instead of 1.45 ms for a 224x224 image, 1.3 instead of 3.1 ms for 640x480, 1.8 instead of
+12.8 ms for 1920x1080 (raw HWC input), at the price of pixels that may differ from v1's by one grey
+level. These functions block: callers run them in worker threads, never on the event loop.
 """
 
 from __future__ import annotations
@@ -16,13 +19,21 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms import v2
 
 from .errors import InvalidInput
 from .model import IMAGENET_WEIGHTS
 
-TRANSFORM = IMAGENET_WEIGHTS.transforms()
-CROP = TRANSFORM.crop_size[0]
-RESIZE = TRANSFORM.resize_size[0]
+PRESET = IMAGENET_WEIGHTS.transforms()
+CROP = PRESET.crop_size[0]
+RESIZE = PRESET.resize_size[0]
+MEAN, STD = list(PRESET.mean), list(PRESET.std)
+TRANSFORM = v2.Compose([
+    v2.Resize(RESIZE, interpolation=PRESET.interpolation, antialias=True),
+    v2.CenterCrop(CROP),
+    v2.ToDtype(torch.float32, scale=True),
+    v2.Normalize(MEAN, STD),
+])
 FLOAT_SHAPE = (3, CROP, CROP)
 ENCODINGS = ("jpeg", "png", "gif", "webp")
 RAW_FORMATS = ("uint8 [H, W, 3] RGB", f"float32 {list(FLOAT_SHAPE)} normalised")

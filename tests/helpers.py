@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
-from torchvision.models import ResNet18_Weights, resnet18
+from torchvision.models import resnet18
+from torchvision.transforms import v2
 
 from server.app import App
 from server.config import ServerConfig
@@ -83,13 +84,21 @@ def encode(array: np.ndarray, fmt: str = "JPEG") -> bytes:
 
 
 class Reference:
-    """The expected answer, computed directly with torchvision (same transform, weights and T)."""
+    """The expected answer, computed directly with torchvision (same transform, weights and T).
+
+    The transform is torchvision's documented ImageNet eval pipeline for ResNet18 spelled out in
+    ``transforms.v2`` (which the server uses for its uint8 resize; see test_v2_preset_is_v1_within_one_level)."""
 
     def __init__(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model = resnet18(weights=None)
         self.model.load_state_dict(state_dict)
         self.model.eval()
-        self.transform = ResNet18_Weights.IMAGENET1K_V1.transforms()
+        self.transform = v2.Compose([
+            v2.Resize(256, interpolation=v2.InterpolationMode.BILINEAR, antialias=True),
+            v2.CenterCrop(224),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        ])
 
     @torch.inference_mode()
     def logits(self, batch: torch.Tensor) -> torch.Tensor:

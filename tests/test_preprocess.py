@@ -1,0 +1,24 @@
+"""The served transform against torchvision's v1 ImageNet preset it stands in for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchvision.models import ResNet18_Weights
+
+from server.preprocess import STD, TRANSFORM
+from tests.helpers import random_rgb
+
+ONE_GREY_LEVEL = 1.0 / 255.0 / min(STD)  # in normalised units
+
+
+@pytest.mark.parametrize("height, width", [(224, 224), (480, 640), (301, 257), (100, 900)])
+@pytest.mark.parametrize("layout", ["hwc", "chw"])  # raw uint8 arrives HWC; decoders return CHW
+def test_v2_transform_is_the_v1_preset_within_one_grey_level(height, width, layout):
+    pixels = torch.from_numpy(random_rgb(height * width, height, width)).permute(2, 0, 1)
+    if layout == "chw":
+        pixels = pixels.contiguous()
+    served, v1 = TRANSFORM(pixels), ResNet18_Weights.IMAGENET1K_V1.transforms()(pixels)
+    assert served.shape == v1.shape == (3, 224, 224) and served.dtype == torch.float32
+    assert (served - v1).abs().max().item() <= ONE_GREY_LEVEL + 1e-6
+    assert (served - v1).abs().mean().item() < ONE_GREY_LEVEL / 4  # most pixels are identical
