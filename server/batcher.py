@@ -50,7 +50,7 @@ class ImageOutput:
 class WorkItem:
     """One queued image and the future its caller awaits."""
 
-    tensor: torch.Tensor | DeferredJpeg  # the model input, or a JPEG the replica decodes on its device
+    model_input: torch.Tensor | DeferredJpeg  # the preprocessed image, or a JPEG the replica decodes on its device
     temperature: float
     top_k: int
     deadline: float | None  # time.monotonic() value, or None for no deadline
@@ -216,7 +216,7 @@ class Batcher:
 
     def _prepare(self, batch: list[WorkItem]) -> tuple[list[WorkItem], torch.Tensor]:
         """Stack the batch's inputs, decoding deferred JPEGs; an image that cannot be decoded fails alone."""
-        inputs, rejected = self._runner.prepare([item.tensor for item in batch])
+        inputs, rejected = self._runner.prepare([item.model_input for item in batch])
         for index, error in rejected.items():
             _fail([batch[index]], error)
         return [item for i, item in enumerate(batch) if i not in rejected], inputs

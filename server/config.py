@@ -140,7 +140,8 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("channels-last", _boolean, "channels_last memory format on CUDA (faster convolutions on tensor cores)"),
     ("cudnn-benchmark", _boolean, "let cuDNN autotune convolutions (at warm-up, before SERVING)"),
     ("compile", _boolean, "torch.compile the model for each power-of-two batch size up to --max-batch-size "
-                          "(at warm-up, before SERVING); batches are padded up to the next size"),
+                          "(at warm-up, before SERVING); other batch sizes run as compiled pieces on the CPU, "
+                          "padded on CUDA"),
     ("decode-on-device", _auto_boolean, "decode JPEGs in batches on the replica's device (nvjpeg on CUDA) and "
                                         "resize/normalise there; auto: on for CUDA devices, off for the CPU"),
 ]

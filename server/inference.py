@@ -87,12 +87,12 @@ class InferenceCore:
             raise Overloaded(f"{replica.name} has {replica.pending - len(call.images)} images in flight "
                              f"(limit {self.limits.max_queue}); retry later")
         deadline = None if call.timeout is None else started + call.timeout
-        tensors = await self._preprocess(call.images, replica.decode_on_device)
+        model_inputs = await self._preprocess(call.images, replica.decode_on_device)
         loop = asyncio.get_running_loop()
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExpired("deadline passed while the images were decoded")
-        items = [WorkItem(tensor, temperature, k, deadline, loop.create_future(), call.request_id)
-                 for tensor in tensors]
+        items = [WorkItem(model_input, temperature, k, deadline, loop.create_future(), call.request_id)
+                 for model_input in model_inputs]
         replica.batcher.submit(items)
         try:
             return list(await asyncio.gather(*(item.future for item in items)))
