@@ -27,8 +27,7 @@ from .metrics import Metrics
 from .postprocess import top_k
 
 if TYPE_CHECKING:
-    from .device_decode import DeferredJpeg
-    from .runner import ModelRunner
+    from .runner import ModelInput, ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ class ImageOutput:
 class WorkItem:
     """One queued image and the future its caller awaits."""
 
-    model_input: torch.Tensor | DeferredJpeg  # the preprocessed image, or a JPEG the replica decodes on its device
+    model_input: ModelInput  # a preprocessed image, or one the replica converts with its batch
     temperature: float
     top_k: int
     deadline: float | None  # time.monotonic() value, or None for no deadline

@@ -1,4 +1,4 @@
-"""The transport-independent core: validate, preprocess off the loop, route, batch, await.
+"""The transport-independent core: validate, decode off the loop, route, batch, await.
 
 Both gRPC APIs (our own ``resnet.v1`` and the Open Inference Protocol) call
 :meth:`InferenceCore.classify`; it also records the per-device request metrics, so every
@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from .batcher import ImageOutput, WorkItem
-from .device_decode import DeferredJpeg, defer_or_preprocess
+from .device_decode import defer_or_preprocess
 from .errors import DeadlineExpired, InvalidInput, Overloaded, status_for
 from .metrics import Metrics
 from .postprocess import NUM_CLASSES
-from .preprocess import ImageInput, preprocess
+from .preprocess import EncodedImage, ImageInput, RawImage, check_raw, preprocess
 from .replicas import Replica, Router
+from .runner import ModelInput
 
 DEFAULT_TOP_K = 5
 
@@ -87,7 +88,7 @@ class InferenceCore:
             raise Overloaded(f"{replica.name} has {replica.pending - len(call.images)} images in flight "
                              f"(limit {self.limits.max_queue}); retry later")
         deadline = None if call.timeout is None else started + call.timeout
-        model_inputs = await self._preprocess(call.images, replica.decode_on_device)
+        model_inputs = await self._admit(call.images, replica.decode_on_device)
         loop = asyncio.get_running_loop()
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExpired("deadline passed while the images were decoded")
@@ -117,11 +118,21 @@ class InferenceCore:
             raise InvalidInput(f"top_k must be between 1 and {NUM_CLASSES}, got {k}")
         return temperature, k
 
-    async def _preprocess(self, images: Sequence[ImageInput], defer_jpegs: bool) -> list[torch.Tensor | DeferredJpeg]:
+    async def _admit(self, images: Sequence[ImageInput], defer_jpegs: bool) -> list[ModelInput]:
+        """Raw tensors are checked here and converted later, with their batch, on the replica; encoded
+        images are decoded (or, to be decoded on the device, header-checked) in the preprocessing threads."""
+        for image in images:
+            if isinstance(image, RawImage):
+                check_raw(image, self.limits.max_pixels)
         loop = asyncio.get_running_loop()
-        prepare = defer_or_preprocess if defer_jpegs else preprocess
-        jobs = [loop.run_in_executor(self._executor, prepare, image, self.limits.max_pixels) for image in images]
-        return list(await asyncio.gather(*jobs))
+        decode = defer_or_preprocess if defer_jpegs else preprocess
+        encoded = [i for i, image in enumerate(images) if isinstance(image, EncodedImage)]
+        decoded = await asyncio.gather(*(loop.run_in_executor(self._executor, decode, images[i],
+                                                              self.limits.max_pixels) for i in encoded))
+        admitted: list[ModelInput] = list(images)
+        for index, model_input in zip(encoded, decoded, strict=True):
+            admitted[index] = model_input
+        return admitted
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -6,7 +6,13 @@ built from torchvision's ``transforms.v2`` with the preset's own numbers. v2 res
 uint8 (torch's vectorised path) where the v1 preset converts to float first: measured on one core,
 0.65 ms instead of 1.45 ms for a 224x224 image, 1.3 instead of 3.1 ms for 640x480, 1.8 instead of
 12.8 ms for 1920x1080 (raw HWC input), at the price of pixels that may differ from v1's by one grey
-level. These functions block: callers run them in worker threads, never on the event loop.
+level. Decoding blocks: callers run it in worker threads, never on the event loop.
+
+Raw tensors need no decoding. :func:`check_raw` validates one on arrival without touching its
+pixels (cheap enough for the event loop), and :func:`raw_batch` converts a whole batch of them
+later, on the replica's own thread and device: one copy per batch, the resize batched (measured at
+concurrency 1 on 2 cores: about 1 ms less per request than a round trip through a preprocessing
+thread), and on CUDA a uint8 upload 4x smaller than the float input it becomes there.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import math
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
@@ -55,14 +62,65 @@ ImageInput = EncodedImage | RawImage
 
 
 def preprocess(image: ImageInput, max_pixels: int) -> torch.Tensor:
-    """Validate, decode and transform one image; InvalidInput says what is wrong with it."""
+    """Validate, decode and transform one image on the CPU; InvalidInput says what is wrong with it."""
     if isinstance(image, EncodedImage):
         return TRANSFORM(decode(image.data, max_pixels))
+    check_raw(image, max_pixels)
+    converted = raw_batch([image], torch.device("cpu"))[0]
+    if isinstance(converted, InvalidInput):
+        raise converted
+    return converted
+
+
+def check_raw(image: RawImage, max_pixels: int) -> None:
+    """Everything about a raw tensor that can be checked without reading its pixels."""
     if image.dtype == "uint8":
-        return TRANSFORM(_uint8_hwc(image, max_pixels))
-    if image.dtype == "float32":
-        return _normalised_float(image)
-    raise InvalidInput(f"raw tensor dtype must be uint8 or float32, got {image.dtype or 'unspecified'}")
+        if len(image.shape) != 3 or image.shape[2] != 3 or min(image.shape) <= 0:
+            raise InvalidInput(f"raw uint8 image must have shape [H, W, 3] with H, W > 0, got {list(image.shape)}")
+        _check_pixels(image.shape[0], image.shape[1], max_pixels)
+        _check_raw_length(image, 1)
+    elif image.dtype == "float32":
+        if tuple(image.shape) != FLOAT_SHAPE:
+            raise InvalidInput(f"raw float32 image must have shape {list(FLOAT_SHAPE)}, got {list(image.shape)}")
+        _check_raw_length(image, 4)
+    else:
+        raise InvalidInput(f"raw tensor dtype must be uint8 or float32, got {image.dtype or 'unspecified'}")
+
+
+def raw_batch(images: list[RawImage], device: torch.device) -> list[torch.Tensor | InvalidInput]:
+    """Checked raw images as the model's float [3, 224, 224] inputs on ``device``, one batched
+    conversion per distinct shape; a float32 image holding NaN or infinity gets its InvalidInput."""
+    results: list[torch.Tensor | InvalidInput] = [InvalidInput("not converted")] * len(images)
+    groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for index, image in enumerate(images):
+        groups.setdefault((image.dtype, tuple(image.shape)), []).append(index)
+    for (dtype, shape), indices in groups.items():
+        converted = _convert_group([images[i].data for i in indices], dtype, shape, device)
+        for index, row in zip(indices, converted, strict=True):
+            results[index] = row
+    return results
+
+
+def _convert_group(datas: list[bytes], dtype: str, shape: tuple[int, ...], device: torch.device
+                   ) -> list[torch.Tensor | InvalidInput]:
+    on_cpu = _stack_bytes(datas, dtype, shape, pinned=device.type == "cuda")
+    if dtype == "uint8":  # [B, H, W, 3]: resized as channels-last, which torch's uint8 resize handles natively
+        return list(TRANSFORM(_to_device(on_cpu, device).permute(0, 3, 1, 2)).unbind(0))
+    finite = torch.isfinite(on_cpu).flatten(1).all(1).tolist()  # checked on the CPU: no device sync
+    return [row if ok else InvalidInput("raw float32 image contains NaN or infinity")
+            for row, ok in zip(_to_device(on_cpu, device).unbind(0), finite, strict=True)]
+
+
+def _stack_bytes(datas: list[bytes], dtype: str, shape: tuple[int, ...], pinned: bool) -> torch.Tensor:
+    """The images' bytes copied once, into one new (pinned, for an upload) [B, *shape] tensor."""
+    batch = torch.empty((len(datas), *shape), dtype=getattr(torch, dtype), pin_memory=pinned)
+    for row, data in zip(batch.numpy(), datas, strict=True):
+        row[...] = np.frombuffer(data, dtype=dtype).reshape(shape)
+    return batch
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 def check_header(data: bytes, max_pixels: int) -> None:
@@ -110,22 +168,3 @@ def _check_raw_length(image: RawImage, itemsize: int) -> None:
         raise InvalidInput(
             f"raw {image.dtype} tensor of shape {list(image.shape)} needs {expected} bytes, got {len(image.data)}"
         )
-
-
-def _uint8_hwc(image: RawImage, max_pixels: int) -> torch.Tensor:
-    if len(image.shape) != 3 or image.shape[2] != 3 or min(image.shape) <= 0:
-        raise InvalidInput(f"raw uint8 image must have shape [H, W, 3] with H, W > 0, got {list(image.shape)}")
-    _check_pixels(image.shape[0], image.shape[1], max_pixels)
-    _check_raw_length(image, 1)
-    hwc = torch.frombuffer(bytearray(image.data), dtype=torch.uint8).view(image.shape)
-    return hwc.permute(2, 0, 1)
-
-
-def _normalised_float(image: RawImage) -> torch.Tensor:
-    if tuple(image.shape) != FLOAT_SHAPE:
-        raise InvalidInput(f"raw float32 image must have shape {list(FLOAT_SHAPE)}, got {list(image.shape)}")
-    _check_raw_length(image, 4)
-    tensor = torch.frombuffer(bytearray(image.data), dtype=torch.float32).view(FLOAT_SHAPE)
-    if not torch.isfinite(tensor).all():
-        raise InvalidInput("raw float32 image contains NaN or infinity")
-    return tensor

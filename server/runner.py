@@ -21,8 +21,11 @@ import torch
 from .device_decode import DeferredJpeg, decode_batch
 from .errors import InvalidInput
 from .postprocess import temperature_softmax
-from .preprocess import FLOAT_SHAPE
+from .preprocess import FLOAT_SHAPE, RawImage, raw_batch
 
+# What the batcher hands the runner per image: a ready CPU tensor (decoded in a preprocessing thread),
+# a JPEG to decode on the device, or a checked raw tensor to convert with its batch.
+ModelInput = torch.Tensor | DeferredJpeg | RawImage
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -40,17 +43,25 @@ class ModelRunner:
         self.compiled_sizes: list[int] = []  # filled by warm_up
 
     @torch.inference_mode()
-    def prepare(self, images: list[torch.Tensor | DeferredJpeg]) -> tuple[torch.Tensor, dict[int, InvalidInput]]:
-        """One batch's inputs as one tensor (on the device when JPEGs were decoded there), and the images
-        that could not be decoded, by position in ``images``; those are left out of the tensor."""
-        deferred = [i for i, image in enumerate(images) if isinstance(image, DeferredJpeg)]
-        if not deferred:
+    def prepare(self, images: list[ModelInput]) -> tuple[torch.Tensor, dict[int, InvalidInput]]:
+        """One batch's inputs as one tensor (on the device when anything was converted there), and the
+        images that could not be decoded, by position in ``images``; those are left out of the tensor."""
+        if all(isinstance(image, torch.Tensor) for image in images):
             return torch.stack(images), {}
         with self._on_stream():
-            decoded = dict(zip(deferred, decode_batch([images[i] for i in deferred], self.device), strict=True))
-            errors = {i: result for i, result in decoded.items() if isinstance(result, InvalidInput)}
-            kept = [decoded.get(i, image).to(self.device) for i, image in enumerate(images) if i not in errors]
+            converted = self._convert_deferred(images)
+            errors = {i: result for i, result in converted.items() if isinstance(result, InvalidInput)}
+            kept = [converted.get(i, image).to(self.device) for i, image in enumerate(images) if i not in errors]
             return (torch.stack(kept) if kept else torch.empty((0, *FLOAT_SHAPE))), errors
+
+    def _convert_deferred(self, images: list[ModelInput]) -> dict[int, torch.Tensor | InvalidInput]:
+        """Deferred JPEGs and raw tensors, each kind converted as one batch on this device, by position."""
+        converted: dict[int, torch.Tensor | InvalidInput] = {}
+        for kind, convert in ((DeferredJpeg, decode_batch), (RawImage, raw_batch)):
+            positions = [i for i, image in enumerate(images) if isinstance(image, kind)]
+            if positions:
+                converted.update(zip(positions, convert([images[i] for i in positions], self.device), strict=True))
+        return converted
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()

@@ -1,0 +1,87 @@
+"""Raw tensors: checked on arrival, converted later with their batch on the replica's thread.
+
+Whatever shapes and dtypes share a batch, each image gets the answer it would get alone, and a
+float32 image holding NaN fails alone while the rest of its batch is answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from client import AsyncClient, ClassifierError
+from server.errors import InvalidInput
+from server.preprocess import STD, TRANSFORM, RawImage, check_raw, raw_batch
+from tests.helpers import random_rgb
+
+
+def raw_uint8(pixels: np.ndarray) -> RawImage:
+    return RawImage("uint8", pixels.shape, pixels.tobytes())
+
+
+def raw_float(values: np.ndarray) -> RawImage:
+    return RawImage("float32", values.shape, values.astype(np.float32).tobytes())
+
+
+def test_a_mixed_batch_converts_each_image_as_it_would_alone():
+    small, large = random_rgb(41, 224, 224), random_rgb(42, 480, 640)
+    finite = np.random.default_rng(43).standard_normal((3, 224, 224))
+    broken = finite.copy()
+    broken[1, 5, 7] = np.inf
+    flipped = small[::-1].copy()
+    images = [raw_uint8(small), raw_float(finite), raw_uint8(large), raw_float(broken), raw_uint8(flipped)]
+    results = raw_batch(images, torch.device("cpu"))
+    assert isinstance(results[3], InvalidInput) and "NaN or infinity" in str(results[3])
+    for index, pixels in ((0, small), (2, large), (4, flipped)):
+        alone = TRANSFORM(torch.from_numpy(pixels).permute(2, 0, 1))
+        torch.testing.assert_close(results[index], alone, atol=0, rtol=0)
+    torch.testing.assert_close(results[1], torch.from_numpy(finite.astype(np.float32)), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("image, fragment", [
+    (RawImage("uint8", (224, 224, 4), bytes(224 * 224 * 4)), "shape [H, W, 3]"),
+    (RawImage("uint8", (224, 224, 3), bytes(10)), "needs 150528 bytes, got 10"),
+    (RawImage("uint8", (5000, 5000, 3), b""), "over the limit"),
+    (RawImage("float32", (3, 224, 224), bytes(7)), "needs 602112 bytes"),
+    (RawImage("int16", (224, 224, 3), b""), "uint8 or float32"),
+])
+def test_check_raw_refuses_without_reading_pixels(image, fragment):
+    with pytest.raises(InvalidInput, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        check_raw(image, max_pixels=10_000_000)
+
+
+def test_a_nan_image_fails_alone_and_its_batch_is_answered(make_server, reference):
+    running = make_server(max_batch_delay_ms=500.0)  # the four requests share one batch window
+    small, large = random_rgb(44, 224, 224), random_rgb(45, 240, 320)
+    good_float = reference.input_from_array(random_rgb(46))
+    nan_float = np.full((3, 224, 224), np.nan, np.float32)
+
+    async def fire():
+        async with AsyncClient(running.target, timeout=60) as client:
+            calls = [client.classify([image], full=True) for image in (small, nan_float, large, good_float.numpy())]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    first, bad, second, third = asyncio.run(fire())
+    assert isinstance(bad, ClassifierError) and bad.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "NaN or infinity" in bad.message
+    expected = [reference.input_from_array(small), reference.input_from_array(large), good_float]
+    for (result,), model_input in zip((first, second, third), expected, strict=True):
+        np.testing.assert_allclose(result.probabilities, reference.probabilities(model_input), atol=1e-5, rtol=0)
+    assert running.sample("resnet_batch_size_count", device="cpu") == 1
+    assert running.sample("resnet_batch_size_sum", device="cpu") == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_raw_images_convert_on_the_gpu_as_on_the_cpu():
+    images = [raw_uint8(random_rgb(47, 480, 640)), raw_float(np.random.default_rng(48).standard_normal((3, 224, 224)))]
+    on_gpu = raw_batch(images, torch.device("cuda:0"))
+    on_cpu = raw_batch(images, torch.device("cpu"))
+    for gpu, cpu in zip(on_gpu, on_cpu, strict=True):
+        assert gpu.device.type == "cuda" and gpu.shape == cpu.shape == (3, 224, 224)
+        # The GPU resize works in float and rounds back to uint8: at most one grey level apart.
+        assert (gpu.cpu() - cpu).abs().max().item() <= 1.0 / 255.0 / min(STD) + 1e-5
