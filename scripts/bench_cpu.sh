@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The CPU benchmark in one go: the in-process ceiling, then the served sweep, side by side, same weights.
-# Usage: scripts/bench_cpu.sh [OUT_DIR]   (default results/); about 6 minutes on 2 cores.
+# Usage: scripts/bench_cpu.sh [OUT_DIR]   (default results/); about 10 minutes on 2 cores.
 # BENCH_IMAGE_SIZE (WxH, default 640x480) and BENCH_DURATION (seconds per point, default 15) tune it;
 # BENCH_COMPILE=1 measures torch.compile (--compile) in both the ceiling and the server; BENCH_ROUNDS
-# (default 3) alternates the ceiling (batch 1, 8, 16) and served uint8 (c=1, c=16) that many times, so the
+# (default 5) alternates the ceiling (batch 1, 8, 16) and served uint8 (c=1, c=16) that many times, so the
 # headline figures are medians of pairs measured seconds apart rather than one pair (this VM's speed
 # drifts 10-15% over minutes).
 # Talks only to a server it starts on 127.0.0.1 and stops it (by PID) when done.
@@ -14,7 +14,7 @@ duration=${BENCH_DURATION:-15}
 port=${BENCH_PORT:-50151}
 metrics=${BENCH_METRICS_PORT:-8151}
 size=${BENCH_IMAGE_SIZE:-640x480}
-rounds=${BENCH_ROUNDS:-3}
+rounds=${BENCH_ROUNDS:-5}
 compile=()
 [ "${BENCH_COMPILE:-0}" = 1 ] && compile=(--compile)
 
