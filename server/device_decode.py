@@ -30,7 +30,7 @@ class DeferredJpeg:
 
 
 def defer_or_preprocess(image: ImageInput, max_pixels: int) -> torch.Tensor | DeferredJpeg:
-    """JPEGs are checked now and decoded later on the device; every other input is preprocessed now."""
+    """JPEGs are checked now and decoded later on the device; other encoded images are decoded now."""
     if isinstance(image, EncodedImage) and image.data[:3] == JPEG_MAGIC:
         check_header(image.data, max_pixels)
         return DeferredJpeg(torch.frombuffer(bytearray(image.data), dtype=torch.uint8))

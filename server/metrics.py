@@ -30,8 +30,9 @@ class Metrics:
             PREFIX + "queue_wait_seconds", "Time an image waited in its device queue before its batch ran",
             buckets=LATENCY_BUCKETS, **by_device)
         self.compute = Histogram(
-            PREFIX + "batch_compute_seconds", "Time of one batch on the device: copy in, forward pass, "
-            "softmax and the copy back to the CPU", buckets=LATENCY_BUCKETS, **by_device)
+            PREFIX + "batch_compute_seconds", "Time of one batch on the device: converting inputs left "
+            "to the replica (raw tensors, JPEGs decoded on the device), copy in, forward pass, softmax and the "
+            "copy back to the CPU", buckets=LATENCY_BUCKETS, **by_device)
         self.batch_size = Histogram(
             PREFIX + "batch_size", "Images per forward pass", buckets=BATCH_SIZE_BUCKETS, **by_device)
         self.requests = Counter(PREFIX + "requests", "Classification requests answered, by gRPC status code", **by_code)

@@ -1,7 +1,7 @@
 """--decode-on-device: JPEGs decoded in batches by the replica (nvjpeg on CUDA; exercised here on the CPU).
 
-Same answers as the CPU path, an undecodable JPEG fails alone in its batch, and every other
-input kind still takes the CPU path.
+Same answers as the CPU path, an undecodable JPEG fails alone in its batch, and other input
+kinds in the same request still work.
 """
 
 from __future__ import annotations
