@@ -16,7 +16,7 @@ from PIL import Image
 
 from server.device_decode import DeferredJpeg, decode_batch
 from server.model import build_model, load_weights
-from server.preprocess import TRANSFORM, decode
+from server.preprocess import decode, transform
 from server.runner import ModelRunner
 
 
@@ -38,7 +38,7 @@ def main() -> None:
     args = check_parser(__doc__, images=256).parse_args()
     device = torch.device(args.device)
     jpegs = sample_jpegs(args.images)
-    on_cpu = torch.stack([TRANSFORM(decode(data, 10**8)) for data in jpegs])
+    on_cpu = torch.stack([transform(decode(data, 10**8)) for data in jpegs])
     deferred = [DeferredJpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8)) for data in jpegs]
     on_device = torch.cat([torch.stack(decode_batch(deferred[i:i + 64], device)).cpu()
                            for i in range(0, len(deferred), 64)])

@@ -17,7 +17,7 @@ import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from .errors import InvalidInput
-from .preprocess import TRANSFORM, EncodedImage, ImageInput, check_header, decode, preprocess
+from .preprocess import EncodedImage, ImageInput, check_header, decode, preprocess, transform
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -43,7 +43,7 @@ def decode_batch(images: list[DeferredJpeg], device: torch.device) -> list[torch
         decoded: list = decode_jpeg([image.data for image in images], mode=ImageReadMode.RGB, device=device)
     except RuntimeError:  # one bad image fails the whole call: find it
         decoded = [_decode_one(image, device) for image in images]
-    return [TRANSFORM(image) if isinstance(image, torch.Tensor) else image for image in decoded]
+    return [transform(image) if isinstance(image, torch.Tensor) else image for image in decoded]
 
 
 def _decode_one(image: DeferredJpeg, device: torch.device) -> torch.Tensor | InvalidInput:

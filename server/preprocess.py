@@ -2,7 +2,7 @@
 
 The transform is torchvision's ImageNet eval preset for ResNet18 (``ResNet18_Weights.IMAGENET1K_V1
 .transforms()``: resize 256 bilinear with antialias, centre crop 224, scale to [0, 1], normalise),
-built from torchvision's ``transforms.v2`` with the preset's own numbers. v2 resizes uint8 images in
+built from torchvision's ``transforms.v2`` functions with the preset's own numbers. v2 resizes uint8 images in
 uint8 (torch's vectorised path) where the v1 preset converts to float first: measured on one core,
 0.65 ms instead of 1.45 ms for a 224x224 image, 1.3 instead of 3.1 ms for 640x480, 1.8 instead of
 12.8 ms for 1920x1080 (raw HWC input), at the price of pixels that may differ from v1's by one grey
@@ -17,6 +17,7 @@ thread), and on CUDA a uint8 upload 4x smaller than the float input it becomes t
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import warnings
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
-from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
 
 from .errors import InvalidInput
 from .model import IMAGENET_WEIGHTS
@@ -35,12 +36,29 @@ PRESET = IMAGENET_WEIGHTS.transforms()
 CROP = PRESET.crop_size[0]
 RESIZE = PRESET.resize_size[0]
 MEAN, STD = list(PRESET.mean), list(PRESET.std)
-TRANSFORM = v2.Compose([
-    v2.Resize(RESIZE, interpolation=PRESET.interpolation, antialias=True),
-    v2.CenterCrop(CROP),
-    v2.ToDtype(torch.float32, scale=True),
-    v2.Normalize(MEAN, STD),
-])
+
+
+def transform(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 3, H, W] RGB (one image or a batch, on any device) to the model's float [..., 3, 224, 224].
+
+    The preset's resize and centre crop (torchvision v2 functional), then scaling to [0, 1] and normalising
+    fused into one multiply-add with per-device constants. v2's ToDtype + Normalize steps cost 0.25 ms more
+    per 224x224 image here, and Normalize copies its mean and std to the device on every call, a blocking
+    copy on CUDA; the values agree within 1e-6."""
+    cropped = F.center_crop(F.resize(pixels, [RESIZE], interpolation=PRESET.interpolation, antialias=True), [CROP])
+    scale, shift = _normalisation(cropped.device)
+    # Written into a contiguous tensor: the resize leaves channels-last strides, and the model wants NCHW.
+    return torch.addcmul(shift, cropped.float(), scale, out=torch.empty(cropped.shape, device=cropped.device))
+
+
+@functools.cache
+def _normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1 / (255 std), -mean / std) as [3, 1, 1] on ``device``: x * scale + shift == (x / 255 - mean) / std."""
+    mean, std = torch.tensor(MEAN, dtype=torch.float64), torch.tensor(STD, dtype=torch.float64)
+    scale, shift = 1.0 / (255.0 * std), -mean / std
+    return (scale.float().view(3, 1, 1).to(device), shift.float().view(3, 1, 1).to(device))
+
+
 FLOAT_SHAPE = (3, CROP, CROP)
 ENCODINGS = ("jpeg", "png", "gif", "webp")
 RAW_FORMATS = ("uint8 [H, W, 3] RGB", f"float32 {list(FLOAT_SHAPE)} normalised")
@@ -64,7 +82,7 @@ ImageInput = EncodedImage | RawImage
 def preprocess(image: ImageInput, max_pixels: int) -> torch.Tensor:
     """Validate, decode and transform one image on the CPU; InvalidInput says what is wrong with it."""
     if isinstance(image, EncodedImage):
-        return TRANSFORM(decode(image.data, max_pixels))
+        return transform(decode(image.data, max_pixels))
     check_raw(image, max_pixels)
     converted = raw_batch([image], torch.device("cpu"))[0]
     if isinstance(converted, InvalidInput):
@@ -105,7 +123,7 @@ def _convert_group(datas: list[bytes], dtype: str, shape: tuple[int, ...], devic
                    ) -> list[torch.Tensor | InvalidInput]:
     on_cpu = _stack_bytes(datas, dtype, shape, pinned=device.type == "cuda")
     if dtype == "uint8":  # [B, H, W, 3]: resized as channels-last, which torch's uint8 resize handles natively
-        return list(TRANSFORM(_to_device(on_cpu, device).permute(0, 3, 1, 2)).unbind(0))
+        return list(transform(_to_device(on_cpu, device).permute(0, 3, 1, 2)).unbind(0))
     finite = torch.isfinite(on_cpu).flatten(1).all(1).tolist()  # checked on the CPU: no device sync
     return [row if ok else InvalidInput("raw float32 image contains NaN or infinity")
             for row, ok in zip(_to_device(on_cpu, device).unbind(0), finite, strict=True)]

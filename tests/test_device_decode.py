@@ -18,7 +18,7 @@ from PIL import Image
 from client import AsyncClient, ClassifierError, Client
 from server.device_decode import DeferredJpeg, decode_batch
 from server.errors import InvalidInput
-from server.preprocess import TRANSFORM, decode
+from server.preprocess import decode, transform
 from tests.helpers import encode, random_rgb
 
 JPEGS = [encode(random_rgb(seed)) for seed in (31, 32, 33)]
@@ -40,7 +40,7 @@ def test_decode_batch_matches_the_cpu_path_and_rejects_only_the_bad_image():
     results = decode_batch([deferred(data) for data in images], torch.device("cpu"))
     assert isinstance(results[1], InvalidInput) and "cannot decode" in str(results[1])
     for index in (0, 2, 3):
-        expected = TRANSFORM(decode(images[index], 10**8))
+        expected = transform(decode(images[index], 10**8))
         torch.testing.assert_close(results[index], expected, atol=0, rtol=0)
 
 

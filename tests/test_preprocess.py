@@ -1,4 +1,4 @@
-"""The served transform against torchvision's v1 ImageNet preset it stands in for."""
+"""The served transform against torchvision's v1 ImageNet preset it stands in for, and the v2 pipeline it fuses."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchvision.models import ResNet18_Weights
 
-from server.preprocess import STD, TRANSFORM
+from server.preprocess import STD, transform
 from tests.helpers import random_rgb
 
 ONE_GREY_LEVEL = 1.0 / 255.0 / min(STD)  # in normalised units
@@ -18,7 +18,15 @@ def test_v2_transform_is_the_v1_preset_within_one_grey_level(height, width, layo
     pixels = torch.from_numpy(random_rgb(height * width, height, width)).permute(2, 0, 1)
     if layout == "chw":
         pixels = pixels.contiguous()
-    served, v1 = TRANSFORM(pixels), ResNet18_Weights.IMAGENET1K_V1.transforms()(pixels)
+    served, v1 = transform(pixels), ResNet18_Weights.IMAGENET1K_V1.transforms()(pixels)
     assert served.shape == v1.shape == (3, 224, 224) and served.dtype == torch.float32
     assert (served - v1).abs().max().item() <= ONE_GREY_LEVEL + 1e-6
     assert (served - v1).abs().mean().item() < ONE_GREY_LEVEL / 4  # most pixels are identical
+
+
+@pytest.mark.parametrize("height, width", [(224, 224), (480, 640), (301, 257)])
+def test_fused_normalisation_is_the_v2_pipeline_batched_or_not(height, width, reference):
+    images = torch.stack([torch.from_numpy(random_rgb(seed, height, width)).permute(2, 0, 1) for seed in (1, 2)])
+    expected = torch.stack([reference.transform(image) for image in images])  # v2 Resize .. ToDtype, Normalize
+    torch.testing.assert_close(transform(images), expected, atol=2e-6, rtol=0)
+    torch.testing.assert_close(transform(images[1]), expected[1], atol=2e-6, rtol=0)

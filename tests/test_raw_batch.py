@@ -15,7 +15,7 @@ import torch
 
 from client import AsyncClient, ClassifierError
 from server.errors import InvalidInput
-from server.preprocess import STD, TRANSFORM, RawImage, check_raw, raw_batch
+from server.preprocess import STD, RawImage, check_raw, raw_batch, transform
 from tests.helpers import random_rgb
 
 
@@ -37,7 +37,7 @@ def test_a_mixed_batch_converts_each_image_as_it_would_alone():
     results = raw_batch(images, torch.device("cpu"))
     assert isinstance(results[3], InvalidInput) and "NaN or infinity" in str(results[3])
     for index, pixels in ((0, small), (2, large), (4, flipped)):
-        alone = TRANSFORM(torch.from_numpy(pixels).permute(2, 0, 1))
+        alone = transform(torch.from_numpy(pixels).permute(2, 0, 1))
         torch.testing.assert_close(results[index], alone, atol=0, rtol=0)
     torch.testing.assert_close(results[1], torch.from_numpy(finite.astype(np.float32)), atol=0, rtol=0)
 
