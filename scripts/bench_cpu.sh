@@ -5,7 +5,7 @@
 # BENCH_COMPILE=1 measures torch.compile (--compile) in both the ceiling and the server; BENCH_ROUNDS
 # (default 5) alternates the ceiling (batch 1, 8, 16) and served uint8 (c=1, c=16) that many times, so the
 # headline figures are medians of pairs measured seconds apart rather than one pair (this VM's speed
-# drifts 10-15% over minutes).
+# drifts 10-15% over minutes), then scripts/latency_pairs.py interleaves c=1 and in-process batch 1 second by second.
 # Talks only to a server it starts on 127.0.0.1 and stops it (by PID) when done.
 set -euo pipefail
 out=${1:-results}
@@ -52,6 +52,8 @@ for round in $(seq "$rounds"); do  # the server idles while the ceiling runs
   bench "round_$round" --input uint8 --sweep 1,16 && cat "$out/round_$round.json" >> "$out/rounds_served.json"
   rm "$out/round_$round.json"
 done
+# c=1 against the in-process batch-1 latency, interleaved window by window (immune to the drift above).
+python3 scripts/latency_pairs.py --server 127.0.0.1:$port --image-size $size "${compile[@]}" > "$out/latency_pairs.json"
 stop
 serve --max-batch-size 1
 bench served_uint8_nobatch --input uint8 --concurrency 16

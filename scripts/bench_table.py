@@ -82,6 +82,13 @@ def print_rounds(folder: Path) -> None:
     pairs = ", ".join(f"{point['p50_ms']:.1f}/{ms:.1f}" for point, ms in zip(c1, batch1_ms, strict=True))
     print(f"Alternating rounds, served uint8 c=1 p50 / in-process batch-1 latency: {pairs} ms; "
           f"difference median {statistics.median(gaps):+.1f} ms (range {min(gaps):+.1f} to {max(gaps):+.1f})")
+    if (folder / "latency_pairs.json").exists():
+        interleaved = load(folder, "latency_pairs")[0]
+        low, high = interleaved["difference_range_ms"]
+        print(f"Interleaved ({interleaved['windows']} windows of {interleaved['window_s']:g} s per side), served "
+              f"uint8 c=1 p50 / in-process batch-1 p50: {interleaved['served_p50_ms']:.1f} / "
+              f"{interleaved['in_process_p50_ms']:.1f} ms; difference median "
+              f"{interleaved['difference_median_ms']:+.1f} ms (range {low:+.1f} to {high:+.1f})")
 
 
 if __name__ == "__main__":

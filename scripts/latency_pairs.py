@@ -6,7 +6,7 @@ One process here alternates short windows: batch-1 forward passes in process (th
 bench-model times), then one-at-a-time uint8 requests to the server (the request bench sends). Each
 side idles while the other runs. Prints the median of each side and of the per-window differences.
 
-Usage: python scripts/latency_pairs.py --server 127.0.0.1:50151 [--image-size 224x224] [--windows 20]
+Usage: python scripts/latency_pairs.py --server 127.0.0.1:50151 [--image-size 224x224] [--windows 20] [--compile]
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ async def served_window(stub, request: pb.ClassifyRequest, seconds: float) -> li
 async def measure(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     device = torch.device("cpu")
-    runner = ModelRunner(build_model(load_weights("random", device), device), device)
+    runner = ModelRunner(build_model(load_weights("random", device), device), device, compiled=args.compile)
+    runner.warm_up([1])
     image = make_image("uint8", *args.image_size)
     request = pb.ClassifyRequest(images=[image])
     model_input = preprocess(RawImage("uint8", tuple(image.raw.shape), image.raw.data), MAX_PIXELS)
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--image-size", type=_size, default=(224, 224))
     parser.add_argument("--windows", type=int, default=20)
     parser.add_argument("--window", type=float, default=1.5, help="seconds per side per window")
+    parser.add_argument("--compile", action="store_true", help="compile the in-process model (for a --compile server)")
     args = parser.parse_args()
     result = asyncio.run(measure(args))
     print(json.dumps(result))
