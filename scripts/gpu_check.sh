@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one go, for a machine with CUDA: the CUDA-marked tests, reduced-precision agreement,
 # GPU JPEG decode agreement, the in-process ceiling (eager per precision, compiled fp16) and the served
-# sweeps (uint8 batching on and off, fp16, JPEG decoded on the GPU vs the CPU). Writes results/gpu/.
+# sweeps (uint8 batching on and off, fp16, JPEG decoded on the GPU vs the CPU). Writes results/gpu/, ending
+# with gpu_table.md (scripts/gpu_table.py): the README's GPU table and the device issue's targets.
 # Usage: scripts/gpu_check.sh [OUT_DIR]   (about 10 minutes on one H100)
 set -uo pipefail
 out=${1:-results/gpu}
@@ -40,4 +41,5 @@ for where in true false; do
   serve --max-batch-size 64 --decode-on-device $where && \
     bench served_jpeg_decode_on_device_$where --input jpeg --image-size 640x480 --concurrency 256 && stop
 done
+python scripts/gpu_table.py "$out" | tee "$out/gpu_table.md"  # the README's GPU table and targets
 echo "results in $out"

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import importlib.util
 import json
+from pathlib import Path
 
 from client.cli import main as client_main
 from server.app import main as server_main
 from tests.helpers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bench_closed_loop_reports_throughput_latency_and_the_server_view(make_server, capsys, tmp_path):
@@ -42,3 +48,18 @@ def test_bench_model_reports_the_ceiling(weights_file, capsys):
     result = json.loads(capsys.readouterr().out)
     assert set(result["forward_images_per_s"]) == {"1", "2"}  # JSON object keys
     assert result["preprocess_images_per_s"] > 0 and result["ceiling_with_preprocess_images_per_s"] > 0
+    assert 0 < result["batch1_latency_p50_ms"] <= 3 * result["batch1_latency_ms"]  # a median call, near the mean
+
+
+def test_latency_pairs_interleaves_in_process_and_served_windows(make_server):
+    spec = importlib.util.spec_from_file_location("latency_pairs", ROOT / "scripts" / "latency_pairs.py")
+    latency_pairs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(latency_pairs)
+    running = make_server()
+    args = argparse.Namespace(server=running.target, image_size=(64, 48), windows=3, window=0.3, compile=False)
+    result = asyncio.run(latency_pairs.measure(args))
+    assert len(result["pairs_ms"]) == 3 and all(local > 0 and served > 0 for local, served in result["pairs_ms"])
+    differences = sorted(served - local for local, served in result["pairs_ms"])
+    assert result["difference_median_ms"] == differences[1]
+    assert result["difference_range_ms"] == [differences[0], differences[-1]]
+    assert running.sample("resnet_batch_size_count", device="cpu") >= 3  # every served window reached the server

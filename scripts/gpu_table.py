@@ -1,0 +1,91 @@
+"""Turn the JSON written by scripts/gpu_check.sh into the README's GPU table and the device issue's targets.
+
+Usage: python scripts/gpu_table.py [results/gpu]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from bench_table import load
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def ceiling_rows(folder: Path) -> list[str]:
+    rows = []
+    for name in (*(f"ceiling_{p}" for p in PRECISIONS), "ceiling_fp16_compiled"):
+        if not (folder / f"{name}.json").exists():
+            continue
+        ceiling = load(folder, name)[0]
+        label = ceiling["precision"] + (" compiled" if ceiling.get("compiled") else "")
+        for size, rate in ceiling["forward_images_per_s"].items():
+            rows.append(f"| in-process forward, {label}, batch {size} | {rate:.0f} | | | | |")
+    return rows
+
+
+def served_rows(folder: Path) -> list[str]:
+    rows = []
+    for name in ("served_batched", "served_nobatch", "served_fp16", "served_jpeg_decode_on_device_true",
+                 "served_jpeg_decode_on_device_false"):
+        if not (folder / f"{name}.json").exists():
+            continue
+        for point in load(folder, name):
+            view = next(iter(point["server"].values()), {})
+            errors = ", ".join(f"{code} {count}" for code, count in point["errors"].items()) or ""
+            rows.append(f"| {name.replace('_', ' ')}, c={point['concurrency']} | {point['images_per_s']:.0f} | "
+                        f"{point['p50_ms']:.1f} | {point['p99_ms']:.1f} | "
+                        f"{view.get('mean_batch_size', float('nan')):.1f} | {errors} |")
+    return rows
+
+
+def targets(folder: Path) -> list[str]:
+    """The device issue's numbers: served uint8 at the highest concurrency against the in-process forward
+    at the served maximum batch size (same device, precision, batch size), and against batching off."""
+    lines = []
+    for served_name, ceiling_name, batch in (("served_batched", "ceiling_fp32", "64"),
+                                             ("served_fp16", "ceiling_fp16", "128")):
+        if not ((folder / f"{served_name}.json").exists() and (folder / f"{ceiling_name}.json").exists()):
+            continue
+        top = max(load(folder, served_name), key=lambda point: point["concurrency"])
+        ceiling = load(folder, ceiling_name)[0]["forward_images_per_s"][batch]
+        lines.append(f"- {served_name} c={top['concurrency']}: {top['images_per_s']:.0f} images/s = "
+                     f"{top['images_per_s'] / ceiling:.2f} x the in-process {ceiling_name[8:]} forward at batch "
+                     f"{batch} ({ceiling:.0f}); target >= 0.8")
+    if (folder / "served_batched.json").exists() and (folder / "served_nobatch.json").exists():
+        batched = max(load(folder, "served_batched"), key=lambda point: point["concurrency"])
+        unbatched = load(folder, "served_nobatch")[0]
+        lines.append(f"- batching on / off at c={batched['concurrency']}: {batched['images_per_s']:.0f} / "
+                     f"{unbatched['images_per_s']:.0f} images/s = "
+                     f"{batched['images_per_s'] / unbatched['images_per_s']:.1f} x; target >= 10")
+    if (folder / "precision.json").exists():
+        precision = json.loads((folder / "precision.json").read_text())
+        for name in ("fp16", "bf16"):
+            lines.append(f"- {name}: top-1 agrees with fp32 on {100 * precision[name]['top1_agreement']:.2f}% of "
+                         f"{precision['images']} images, max probability difference "
+                         f"{precision[name]['max_probability_difference']:.1e}; target >= 99%")
+    if (folder / "decode.json").exists():
+        decode = json.loads((folder / "decode.json").read_text())
+        lines.append(f"- GPU vs CPU JPEG decode: top-1 agrees on {100 * decode['top1_agreement']:.2f}% of "
+                     f"{decode['images']} images, max probability difference "
+                     f"{decode['max_probability_difference']:.1e}")
+    return lines
+
+
+def main(folder: Path) -> None:
+    device = (folder / "nvidia-smi.txt").read_text().splitlines() if (folder / "nvidia-smi.txt").exists() else []
+    gpu = next((line.strip() for line in device if "NVIDIA" in line and "Driver" not in line), "GPU")
+    print(f"Measured {time.strftime('%Y-%m-%d')} with scripts/gpu_check.sh on {gpu}; uint8 224x224 unless "
+          "named, seeded random weights.\n")
+    print("| what | images/s | p50 ms | p99 ms | mean batch | errors |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    print("\n".join(ceiling_rows(folder) + served_rows(folder)))
+    print()
+    print("\n".join(targets(folder)))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "results/gpu"))
