@@ -1,0 +1,78 @@
+"""The GPU fast path on a real CUDA device (skipped without one; scripts/gpu_check.sh runs these).
+
+One synchronisation per batch, answers like the CPU reference in every precision, and two replicas
+sharing one GPU each with its own metric label.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from client import Client
+from server.model import build_model, load_weights
+from server.preprocess import RawImage
+from server.runner import ModelRunner
+from tests.helpers import random_rgb
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+PIXELS = [random_rgb(seed) for seed in (51, 52, 53)]
+
+
+def synchronisations(action) -> int:
+    """How many synchronising CUDA calls ``action`` makes, as torch's sync debug mode counts them."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            action()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(warning.message) for warning in caught)
+
+
+def test_a_batch_synchronises_only_when_its_results_come_back(weights_file):
+    device = torch.device("cuda:0")
+    runner = ModelRunner(build_model(load_weights(str(weights_file[0]), device), device), device, "fp32", True)
+    runner.warm_up([4])
+    images = [RawImage("uint8", pixels.shape, pixels.tobytes()) for pixels in PIXELS]
+
+    def batch() -> None:
+        inputs, errors = runner.prepare(images)  # pinned uint8 upload, resize and normalise on the GPU
+        assert not errors and inputs.device == device
+        runner(inputs, torch.ones(len(images)))
+
+    batch()  # the first batch places the normalisation constants on the device
+    explicit = synchronisations(lambda: runner.stream.synchronize())  # 1 if torch counts it, else 0
+    assert synchronisations(batch) == explicit
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 0.02), ("fp16", 0.05), ("bf16", 0.1)])
+def test_cuda_answers_match_the_cpu_reference(make_server, reference, precision, tolerance):
+    # TF32 convolutions (torch's default for fp32 on Ampere and later), reduced precision and the GPU
+    # resize (within one grey level of the CPU's) move the logits by a fraction of their range.
+    running = make_server(devices=("cuda:0",), precision=precision)
+    float_input = reference.input_from_array(PIXELS[2]).numpy()
+    with Client(running.target) as client:
+        results = client.classify([PIXELS[0], PIXELS[1], float_input], full=True)
+    expected = [reference.input_from_array(PIXELS[0]), reference.input_from_array(PIXELS[1]),
+                torch.from_numpy(float_input)]
+    for result, model_input in zip(results, expected, strict=True):
+        want = reference.logits(model_input.unsqueeze(0))[0].numpy()
+        assert result.device == "cuda:0"
+        np.testing.assert_allclose(result.logits, want, atol=tolerance * np.abs(want).max(), rtol=0)
+
+
+def test_two_replicas_share_one_gpu_with_their_own_labels(make_server):
+    running = make_server(devices=("cuda:0", "cuda:0"))
+    names = [replica.name for replica in running.app.core.router.replicas]
+    assert len(set(names)) == 2
+    with Client(running.target) as client:
+        for _ in range(4):
+            client.classify([PIXELS[0]])
+    for name in names:  # least-queued routing, ties in turn: sequential calls alternate
+        assert running.sample("resnet_batch_size_count", device=name) == 2
+        assert running.sample("resnet_gpu_memory_allocated_bytes", device=name) > 0
