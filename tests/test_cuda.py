@@ -37,7 +37,7 @@ def synchronisations(action) -> int:
 def test_a_batch_synchronises_only_when_its_results_come_back(weights_file):
     device = torch.device("cuda:0")
     runner = ModelRunner(build_model(load_weights(str(weights_file[0]), device), device), device, "fp32", True)
-    runner.warm_up([4])
+    runner.warm_up([4])  # also places the normalisation constants on the device
     images = [RawImage("uint8", pixels.shape, pixels.tobytes()) for pixels in PIXELS]
 
     def batch() -> None:
@@ -45,7 +45,7 @@ def test_a_batch_synchronises_only_when_its_results_come_back(weights_file):
         assert not errors and inputs.device == device
         runner(inputs, torch.ones(len(images)))
 
-    batch()  # the first batch places the normalisation constants on the device
+    batch()  # a batch of 3 once, so any autotuning for its shape is done
     explicit = synchronisations(lambda: runner.stream.synchronize())  # 1 if torch counts it, else 0
     assert synchronisations(batch) == explicit
 
