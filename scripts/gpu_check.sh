@@ -9,9 +9,20 @@ out=${1:-results/gpu}
 mkdir -p "$out"
 port=50161 metrics=8161
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
+# The GPU box may lack this project and some of its dependencies (the generated code needs grpcio >= 1.85.1
+# and protobuf >= 7.35.1): install wheels carried to it in .whl/gpu (offline), run the project from the checkout.
+if [ -d .whl/gpu ]; then
+  python -m pip install -q --no-index --find-links .whl/gpu "grpcio>=1.85.1" "grpcio-health-checking>=1.85.1" \
+    "grpcio-reflection>=1.85.1" "protobuf>=7.35.1" nvidia-ml-py 2>&1 | tail -3
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+command -v resnet-server >/dev/null || resnet-server() { python -c 'import sys; from server.app import main; sys.exit(main())' "$@"; }
+command -v resnet-client >/dev/null || resnet-client() { python -c 'import sys; from client.cli import main; sys.exit(main())' "$@"; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 
-python -m pytest -q -m cuda -p no:cacheprovider 2>&1 | tee "$out/cuda_tests.txt"
+# Only the modules with CUDA tests: the others import test-only packages the GPU box may not have.
+python -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_raw_batch.py tests/test_device_decode.py \
+  tests/test_replicas.py 2>&1 | tee "$out/cuda_tests.txt"
 python scripts/precision_check.py --device cuda:0 --json "$out/precision.json" | tee "$out/precision.txt"
 python scripts/decode_check.py --device cuda:0 --json "$out/decode.json" | tee "$out/decode.txt"
 for precision in fp32 fp16 bf16; do
