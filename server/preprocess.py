@@ -108,7 +108,7 @@ def check_raw(image: RawImage, max_pixels: int) -> None:
 def raw_batch(images: list[RawImage], device: torch.device) -> list[torch.Tensor | InvalidInput]:
     """Checked raw images as the model's float [3, 224, 224] inputs on ``device``, one batched
     conversion per distinct shape; a float32 image holding NaN or infinity gets its InvalidInput."""
-    results: list[torch.Tensor | InvalidInput] = [InvalidInput("not converted")] * len(images)
+    results: list[torch.Tensor | InvalidInput | None] = [None] * len(images)  # every slot is filled below
     groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     for index, image in enumerate(images):
         groups.setdefault((image.dtype, tuple(image.shape)), []).append(index)
