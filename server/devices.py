@@ -42,3 +42,12 @@ def replica_names(devices: list[torch.device]) -> list[str]:
     """Metric label per replica: the device, suffixed #i where one device holds several replicas."""
     names = [str(device) for device in devices]
     return [f"{name}#{names[:i].count(name)}" if names.count(name) > 1 else name for i, name in enumerate(names)]
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``. From the CPU to a GPU it goes through pinned memory with a non_blocking copy
+    on the current stream: a copy from pageable memory would synchronise the host."""
+    if tensor.device == device:
+        return tensor
+    staged = tensor if tensor.is_pinned() else tensor.pin_memory()
+    return staged.to(device, non_blocking=True)

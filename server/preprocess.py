@@ -29,6 +29,7 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as F
 
+from .devices import to_device
 from .errors import InvalidInput
 from .model import IMAGENET_WEIGHTS
 
@@ -123,10 +124,10 @@ def _convert_group(datas: list[bytes], dtype: str, shape: tuple[int, ...], devic
                    ) -> list[torch.Tensor | InvalidInput]:
     on_cpu = _stack_bytes(datas, dtype, shape, pinned=device.type == "cuda")
     if dtype == "uint8":  # [B, H, W, 3]: resized as channels-last, which torch's uint8 resize handles natively
-        return list(transform(_to_device(on_cpu, device).permute(0, 3, 1, 2)).unbind(0))
+        return list(transform(to_device(on_cpu, device).permute(0, 3, 1, 2)).unbind(0))
     finite = torch.isfinite(on_cpu).flatten(1).all(1).tolist()  # checked on the CPU: no device sync
     return [row if ok else InvalidInput("raw float32 image contains NaN or infinity")
-            for row, ok in zip(_to_device(on_cpu, device).unbind(0), finite, strict=True)]
+            for row, ok in zip(to_device(on_cpu, device).unbind(0), finite, strict=True)]
 
 
 def _stack_bytes(datas: list[bytes], dtype: str, shape: tuple[int, ...], pinned: bool) -> torch.Tensor:
@@ -135,10 +136,6 @@ def _stack_bytes(datas: list[bytes], dtype: str, shape: tuple[int, ...], pinned:
     for row, data in zip(batch.numpy(), datas, strict=True):
         row[...] = np.frombuffer(data, dtype=dtype).reshape(shape)
     return batch
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 def check_header(data: bytes, max_pixels: int) -> None:

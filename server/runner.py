@@ -19,6 +19,7 @@ import contextlib
 import torch
 
 from .device_decode import DeferredJpeg, decode_batch
+from .devices import to_device
 from .errors import InvalidInput
 from .postprocess import temperature_softmax
 from .preprocess import FLOAT_SHAPE, RawImage, raw_batch
@@ -51,7 +52,8 @@ class ModelRunner:
         with self._on_stream():
             converted = self._convert_deferred(images)
             errors = {i: result for i, result in converted.items() if isinstance(result, InvalidInput)}
-            kept = [converted.get(i, image).to(self.device) for i, image in enumerate(images) if i not in errors]
+            kept = [to_device(converted.get(i, image), self.device)
+                    for i, image in enumerate(images) if i not in errors]
             return (torch.stack(kept) if kept else torch.empty((0, *FLOAT_SHAPE))), errors
 
     def _convert_deferred(self, images: list[ModelInput]) -> dict[int, torch.Tensor | InvalidInput]:
@@ -73,10 +75,7 @@ class ModelRunner:
         if not self.cuda:
             return self._forward(inputs, temperatures)
         with torch.cuda.stream(self.stream):
-            on_device = inputs if inputs.device == self.device else inputs.pin_memory().to(self.device,
-                                                                                           non_blocking=True)
-            temperatures_on_device = temperatures.pin_memory().to(self.device, non_blocking=True)
-            probabilities, logits = self._forward(on_device, temperatures_on_device)
+            probabilities, logits = self._forward(to_device(inputs, self.device), to_device(temperatures, self.device))
             both = torch.stack([probabilities, logits])
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
