@@ -35,7 +35,7 @@ def served_rows(folder: Path) -> list[str]:
             continue
         for point in load(folder, name):
             view = next(iter(point["server"].values()), {})
-            errors = ", ".join(f"{code} {count}" for code, count in point["errors"].items()) or ""
+            errors = ", ".join(f"{code} {count}" for code, count in point["errors"].items())
             rows.append(f"| {name.replace('_', ' ')}, c={point['concurrency']} | {point['images_per_s']:.0f} | "
                         f"{point['p50_ms']:.1f} | {point['p99_ms']:.1f} | "
                         f"{view.get('mean_batch_size', float('nan')):.1f} | {errors} |")

@@ -28,12 +28,16 @@ class DeferredJpeg:
 
     data: torch.Tensor  # uint8 [N] on the CPU, as decode_jpeg takes it
 
+    @classmethod
+    def of(cls, data: bytes) -> DeferredJpeg:
+        return cls(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
 
 def defer_or_preprocess(image: ImageInput, max_pixels: int) -> torch.Tensor | DeferredJpeg:
     """JPEGs are checked now and decoded later on the device; other encoded images are decoded now."""
     if isinstance(image, EncodedImage) and image.data[:3] == JPEG_MAGIC:
         check_header(image.data, max_pixels)
-        return DeferredJpeg(torch.frombuffer(bytearray(image.data), dtype=torch.uint8))
+        return DeferredJpeg.of(image.data)
     return preprocess(image, max_pixels)
 
 
