@@ -87,7 +87,7 @@ class Reference:
     """The expected answer, computed directly with torchvision (same transform, weights and T).
 
     The transform is torchvision's documented ImageNet eval pipeline for ResNet18 spelled out in
-    ``transforms.v2`` (which the server uses for its uint8 resize; see test_v2_preset_is_v1_within_one_level)."""
+    ``transforms.v2`` (tests/test_preprocess.py holds it to the v1 preset, and the server's fused version to it)."""
 
     def __init__(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model = resnet18(weights=None)
