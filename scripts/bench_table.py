@@ -52,6 +52,8 @@ def main(folder: Path, size: str) -> None:
           f"(+{c1['p50_ms'] - batch1_ms:.1f} ms); c=16 p99/p50 = {c16['p99_ms'] / c16['p50_ms']:.2f}; "
           f"batching on/off at c=16: {c16['images_per_s']:.1f} vs "
           f"{served['served_uint8_nobatch'][16]['images_per_s']:.1f} images/s")
+    if spread := in_process_spread(uint8, c16):
+        print(f"One in-process batch-{spread[0]} forward call on the same machine: p99/p50 = {spread[1]:.2f}")
     print_rounds(folder)
 
 
@@ -59,6 +61,18 @@ def batch1_latency_ms(ceiling: dict) -> float:
     """The in-process batch-1 latency: the median call where bench-model recorded it (the same statistic
     as the served p50), else the mean (1 / throughput)."""
     return ceiling.get("batch1_latency_p50_ms") or 1000.0 / ceiling["forward_images_per_s"]["1"]
+
+
+def in_process_spread(ceiling: dict, point: dict) -> tuple[str, float] | None:
+    """p99/p50 of one in-process forward call at the measured batch size nearest the served mean batch
+    (the spread this machine puts on a fixed amount of work, which the served p99/p50 cannot beat), with
+    that batch size; None where bench-model did not record calls."""
+    calls = ceiling.get("forward_call_ms")
+    mean_batch = next(iter(point["server"].values()), {}).get("mean_batch_size")
+    if not calls or mean_batch is None:
+        return None
+    size = min(calls, key=lambda measured: abs(int(measured) - mean_batch))
+    return size, calls[size]["p99"] / calls[size]["p50"]
 
 
 def print_rounds(folder: Path) -> None:
@@ -75,6 +89,12 @@ def print_rounds(folder: Path) -> None:
     pairs = ", ".join(f"{point['images_per_s']:.1f}/{ceiling:.1f}" for point, ceiling in zip(c16, best, strict=True))
     print(f"\nAlternating rounds, served uint8 c=16 / in-process forward ceiling: {pairs} images/s; "
           f"ratio median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
+    spreads = [(point["p99_ms"] / point["p50_ms"], in_process_spread(ceiling, point))
+               for point, ceiling in zip(c16, ceilings, strict=True)]
+    if all(in_process for _, in_process in spreads):
+        pairs = ", ".join(f"{served:.2f}/{in_process[1]:.2f}" for served, in_process in spreads)
+        print(f"Alternating rounds, p99/p50 of served uint8 c=16 / of one in-process batch-{spreads[0][1][0]} "
+              f"forward call: {pairs}")
     if not c1:
         return
     batch1_ms = [batch1_latency_ms(ceiling) for ceiling in ceilings]

@@ -49,6 +49,9 @@ def test_bench_model_reports_the_ceiling(weights_file, capsys):
     assert set(result["forward_images_per_s"]) == {"1", "2"}  # JSON object keys
     assert result["preprocess_images_per_s"] > 0 and result["ceiling_with_preprocess_images_per_s"] > 0
     assert 0 < result["batch1_latency_p50_ms"] <= 3 * result["batch1_latency_ms"]  # a median call, near the mean
+    for calls in result["forward_call_ms"].values():
+        assert 0 < calls["p50"] <= calls["p99"]
+    assert result["forward_call_ms"]["1"]["p50"] == result["batch1_latency_p50_ms"]
 
 
 def test_latency_pairs_interleaves_in_process_and_served_windows(make_server):
