@@ -109,6 +109,11 @@ def print_rounds(folder: Path) -> None:
               f"uint8 c=1 p50 / in-process batch-1 p50: {interleaved['served_p50_ms']:.1f} / "
               f"{interleaved['in_process_p50_ms']:.1f} ms; difference median "
               f"{interleaved['difference_median_ms']:+.1f} ms (range {low:+.1f} to {high:+.1f})")
+        if "outside_compute_median_ms" in interleaved:
+            print(f"Of which (medians per window): the server's batch time minus the in-process forward pass "
+                  f"{interleaved['compute_minus_in_process_median_ms']:+.1f} ms, the request outside the "
+                  f"server's batch {interleaved['outside_compute_median_ms']:.1f} ms; an empty gRPC call "
+                  f"(GetModelInfo) round trip {interleaved['empty_call_p50_ms']:.1f} ms")
 
 
 if __name__ == "__main__":

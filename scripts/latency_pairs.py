@@ -4,7 +4,12 @@ This VM's speed drifts by 10-15% over tens of seconds, which is +-3 ms on a 35 m
 than the 2 ms the c=1 target is about, so two measurements taken a minute apart cannot resolve it.
 One process here alternates short windows: batch-1 forward passes in process (the ModelRunner that
 bench-model times), then one-at-a-time uint8 requests to the server (the request bench sends). Each
-side idles while the other runs. Prints the median of each side and of the per-window differences.
+side idles while the other runs. Prints the median of each side and of the per-window differences,
+and splits the difference with the compute time each answer carries (the server's batch time:
+conversion, forward pass, softmax): how much slower the server's batch is than the in-process forward
+pass, and how much the request spends outside it (gRPC and the client both ways, the hops between the
+event loop and the replica's thread). For scale, it also times an empty call (GetModelInfo): the
+round trip of gRPC itself between these two processes.
 
 Usage: python scripts/latency_pairs.py --server 127.0.0.1:50151 [--image-size 224x224] [--windows 20] [--compile]
 """
@@ -28,23 +33,36 @@ from server.preprocess import RawImage, preprocess
 from server.runner import ModelRunner
 
 
-def in_process_window(runner: ModelRunner, model_input: torch.Tensor, seconds: float) -> list[float]:
+def in_process_window(runner: ModelRunner, model_input: torch.Tensor, seconds: float) -> float:
+    """Median batch-1 forward pass, in ms."""
     batch, temperatures = model_input.unsqueeze(0), torch.ones(1)
     latencies, stop_at = [], time.perf_counter() + seconds
     while time.perf_counter() < stop_at:
         started = time.perf_counter()
         runner(batch, temperatures)
-        latencies.append(time.perf_counter() - started)
-    return latencies
+        latencies.append(1000 * (time.perf_counter() - started))
+    return statistics.median(latencies)
 
 
-async def served_window(stub, request: pb.ClassifyRequest, seconds: float) -> list[float]:
-    latencies, stop_at = [], time.perf_counter() + seconds
+async def served_window(stub, request: pb.ClassifyRequest, seconds: float) -> tuple[float, float]:
+    """Medians of the round trip and of the server's compute time for the image, in ms."""
+    latencies, computes, stop_at = [], [], time.perf_counter() + seconds
     while time.perf_counter() < stop_at:
         started = time.perf_counter()
-        await stub.Classify(request, timeout=30)
-        latencies.append(time.perf_counter() - started)
-    return latencies
+        reply = await stub.Classify(request, timeout=30)
+        latencies.append(1000 * (time.perf_counter() - started))
+        computes.append(reply.results[0].compute_ms)
+    return statistics.median(latencies), statistics.median(computes)
+
+
+async def empty_call_ms(stub, calls: int = 200) -> float:
+    """Median round trip of a call that carries nothing and does no work."""
+    latencies = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        latencies.append(1000 * (time.perf_counter() - started))
+    return statistics.median(latencies)
 
 
 async def measure(args: argparse.Namespace) -> dict:
@@ -55,21 +73,28 @@ async def measure(args: argparse.Namespace) -> dict:
     image = make_image("uint8", *args.image_size)
     request = pb.ClassifyRequest(images=[image])
     model_input = preprocess(RawImage("uint8", tuple(image.raw.shape), image.raw.data), MAX_PIXELS)
-    pairs = []
+    pairs, computes = [], []
     async with AsyncClient(args.server) as client:
         stub = client._stub  # the prepared message as is, as resnet-client bench sends it
         in_process_window(runner, model_input, 1.0)  # warm-up, both sides
         await served_window(stub, request, 1.0)
         for _ in range(args.windows):
-            local = statistics.median(in_process_window(runner, model_input, args.window))
-            served = statistics.median(await served_window(stub, request, args.window))
-            pairs.append((1000 * local, 1000 * served))
+            local = in_process_window(runner, model_input, args.window)
+            served, compute = await served_window(stub, request, args.window)
+            pairs.append((local, served))
+            computes.append(compute)
+        empty_call = await empty_call_ms(stub)
     differences = [served - local for local, served in pairs]
     return {"windows": args.windows, "window_s": args.window, "image_size": list(args.image_size),
             "in_process_p50_ms": statistics.median(local for local, _ in pairs),
             "served_p50_ms": statistics.median(served for _, served in pairs),
             "difference_median_ms": statistics.median(differences),
-            "difference_range_ms": [min(differences), max(differences)], "pairs_ms": pairs}
+            "difference_range_ms": [min(differences), max(differences)], "pairs_ms": pairs,
+            "compute_minus_in_process_median_ms": statistics.median(
+                compute - local for (local, _), compute in zip(pairs, computes, strict=True)),
+            "outside_compute_median_ms": statistics.median(
+                served - compute for (_, served), compute in zip(pairs, computes, strict=True)),
+            "empty_call_p50_ms": empty_call}
 
 
 def main() -> None:

@@ -65,4 +65,6 @@ def test_latency_pairs_interleaves_in_process_and_served_windows(make_server):
     differences = sorted(served - local for local, served in result["pairs_ms"])
     assert result["difference_median_ms"] == differences[1]
     assert result["difference_range_ms"] == [differences[0], differences[-1]]
+    assert 0 < result["outside_compute_median_ms"] < result["served_p50_ms"]  # compute is part of each answer
+    assert result["empty_call_p50_ms"] > 0
     assert running.sample("resnet_batch_size_count", device="cpu") >= 3  # every served window reached the server
