@@ -98,7 +98,8 @@ class App:
         self._record_model_info(replicas)
         self.classifier.attach(self.core, info)
         self.inference.attach(self.core, LABELS, oip_model_config(
-            config.max_images_per_request, config.max_batch_size, config.max_batch_delay_ms, list(info.devices)))
+            config.max_images_per_request, info.batching.max_batch_size, config.max_batch_delay_ms,
+            list(info.devices)))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on %s:%d (devices %s)", MODEL_NAME, config.host, self.port, ", ".join(info.devices))
 
@@ -142,7 +143,7 @@ def model_info(config: ServerConfig, replicas: list[Replica], temperature: float
         devices=[replica.name for replica in replicas],
         default_temperature=temperature,
         temperature_source=source,
-        batching=pb.BatchingSpec(max_batch_size=config.max_batch_size,
+        batching=pb.BatchingSpec(max_batch_size=max(replica.max_batch_size for replica in replicas),
                                  max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue),
         weights=weights.source,
         warning=weights.warning,

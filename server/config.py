@@ -30,7 +30,7 @@ class ServerConfig:
     weights: str = "imagenet"
     temperature: float = 1.0
     temperature_file: str | None = None
-    max_batch_size: int = 32
+    max_batch_size: int = 0  # 0: per device (replicas.DEFAULT_MAX_BATCH_SIZE)
     max_batch_delay_ms: float = 0.0
     max_queue: int = 256
     max_images_per_request: int = 64
@@ -119,7 +119,7 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("weights", str, "imagenet (torchvision, cached under TORCH_HOME), a PATH to a state_dict, or random"),
     ("temperature", positive_temperature, "default softmax temperature T (finite, > 0)"),
     ("temperature-file", str, "JSON file with a fitted temperature (resnet-client calibrate); overrides --temperature"),
-    ("max-batch-size", _positive_int, "most images in one forward pass"),
+    ("max-batch-size", _non_negative_int, "most images in one forward pass; 0 = 32 on CUDA, 8 on the CPU"),
     ("max-batch-delay-ms", _non_negative_float, "longest the oldest queued image waits for a fuller batch"),
     ("max-queue", _positive_int, "images accepted per replica and not yet answered; beyond it new requests get "
                                  "RESOURCE_EXHAUSTED at once"),

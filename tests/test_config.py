@@ -41,7 +41,7 @@ def test_decode_on_device_is_auto_true_or_false():
 
 
 @pytest.mark.parametrize("argv", [["--temperature", "0"], ["--temperature", "nan"], ["--temperature", "-1"],
-                                  ["--temperature", "inf"], ["--max-batch-size", "0"], ["--max-queue", "-3"],
+                                  ["--temperature", "inf"], ["--max-batch-size", "-1"], ["--max-queue", "-3"],
                                   ["--port", "x"], ["--compile", "maybe"],
                                   ["--decode-on-device", "gpu"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from client import AsyncClient, ClassifierError, Client
-from server.replicas import FAILURES_BEFORE_EVICTION
+from server.config import ServerConfig
+from server.replicas import FAILURES_BEFORE_EVICTION, max_batch_size
 from server.runner import ModelRunner, _split, warm_up_sizes
 from tests.helpers import encode, free_port, random_rgb, scraped_value, wait_for
 
@@ -39,6 +40,23 @@ def test_two_replicas_on_one_device_share_the_load_with_their_own_labels(make_se
     expected = reference.probabilities(reference.input_from_bytes(IMAGE))
     for (result,) in results:
         np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
+
+
+def test_max_batch_size_zero_picks_by_device():
+    assert max_batch_size(ServerConfig(max_batch_size=0), torch.device("cpu")) == 8
+    assert max_batch_size(ServerConfig(max_batch_size=0), torch.device("cuda", 1)) == 32
+    assert max_batch_size(ServerConfig(max_batch_size=5), torch.device("cuda")) == 5
+
+
+def test_the_cpu_default_splits_twelve_queued_images_into_batches_of_eight_and_four(make_server):
+    running = make_server(max_batch_size=0)
+    with Client(running.target) as client:
+        assert client.model_info().batching.max_batch_size == 8
+        results = client.classify([IMAGE] * 12)  # queued at once, all twelve before the worker looks
+    assert len(results) == 12
+    assert running.sample("resnet_batch_size_count", device="cpu") == 2
+    assert running.sample("resnet_batch_size_sum", device="cpu") == 12
+    assert running.sample("resnet_batch_size_bucket", device="cpu", le="4.0") == 1  # the other one is 8
 
 
 def test_sequential_requests_alternate_when_replicas_are_idle(make_server):
