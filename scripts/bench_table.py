@@ -65,8 +65,8 @@ def batch1_latency_ms(ceiling: dict) -> float:
 
 def in_process_spread(ceiling: dict, point: dict) -> tuple[str, float] | None:
     """p99/p50 of one in-process forward call at the measured batch size nearest the served mean batch
-    (the spread this machine puts on a fixed amount of work, which the served p99/p50 cannot beat), with
-    that batch size; None where bench-model did not record calls."""
+    (the spread this machine puts on a fixed amount of work, to set beside the served p99/p50), with that
+    batch size; None where bench-model did not record calls."""
     calls = ceiling.get("forward_call_ms")
     mean_batch = next(iter(point["server"].values()), {}).get("mean_batch_size")
     if not calls or mean_batch is None:

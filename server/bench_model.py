@@ -54,8 +54,8 @@ def timed_rate(step: Callable[[], int], duration: float, warmup: int = 2) -> tup
 
 
 def call_percentiles_ms(calls: list[float]) -> dict[str, float]:
-    """Median and 99th percentile of one call, in ms: the spread the VM alone puts on a fixed amount of
-    work, which bounds the served p99/p50 from below."""
+    """Median and 99th percentile of one call, in ms: the spread the machine alone puts on a fixed amount
+    of work, to set beside the served p99/p50."""
     ordered = sorted(calls)
     return {"p50": 1000.0 * statistics.median(ordered),
             "p99": 1000.0 * ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]}
