@@ -143,7 +143,7 @@ def model_info(config: ServerConfig, replicas: list[Replica], temperature: float
         devices=[replica.name for replica in replicas],
         default_temperature=temperature,
         temperature_source=source,
-        batching=pb.BatchingSpec(max_batch_size=max(replica.max_batch_size for replica in replicas),
+        batching=pb.BatchingSpec(max_batch_size=max(replica.batcher.max_batch_size for replica in replicas),
                                  max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue),
         weights=weights.source,
         warning=weights.warning,

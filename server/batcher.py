@@ -83,7 +83,7 @@ class Batcher:
         self._runner: ModelRunner | None = None
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
-        self._max_batch_size = max_batch_size
+        self.max_batch_size = max_batch_size
         self._max_delay = max_batch_delay_ms / 1000.0
         self._max_queue = max_queue
         self._queue: collections.deque[WorkItem] = collections.deque()
@@ -159,14 +159,14 @@ class Batcher:
                 return None
             if self._max_delay > 0:
                 self._wait_for_fuller_batch()
-            size = min(len(self._queue), self._max_batch_size)
+            size = min(len(self._queue), self.max_batch_size)
             batch = [self._queue.popleft() for _ in range(size)]
             self._queue_depth.set(len(self._queue))
             return batch
 
     def _wait_for_fuller_batch(self) -> None:
         fill_by = self._queue[0].enqueued + self._max_delay
-        while len(self._queue) < self._max_batch_size and not self._stopping:
+        while len(self._queue) < self.max_batch_size and not self._stopping:
             remaining = fill_by - time.monotonic()
             if remaining <= 0:
                 return

@@ -27,8 +27,9 @@ FAILURES_BEFORE_EVICTION = 3
 
 # --max-batch-size 0 picks by device. On a GPU, ResNet18's throughput flattens around 32 images while a
 # batch still takes milliseconds. On a CPU the cost per image rises past a few images (bench-model on 2
-# cores: batch 4-8 fastest), and with no cap, 16 callers split into a lone image and a batch of 15 in
-# turn instead of two even batches of 8 (measured: 2-18% fewer images/s, p99/p50 1.33-1.44 against 1.20-1.26).
+# cores: batch 4-8 fastest), and with a cap of 32, 16 callers split into a small batch (1-4 images) and a
+# big one (9-16) in turn instead of two even batches of 8 (measured: 2-18% fewer images/s, p99/p50
+# 1.33-1.44 against 1.20-1.26).
 DEFAULT_MAX_BATCH_SIZE = {"cuda": 32, "cpu": 8}
 
 
@@ -43,7 +44,6 @@ class Replica:
     runner: ModelRunner
     batcher: Batcher
     weights: LoadedWeights
-    max_batch_size: int  # most images in one forward pass on this replica
     decode_on_device: bool = False  # JPEGs go to the batcher undecoded, decoded there in one batch
     pending: int = 0  # images routed here and not yet answered; touched on the event loop only
 
@@ -55,9 +55,10 @@ class Replica:
 class _ReplicaSetup:
     """Runs on the replica's worker thread: load weights, build, place and warm up the model."""
 
-    def __init__(self, device: torch.device, config: ServerConfig) -> None:
+    def __init__(self, device: torch.device, config: ServerConfig, batch_limit: int) -> None:
         self.device = device
         self.config = config
+        self.batch_limit = batch_limit
         self.weights: LoadedWeights | None = None
         self.runner: ModelRunner | None = None
 
@@ -70,7 +71,7 @@ class _ReplicaSetup:
             torch.backends.cudnn.benchmark = config.cudnn_benchmark
         self.runner = ModelRunner(build_model(self.weights, device), device, config.precision, config.channels_last,
                                   compiled=config.compile)
-        sizes = warm_up_sizes(max_batch_size(config, device), device.type == "cuda" or config.compile)
+        sizes = warm_up_sizes(self.batch_limit, device.type == "cuda" or config.compile)
         try:
             self.runner.warm_up(sizes)
         except Exception as exc:
@@ -85,8 +86,8 @@ class _ReplicaSetup:
 def load_replica(name: str, device: torch.device, config: ServerConfig, metrics: Metrics) -> Replica:
     """Start the replica's worker thread, which loads and warms the model before taking work."""
     started = time.monotonic()
-    setup = _ReplicaSetup(device, config)
     batch_limit = max_batch_size(config, device)
+    setup = _ReplicaSetup(device, config, batch_limit)
     batcher = Batcher(name, setup, metrics, max_batch_size=batch_limit,
                       max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue)
     batcher.start()
@@ -101,7 +102,7 @@ def load_replica(name: str, device: torch.device, config: ServerConfig, metrics:
         log.warning("%s", weights.warning)
     decode_on_device = config.decode_on_device == "true" or (
         config.decode_on_device == "auto" and device.type == "cuda")
-    return Replica(name, device, runner, batcher, weights, batch_limit, decode_on_device)
+    return Replica(name, device, runner, batcher, weights, decode_on_device)
 
 
 def _watch_gpu(name: str, device: torch.device, runner: ModelRunner, metrics: Metrics) -> None:
