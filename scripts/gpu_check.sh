@@ -8,6 +8,7 @@ set -uo pipefail
 out=${1:-results/gpu}
 mkdir -p "$out"
 port=50161 metrics=8161
+fp32_batch=64 fp16_batch=128  # the served batch caps; gpu_table.py compares each with the in-process forward at it
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
 # The GPU box may lack this project and some of its dependencies (the generated code needs grpcio >= 1.85.1
 # and protobuf >= 7.35.1): install wheels carried to it in .whl/gpu (offline), run the project from the checkout.
@@ -45,12 +46,12 @@ bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise
   resnet-client bench --server 127.0.0.1:$port --metrics http://127.0.0.1:$metrics/metrics --input uint8 \
     --image-size 224x224 --duration 15 --warmup 3 --processes 8 --quiet --json "${@:2}" > "$out/$1.json"
 }
-serve --max-batch-size 64 && bench served_batched --sweep 1,16,64,256 && stop
+serve --max-batch-size $fp32_batch && bench served_batched --sweep 1,16,64,256 && stop
 serve --max-batch-size 1 && bench served_nobatch --concurrency 256 && stop
-serve --max-batch-size 128 --precision fp16 && bench served_fp16 --sweep 64,256 && stop
+serve --max-batch-size $fp16_batch --precision fp16 && bench served_fp16 --sweep 64,256 && stop
 for where in true false; do
-  serve --max-batch-size 64 --decode-on-device $where && \
+  serve --max-batch-size $fp32_batch --decode-on-device $where && \
     bench served_jpeg_decode_on_device_$where --input jpeg --image-size 640x480 --concurrency 256 && stop
 done
-python scripts/gpu_table.py "$out" | tee "$out/gpu_table.md"  # the README's GPU table and targets
+python scripts/gpu_table.py "$out" $fp32_batch $fp16_batch | tee "$out/gpu_table.md"  # the README's GPU table and targets
 echo "results in $out"

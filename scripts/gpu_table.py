@@ -1,6 +1,6 @@
 """Turn the JSON written by scripts/gpu_check.sh into the README's GPU table and the device issue's targets.
 
-Usage: python scripts/gpu_table.py [results/gpu]
+Usage: python scripts/gpu_table.py [results/gpu [FP32_BATCH FP16_BATCH]]  (the served batch caps, default 64 128)
 """
 
 from __future__ import annotations
@@ -42,22 +42,25 @@ def served_rows(folder: Path) -> list[str]:
     return rows
 
 
-def targets(folder: Path) -> list[str]:
+def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
     """The device issue's numbers: served uint8 at the highest concurrency against the in-process forward
     at the served maximum batch size (same device, precision, batch size), and against batching off."""
     lines = []
-    for served_name, ceiling_name, batch in (("served_batched", "ceiling_fp32", "64"),
-                                             ("served_fp16", "ceiling_fp16", "128")):
-        if not ((folder / f"{served_name}.json").exists() and (folder / f"{ceiling_name}.json").exists()):
+    top = {}  # served run -> its highest-concurrency point
+    for served_name, ceiling_name, batch in (("served_batched", "ceiling_fp32", fp32_batch),
+                                             ("served_fp16", "ceiling_fp16", fp16_batch)):
+        if not (folder / f"{served_name}.json").exists():
             continue
-        top = max(load(folder, served_name), key=lambda point: point["concurrency"])
-        ceiling = load(folder, ceiling_name)[0]["forward_images_per_s"][batch]
-        lines.append(f"- {served_name} c={top['concurrency']}: {top['images_per_s']:.0f} images/s = "
-                     f"{top['images_per_s'] / ceiling:.2f} x the in-process {ceiling_name[8:]} forward at batch "
+        top[served_name] = max(load(folder, served_name), key=lambda point: point["concurrency"])
+        if not (folder / f"{ceiling_name}.json").exists():
+            continue
+        ceiling = load(folder, ceiling_name)[0]["forward_images_per_s"][str(batch)]
+        rate = top[served_name]["images_per_s"]
+        lines.append(f"- {served_name} c={top[served_name]['concurrency']}: {rate:.0f} images/s = "
+                     f"{rate / ceiling:.2f} x the in-process {ceiling_name[8:]} forward at batch "
                      f"{batch} ({ceiling:.0f}); target >= 0.8")
-    if (folder / "served_batched.json").exists() and (folder / "served_nobatch.json").exists():
-        batched = max(load(folder, "served_batched"), key=lambda point: point["concurrency"])
-        unbatched = load(folder, "served_nobatch")[0]
+    if "served_batched" in top and (folder / "served_nobatch.json").exists():
+        batched, unbatched = top["served_batched"], load(folder, "served_nobatch")[0]
         lines.append(f"- batching on / off at c={batched['concurrency']}: {batched['images_per_s']:.0f} / "
                      f"{unbatched['images_per_s']:.0f} images/s = "
                      f"{batched['images_per_s'] / unbatched['images_per_s']:.1f} x; target >= 10")
@@ -75,7 +78,7 @@ def targets(folder: Path) -> list[str]:
     return lines
 
 
-def main(folder: Path) -> None:
+def main(folder: Path, fp32_batch: int = 64, fp16_batch: int = 128) -> None:
     device = (folder / "nvidia-smi.txt").read_text().splitlines() if (folder / "nvidia-smi.txt").exists() else []
     gpu = next((line.strip() for line in device if "NVIDIA" in line and "Driver" not in line), "GPU")
     print(f"Measured {time.strftime('%Y-%m-%d')} with scripts/gpu_check.sh on {gpu}; uint8 224x224 unless "
@@ -84,8 +87,8 @@ def main(folder: Path) -> None:
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     print("\n".join(ceiling_rows(folder) + served_rows(folder)))
     print()
-    print("\n".join(targets(folder)))
+    print("\n".join(targets(folder, fp32_batch, fp16_batch)))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "results/gpu"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "results/gpu"), *(int(size) for size in sys.argv[2:4]))
