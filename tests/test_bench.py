@@ -6,6 +6,9 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 from client.cli import main as client_main
@@ -68,3 +71,13 @@ def test_latency_pairs_interleaves_in_process_and_served_windows(make_server):
     assert 0 < result["outside_compute_median_ms"] < result["served_p50_ms"]  # compute is part of each answer
     assert result["empty_call_p50_ms"] > 0
     assert running.sample("resnet_batch_size_count", device="cpu") >= 3  # every served window reached the server
+
+
+def test_grpc_floor_times_both_minimal_servers():
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "grpc_floor.py"), "--calls", "5"],
+                          capture_output=True, text=True, timeout=120, check=True)
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["grpc.aio server", "thread-pool server"]
+    for line in lines:
+        empty, image = (float(ms) for ms in re.findall(r"([\d.]+) ms", line))
+        assert empty > 0 and image > 0

@@ -1,0 +1,92 @@
+"""The floor of a unary round trip in Python gRPC on this machine, without this project's server.
+
+A minimal server (grpc.aio, then the thread-pool server) with one method that ignores its request and
+answers 4,000 bytes, about a ClassifyResponse; a blocking client times 400 calls with an empty request and
+400 with 150,528 bytes (a 224x224 uint8 image), after 50 to warm up. Each server runs in its own process
+on a free port of 127.0.0.1 and is stopped when its calls are done. What the served c=1 latency cannot go
+below, whatever the serving path does.
+
+Usage: python scripts/grpc_floor.py [--calls 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import statistics
+import time
+from concurrent import futures
+
+import grpc
+
+ANSWER = b"x" * 4000
+IMAGE = bytes(224 * 224 * 3)
+OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+
+
+def _one_method(method) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler("floor.Floor", {"Call": grpc.unary_unary_rpc_method_handler(method)})
+
+
+def serve_aio(ports, stop) -> None:
+    async def call(request: bytes, context) -> bytes:
+        return ANSWER
+
+    async def main() -> None:
+        server = grpc.aio.server(options=OPTIONS)
+        server.add_generic_rpc_handlers((_one_method(call),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ports.put(port)
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+def serve_threads(ports, stop) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=OPTIONS)
+    server.add_generic_rpc_handlers((_one_method(lambda request, context: ANSWER),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    ports.put(port)
+    stop.wait()
+    server.stop(0)
+
+
+def median_round_trip_ms(port: int, payload: bytes, calls: int) -> float:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary("/floor.Floor/Call")
+        for _ in range(50):
+            call(payload, timeout=10)
+        latencies = []
+        for _ in range(calls):
+            started = time.perf_counter()
+            answer = call(payload, timeout=10)
+            latencies.append(1000 * (time.perf_counter() - started))
+            if len(answer) != len(ANSWER):
+                raise SystemExit(f"answer of {len(answer)} bytes, expected {len(ANSWER)}")
+    return statistics.median(latencies)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=400)
+    args = parser.parse_args()
+    for name, serve in (("grpc.aio server", serve_aio), ("thread-pool server", serve_threads)):
+        ports, stop = multiprocessing.Queue(), multiprocessing.Event()
+        server = multiprocessing.Process(target=serve, args=(ports, stop))
+        server.start()
+        try:
+            port = ports.get(timeout=30)
+            empty = median_round_trip_ms(port, b"", args.calls)
+            image = median_round_trip_ms(port, IMAGE, args.calls)
+            print(f"{name}: empty request {empty:.2f} ms, 150 KB request {image:.2f} ms (medians of {args.calls})")
+        finally:
+            stop.set()
+            server.join(10)
+
+
+if __name__ == "__main__":
+    main()
