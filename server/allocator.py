@@ -5,7 +5,7 @@ for the first convolution's output alone). glibc's malloc hands such blocks back
 or trimming the top of a thread's heap) and the next batch takes them back one 4 KiB page fault at a
 time. Measured on 2 cores, ResNet18 at batch 8 on a worker thread: 1,200-18,800 page faults per pass
 untuned, none in most passes with the settings below; `resnet-server bench-model` faulted 1.4-1.5 M
-times per run untuned, 0.2-0.4 M tuned, and gave 6-30% more images/s at batch 8 and 16 (three
+times per run untuned, 0.2-0.4 M tuned, and gave 6-32% more images/s at batch 8 and 16 (three
 alternating pairs; README, Performance). The cost is memory the process keeps: its peak working set
 stays resident (about 75 MB more RSS for a CPU server after a batch-8 load).
 
@@ -35,4 +35,5 @@ def retain_freed_memory() -> bool:
         log.debug("no mallopt in this C library: allocator left as it is")
         return False
     settings = ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD), (_M_TOP_PAD, TOP_PAD))
-    return all(mallopt(parameter, value) == 1 for parameter, value in settings)
+    applied = [mallopt(parameter, value) == 1 for parameter, value in settings]  # each, even if one is refused
+    return all(applied)

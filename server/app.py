@@ -175,7 +175,7 @@ async def serve(config: ServerConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    retain_freed_memory()  # before any tensor exists; the ceiling (bench-model) runs with it too
+    retain_freed_memory()  # first, before a model is built; the ceiling (bench-model) runs with it too
     if argv[:1] == ["bench-model"]:
         from .bench_model import main as bench_model
 
