@@ -27,7 +27,6 @@ import torch
 from client.api import classifier_pb2 as pb
 from client.bench import make_image
 from client.client import AsyncClient
-from server.allocator import retain_freed_memory
 from server.bench_model import MAX_PIXELS, _size
 from server.model import build_model, load_weights
 from server.preprocess import RawImage, preprocess
@@ -67,7 +66,6 @@ async def empty_call_ms(stub, calls: int = 200) -> float:
 
 
 async def measure(args: argparse.Namespace) -> dict:
-    retain_freed_memory()  # as resnet-server does
     torch.manual_seed(0)
     device = torch.device("cpu")
     runner = ModelRunner(build_model(load_weights("random", device), device), device, compiled=args.compile)

@@ -18,7 +18,6 @@ from client.api import classifier_pb2_grpc as pb_grpc
 from client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 
 from . import __version__
-from .allocator import retain_freed_memory
 from .config import ConfigError, ServerConfig, parse_config
 from .devices import replica_names, resolve_devices
 from .errors import StartupError
@@ -175,7 +174,6 @@ async def serve(config: ServerConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    retain_freed_memory()  # first, before a model is built; the ceiling (bench-model) runs with it too
     if argv[:1] == ["bench-model"]:
         from .bench_model import main as bench_model
 
