@@ -1,6 +1,6 @@
 """Turn the JSON written by scripts/gpu_check.sh into the README's GPU table and the device issue's targets.
 
-Usage: python scripts/gpu_table.py [results/gpu [FP32_BATCH FP16_BATCH]]  (the served batch caps, default 64 128)
+Usage: python scripts/gpu_table.py RESULTS FP32_BATCH FP16_BATCH  (the served batch caps gpu_check.sh names)
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
     return lines
 
 
-def main(folder: Path, fp32_batch: int = 64, fp16_batch: int = 128) -> None:
+def main(folder: Path, fp32_batch: int, fp16_batch: int) -> None:
     device = (folder / "nvidia-smi.txt").read_text().splitlines() if (folder / "nvidia-smi.txt").exists() else []
     gpu = next((line.strip() for line in device if "NVIDIA" in line and "Driver" not in line), "GPU")
     print(f"Measured {time.strftime('%Y-%m-%d')} with scripts/gpu_check.sh on {gpu}; uint8 224x224 unless "
@@ -91,4 +91,6 @@ def main(folder: Path, fp32_batch: int = 64, fp16_batch: int = 128) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "results/gpu"), *(int(size) for size in sys.argv[2:4]))
+    if len(sys.argv) != 4:
+        raise SystemExit(__doc__.strip().splitlines()[-1])
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
