@@ -6,6 +6,8 @@
 # (default 5) alternates the ceiling (batch 1, 8, 16) and served uint8 (c=1, c=16) that many times, so the
 # headline figures are medians of pairs measured seconds apart rather than one pair (this VM's speed
 # drifts 10-15% over minutes), then scripts/latency_pairs.py interleaves c=1 and in-process batch 1 second by second.
+# BENCH_DEVICE (default cpu) and BENCH_TORCH_THREADS (default 0: every core) set the replica layout of
+# both sides, e.g. BENCH_DEVICE=cpu,cpu BENCH_TORCH_THREADS=1 for two single-thread replicas.
 # Talks only to a server it starts on 127.0.0.1 and stops it (by PID) when done.
 set -euo pipefail
 out=${1:-results}
@@ -15,19 +17,21 @@ port=${BENCH_PORT:-50151}
 metrics=${BENCH_METRICS_PORT:-8151}
 size=${BENCH_IMAGE_SIZE:-640x480}
 rounds=${BENCH_ROUNDS:-5}
+device=${BENCH_DEVICE:-cpu}
+threads=${BENCH_TORCH_THREADS:-0}
 compile=()
 [ "${BENCH_COMPILE:-0}" = 1 ] && compile=(--compile)
 
 ceiling() {  # ceiling BATCH_SIZES INPUT
   resnet-server bench-model --weights random --batch-sizes "$1" --input "$2" --image-size $size --duration 8 \
-    --json "${compile[@]}"
+    --device $device --torch-threads $threads --json "${compile[@]}"
 }
 ceiling 1,4,8,16,32 uint8 > "$out/ceiling_uint8.json"
 ceiling 1,16 jpeg > "$out/ceiling_jpeg.json"
 
 serve() {  # serve [extra flags...]: start a server in the background, wait for SERVING
-  resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device cpu --weights random \
-    --log-level WARNING "${compile[@]}" "$@" &
+  resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device $device \
+    --torch-threads $threads --weights random --log-level WARNING "${compile[@]}" "$@" &
   server_pid=$!
   for _ in $(seq 400); do  # --compile compiles every batch size before SERVING
     resnet-client health --server 127.0.0.1:$port --timeout 1 >/dev/null 2>&1 && return 0
@@ -53,7 +57,8 @@ for round in $(seq "$rounds"); do  # the server idles while the ceiling runs
   rm "$out/round_$round.json"
 done
 # c=1 against the in-process batch-1 latency, interleaved window by window (immune to the drift above).
-python3 scripts/latency_pairs.py --server 127.0.0.1:$port --image-size $size "${compile[@]}" > "$out/latency_pairs.json"
+python3 scripts/latency_pairs.py --server 127.0.0.1:$port --image-size $size --torch-threads $threads \
+  "${compile[@]}" > "$out/latency_pairs.json"
 stop
 serve --max-batch-size 1
 bench served_uint8_nobatch --input uint8 --concurrency 16

@@ -25,7 +25,8 @@ def main(folder: Path, size: str) -> None:
               for name in ("served_uint8", "served_jpeg", "served_uint8_nobatch")}
     compiled = " with --compile" if uint8.get("compiled") else ""
     print(f"Measured {time.strftime('%Y-%m-%d')} on {platform.node()} ({platform.processor() or platform.machine()}, "
-          f"torch threads {uint8['torch_threads']}), scripts/bench_cpu.sh{compiled}, {size} images, "
+          f"device {uint8.get('device', 'cpu')}, torch threads {uint8['torch_threads']}), "
+          f"scripts/bench_cpu.sh{compiled}, {size} images, "
           "seeded random weights.\n")
     print("| what | images/s | p50 ms | p99 ms | mean batch | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
@@ -41,12 +42,12 @@ def main(folder: Path, size: str) -> None:
             ("served JPEG, c=16", served["served_jpeg"][16], ceiling_jpeg),
             ("served uint8, c=16, --max-batch-size 1", served["served_uint8_nobatch"][16], ceiling_uint8)]
     for label, point, ceiling in rows:
-        view = next(iter(point["server"].values()), {})
+        batch = mean_batch(point)
         ratio = f"{point['images_per_s'] / ceiling:.2f} x ceiling" if ceiling else ""
         if ceiling == ceiling_uint8:
             ratio += f" ({point['images_per_s'] / ceiling_uint8_pre:.2f} x with preprocess)"
         print(f"| {label} | {point['images_per_s']:.1f} | {point['p50_ms']:.1f} | {point['p99_ms']:.1f} | "
-              f"{view.get('mean_batch_size', float('nan')):.2f} | {ratio} |")
+              f"{float('nan') if batch is None else batch:.2f} | {ratio} |")
     c1, c16 = served["served_uint8"][1], served["served_uint8"][16]
     print(f"\nc=1 p50 {c1['p50_ms']:.1f} ms vs in-process batch-1 latency (median) {batch1_ms:.1f} ms "
           f"(+{c1['p50_ms'] - batch1_ms:.1f} ms); c=16 p99/p50 = {c16['p99_ms'] / c16['p50_ms']:.2f}; "
@@ -63,15 +64,21 @@ def batch1_latency_ms(ceiling: dict) -> float:
     return ceiling.get("batch1_latency_p50_ms") or 1000.0 / ceiling["forward_images_per_s"]["1"]
 
 
+def mean_batch(point: dict) -> float | None:
+    """The served mean batch size, averaged over the replicas the server reported."""
+    sizes = [view["mean_batch_size"] for view in point["server"].values() if "mean_batch_size" in view]
+    return statistics.mean(sizes) if sizes else None
+
+
 def in_process_spread(ceiling: dict, point: dict) -> tuple[str, float] | None:
     """p99/p50 of one in-process forward call at the measured batch size nearest the served mean batch
     (the spread this machine puts on a fixed amount of work, to set beside the served p99/p50), with that
     batch size; None where bench-model did not record calls."""
     calls = ceiling.get("forward_call_ms")
-    mean_batch = next(iter(point["server"].values()), {}).get("mean_batch_size")
-    if not calls or mean_batch is None:
+    served_batch = mean_batch(point)
+    if not calls or served_batch is None:
         return None
-    size = min(calls, key=lambda measured: abs(int(measured) - mean_batch))
+    size = min(calls, key=lambda measured: abs(int(measured) - served_batch))
     return size, calls[size]["p99"] / calls[size]["p50"]
 
 

@@ -67,6 +67,8 @@ async def empty_call_ms(stub, calls: int = 200) -> float:
 
 async def measure(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     device = torch.device("cpu")
     runner = ModelRunner(build_model(load_weights("random", device), device), device, compiled=args.compile)
     runner.warm_up([1])
@@ -103,6 +105,8 @@ def main() -> None:
     parser.add_argument("--image-size", type=_size, default=(224, 224))
     parser.add_argument("--windows", type=int, default=20)
     parser.add_argument("--window", type=float, default=1.5, help="seconds per side per window")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="torch threads of the in-process side, as the server's --torch-threads (0: every core)")
     parser.add_argument("--compile", action="store_true", help="compile the in-process model (for a --compile server)")
     args = parser.parse_args()
     result = asyncio.run(measure(args))

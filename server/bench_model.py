@@ -2,7 +2,10 @@
 
 No gRPC: the same ModelRunner (device, precision, weights) timed over a list of batch sizes, and,
 separately, decode + preprocess for the chosen input kind, then both in series (what one image
-costs the server's CPU when it also has to be decoded).
+costs the server's CPU when it also has to be decoded). Given a device list, it lays the replicas out
+as the server does (one runner per listed device, each on its own thread with ``--torch-threads``
+threads) and times them all at once: the ceiling of ``--device cpu,cpu`` or ``cuda:0,cuda:1`` is what
+those replicas compute together.
 """
 
 from __future__ import annotations
@@ -10,15 +13,18 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 from PIL import Image
 
-from .config import _device_list, _precision
+from .config import _device_list, _non_negative_int, _precision
 from .devices import resolve_devices
 from .model import build_model, load_weights
 from .preprocess import EncodedImage, RawImage, preprocess
@@ -63,27 +69,57 @@ def call_percentiles_ms(calls: list[float]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    device = resolve_devices(args.device)[0]
-    runner = ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
-                         channels_last=True, compiled=args.compile)
-    runner.warm_up(args.batch_sizes)  # compiles each size with --compile, as the server does before SERVING
+    runners = [ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
+                           channels_last=True, compiled=args.compile) for device in resolve_devices(args.device)]
+    threads = args.torch_threads or len(os.sched_getaffinity(0))
+    for runner in runners:  # compiles each size with --compile, as the server does before SERVING
+        runner.warm_up(args.batch_sizes)
     image = sample_input(args.input, *args.image_size)
     model_input = preprocess(image, MAX_PIXELS)
     forward, call_ms = {}, {}
     for size in args.batch_sizes:
-        batch, temperatures = model_input.expand(size, -1, -1, -1).contiguous(), torch.ones(size)
-        forward[size], calls = timed_rate(lambda b=batch, t=temperatures: len(runner(b, t)[0]), args.duration)
+        forward[size], calls = replicas_rate(runners, model_input, size, threads, args.duration)
         call_ms[size] = call_percentiles_ms(calls)
     preprocess_rate, _ = timed_rate(lambda: (preprocess(image, MAX_PIXELS), 1)[1], args.duration)
     best = max(forward, key=forward.get)
     serial = 1.0 / (1.0 / forward[best] + 1.0 / preprocess_rate)
-    return {"device": str(device), "precision": args.precision, "compiled": args.compile, "input": args.input,
+    return {"device": ",".join(str(runner.device) for runner in runners), "replicas": len(runners),
+            "precision": args.precision, "compiled": args.compile, "input": args.input,
             "image_size": list(args.image_size), "forward_images_per_s": forward,
             "forward_call_ms": call_ms, "best_batch_size": best, "preprocess_images_per_s": preprocess_rate,
             "ceiling_with_preprocess_images_per_s": serial,
-            "batch1_latency_ms": 1000.0 / forward[1] if 1 in forward else None,
+            "batch1_latency_ms": len(runners) * 1000.0 / forward[1] if 1 in forward else None,
             "batch1_latency_p50_ms": call_ms[1]["p50"] if 1 in forward else None,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": threads}
+
+
+def replicas_rate(runners: list[ModelRunner], model_input: torch.Tensor, size: int, threads: int,
+                  duration: float) -> tuple[float, list[float]]:
+    """Images/s of every runner's forward pass at ``size`` run at once, each on its own thread with ``threads``
+    torch threads (the server's replica layout), and the seconds each call took, all runners together."""
+    start = threading.Barrier(len(runners))
+
+    def measure(runner: ModelRunner) -> tuple[float, list[float]]:
+        batch, temperatures = model_input.expand(size, -1, -1, -1).contiguous(), torch.ones(size)
+
+        def forward() -> int:
+            return len(runner(batch, temperatures)[0])
+
+        try:
+            torch.set_num_threads(threads)  # this thread's OpenMP team, as each replica's worker sets its own
+            forward(), forward()  # the first calls on a new thread start its team and allocate its buffers
+            start.wait()
+        except BaseException:
+            start.abort()  # the other replicas must not wait for this one
+            raise
+        return timed_rate(forward, duration, warmup=0)
+
+    with ThreadPoolExecutor(len(runners), thread_name_prefix="bench-replica") as pool:
+        futures = [pool.submit(measure, runner) for runner in runners]
+    if failures := [future.exception() for future in futures if future.exception()]:
+        raise next((error for error in failures if not isinstance(error, threading.BrokenBarrierError)), failures[0])
+    results = [future.result() for future in futures]
+    return sum(rate for rate, _ in results), [call for _, calls in results for call in calls]
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -93,7 +129,10 @@ def _size(text: str) -> tuple[int, int]:
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="resnet-server bench-model", description=__doc__)
-    parser.add_argument("--device", type=_device_list, default=("cpu",))
+    parser.add_argument("--device", type=_device_list, default=("cpu",),
+                        help="device list as resnet-server takes it; several replicas are timed at once")
+    parser.add_argument("--torch-threads", type=_non_negative_int, default=0,
+                        help="torch threads per replica, as resnet-server --torch-threads (0: every core)")
     parser.add_argument("--precision", type=_precision, default="fp32")
     parser.add_argument("--weights", default="random")
     parser.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 8, 16, 32])

@@ -11,8 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from client.cli import main as client_main
 from server.app import main as server_main
+from server.bench_model import replicas_rate
+from server.model import build_model, load_weights
+from server.runner import ModelRunner
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,12 +63,33 @@ def test_bench_model_reports_the_ceiling(weights_file, capsys):
     assert result["forward_call_ms"]["1"]["p50"] == result["batch1_latency_p50_ms"]
 
 
+def test_bench_model_times_several_replicas_at_once(capsys):
+    assert server_main(["bench-model", "--device", "cpu,cpu", "--torch-threads", "1", "--batch-sizes", "1",
+                        "--duration", "0.5", "--image-size", "64x48", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["device"], result["replicas"], result["torch_threads"]) == ("cpu,cpu", 2, 1)
+    # Two replicas side by side: the mean call is two images' worth of the combined rate.
+    assert result["batch1_latency_ms"] == pytest.approx(2000.0 / result["forward_images_per_s"]["1"])
+
+
+def test_a_replica_failing_in_the_ceiling_raises_its_error_and_stops_the_others():
+    device = torch.device("cpu")
+    working = ModelRunner(build_model(load_weights("random", device), device), device)
+
+    def broken(inputs, temperatures):
+        raise RuntimeError("replica broke")
+
+    with pytest.raises(RuntimeError, match="replica broke"):  # not BrokenBarrierError, and no hang
+        replicas_rate([working, broken], torch.zeros(3, 224, 224), 1, 1, 0.2)
+
+
 def test_latency_pairs_interleaves_in_process_and_served_windows(make_server):
     spec = importlib.util.spec_from_file_location("latency_pairs", ROOT / "scripts" / "latency_pairs.py")
     latency_pairs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(latency_pairs)
     running = make_server()
-    args = argparse.Namespace(server=running.target, image_size=(64, 48), windows=3, window=0.3, compile=False)
+    args = argparse.Namespace(server=running.target, image_size=(64, 48), windows=3, window=0.3, compile=False,
+                              torch_threads=0)
     result = asyncio.run(latency_pairs.measure(args))
     assert len(result["pairs_ms"]) == 3 and all(local > 0 and served > 0 for local, served in result["pairs_ms"])
     differences = sorted(served - local for local, served in result["pairs_ms"])
