@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The CPU benchmark in one go: the in-process ceiling, then the served sweep, side by side, same weights.
-# Usage: scripts/bench_cpu.sh [OUT_DIR]   (default results/); about 10 minutes on 2 cores.
+# Usage: scripts/bench_cpu.sh [OUT_DIR]   (default results/); about 17 minutes on 2 cores.
 # BENCH_IMAGE_SIZE (WxH, default 640x480) and BENCH_DURATION (seconds per point, default 15) tune it;
 # BENCH_COMPILE=1 measures torch.compile (--compile) in both the ceiling and the server; BENCH_ROUNDS
 # (default 5) alternates the ceiling (batch 1, 8, 16) and served uint8 (c=1, c=16) that many times, so the
 # headline figures are medians of pairs measured seconds apart rather than one pair (this VM's speed
-# drifts 10-15% over minutes), then scripts/latency_pairs.py interleaves c=1 and in-process batch 1 second by second.
+# drifts 10-40% over minutes), then scripts/latency_pairs.py interleaves c=1 and in-process batch 1 second by
+# second, and scripts/throughput_pairs.py c=16 and the in-process forward pass at batch 8.
 # BENCH_DEVICE (default cpu) and BENCH_TORCH_THREADS (default 0: every core) set the replica layout of
 # both sides, e.g. BENCH_DEVICE=cpu,cpu BENCH_TORCH_THREADS=1 for two single-thread replicas.
 # Talks only to a server it starts on 127.0.0.1 and stops it (by PID) when done.
@@ -59,6 +60,9 @@ done
 # c=1 against the in-process batch-1 latency, interleaved window by window (immune to the drift above).
 python3 scripts/latency_pairs.py --server 127.0.0.1:$port --image-size $size --torch-threads $threads \
   "${compile[@]}" > "$out/latency_pairs.json"
+# c=16 against the in-process forward pass at the server's batch size, interleaved the same way.
+python3 scripts/throughput_pairs.py --server 127.0.0.1:$port --image-size $size --device $device \
+  --torch-threads $threads "${compile[@]}" > "$out/throughput_pairs.json"
 stop
 serve --max-batch-size 1
 bench served_uint8_nobatch --input uint8 --concurrency 16

@@ -56,6 +56,7 @@ def main(folder: Path, size: str) -> None:
     if spread := in_process_spread(uint8, c16):
         print(f"One in-process batch-{spread[0]} forward call on the same machine: p99/p50 = {spread[1]:.2f}")
     print_rounds(folder)
+    print_throughput_pairs(folder)
 
 
 def batch1_latency_ms(ceiling: dict) -> float:
@@ -121,6 +122,19 @@ def print_rounds(folder: Path) -> None:
                   f"{interleaved['compute_minus_in_process_median_ms']:+.1f} ms, the request outside the "
                   f"server's batch {interleaved['outside_compute_median_ms']:.1f} ms; an empty gRPC call "
                   f"(GetModelInfo) round trip {interleaved['empty_call_p50_ms']:.1f} ms")
+
+
+
+def print_throughput_pairs(folder: Path) -> None:
+    """Served c=16 over the in-process forward pass, interleaved window by window (scripts/throughput_pairs.py)."""
+    if not (folder / "throughput_pairs.json").exists():
+        return
+    pairs = load(folder, "throughput_pairs")[0]
+    low, high = pairs["ratio_range"]
+    print(f"Interleaved ({pairs['windows']} windows of {pairs['window_s']:g} s per side), served uint8 "
+          f"c={pairs['concurrency']} / in-process forward at batch {pairs['batch_size']}: "
+          f"{pairs['served_images_per_s']:.1f} / {pairs['in_process_images_per_s']:.1f} images/s; "
+          f"ratio median {pairs['ratio_median']:.2f} (range {low:.2f}-{high:.2f})")
 
 
 if __name__ == "__main__":

@@ -69,11 +69,8 @@ def call_percentiles_ms(calls: list[float]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    runners = [ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
-                           channels_last=True, compiled=args.compile) for device in resolve_devices(args.device)]
-    threads = args.torch_threads or len(os.sched_getaffinity(0))
-    for runner in runners:  # compiles each size with --compile, as the server does before SERVING
-        runner.warm_up(args.batch_sizes)
+    runners = make_runners(args, args.batch_sizes)
+    threads = torch_threads(args)
     image = sample_input(args.input, *args.image_size)
     model_input = preprocess(image, MAX_PIXELS)
     forward, call_ms = {}, {}
@@ -91,6 +88,21 @@ def run(args: argparse.Namespace) -> dict:
             "batch1_latency_ms": len(runners) * 1000.0 / forward[1] if 1 in forward else None,
             "batch1_latency_p50_ms": call_ms[1]["p50"] if 1 in forward else None,
             "torch_threads": threads}
+
+
+def make_runners(args: argparse.Namespace, batch_sizes: list[int]) -> list[ModelRunner]:
+    """One warmed runner per listed device (``args``: device, weights, precision, compile), as the server's
+    replicas; with --compile each batch size is compiled here, as the server does before SERVING."""
+    runners = [ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
+                           channels_last=True, compiled=args.compile) for device in resolve_devices(args.device)]
+    for runner in runners:
+        runner.warm_up(batch_sizes)
+    return runners
+
+
+def torch_threads(args: argparse.Namespace) -> int:
+    """Torch threads per replica: --torch-threads, or every core (the server's default)."""
+    return args.torch_threads or len(os.sched_getaffinity(0))
 
 
 def replicas_rate(runners: list[ModelRunner], model_input: torch.Tensor, size: int, threads: int,
@@ -127,16 +139,21 @@ def _size(text: str) -> tuple[int, int]:
     return int(width), int(height)
 
 
-def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="resnet-server bench-model", description=__doc__)
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that say which model runs where, as resnet-server takes them."""
     parser.add_argument("--device", type=_device_list, default=("cpu",),
                         help="device list as resnet-server takes it; several replicas are timed at once")
     parser.add_argument("--torch-threads", type=_non_negative_int, default=0,
                         help="torch threads per replica, as resnet-server --torch-threads (0: every core)")
     parser.add_argument("--precision", type=_precision, default="fp32")
     parser.add_argument("--weights", default="random")
-    parser.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 8, 16, 32])
     parser.add_argument("--compile", action="store_true", help="torch.compile the model, as resnet-server --compile")
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="resnet-server bench-model", description=__doc__)
+    add_model_arguments(parser)
+    parser.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 8, 16, 32])
     parser.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="uint8")
     parser.add_argument("--image-size", type=_size, default=(640, 480), help="WxH of the sample image")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")

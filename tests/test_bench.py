@@ -24,6 +24,14 @@ from tests.helpers import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def load_script(name: str):
+    """A module from scripts/, which is not a package."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_bench_closed_loop_reports_throughput_latency_and_the_server_view(make_server, capsys, tmp_path):
     running = make_server(metrics_port=free_port())
     plot = tmp_path / "bench.png"
@@ -84,9 +92,7 @@ def test_a_replica_failing_in_the_ceiling_raises_its_error_and_stops_the_others(
 
 
 def test_latency_pairs_interleaves_in_process_and_served_windows(make_server):
-    spec = importlib.util.spec_from_file_location("latency_pairs", ROOT / "scripts" / "latency_pairs.py")
-    latency_pairs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(latency_pairs)
+    latency_pairs = load_script("latency_pairs")
     running = make_server()
     args = argparse.Namespace(server=running.target, image_size=(64, 48), windows=3, window=0.3, compile=False,
                               torch_threads=0)
@@ -98,6 +104,22 @@ def test_latency_pairs_interleaves_in_process_and_served_windows(make_server):
     assert 0 < result["outside_compute_median_ms"] < result["served_p50_ms"]  # compute is part of each answer
     assert result["empty_call_p50_ms"] > 0
     assert running.sample("resnet_batch_size_count", device="cpu") >= 3  # every served window reached the server
+
+
+def test_throughput_pairs_interleaves_in_process_and_served_windows(make_server):
+    throughput_pairs = load_script("throughput_pairs")
+    running = make_server()
+    args = argparse.Namespace(server=running.target, image_size=(64, 48), windows=2, window=0.8, ramp=0.4,
+                              concurrency=4, batch_size=2, device=("cpu",), torch_threads=0, weights="random",
+                              precision="fp32", compile=False)
+    batches_before = running.sample("resnet_batch_size_count", device="cpu")
+    result = asyncio.run(throughput_pairs.measure(args))
+    assert len(result["pairs_images_per_s"]) == 2
+    assert all(local > 0 and served > 0 for local, served in result["pairs_images_per_s"])
+    ratios = sorted(served / local for local, served in result["pairs_images_per_s"])
+    assert result["ratio_range"] == ratios and result["ratio_median"] == pytest.approx(sum(ratios) / 2)
+    # Three closed loops (warm-up and two windows) of four callers, each answered in batches.
+    assert running.sample("resnet_batch_size_count", device="cpu") - batches_before >= 3
 
 
 def test_grpc_floor_times_both_minimal_servers():
