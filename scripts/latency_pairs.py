@@ -31,6 +31,7 @@ from server.bench_model import MAX_PIXELS, _size
 from server.model import build_model, load_weights
 from server.preprocess import RawImage, preprocess
 from server.runner import ModelRunner
+from server.threads import use_torch_threads
 
 
 def in_process_window(runner: ModelRunner, model_input: torch.Tensor, seconds: float) -> float:
@@ -68,7 +69,7 @@ async def empty_call_ms(stub, calls: int = 200) -> float:
 async def measure(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+        use_torch_threads(args.torch_threads)
     device = torch.device("cpu")
     runner = ModelRunner(build_model(load_weights("random", device), device), device, compiled=args.compile)
     runner.warm_up([1])

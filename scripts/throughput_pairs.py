@@ -29,7 +29,7 @@ import torch
 from client.api import classifier_pb2 as pb
 from client.bench import make_image
 from client.client import AsyncClient
-from server.bench_model import MAX_PIXELS, _size, add_model_arguments, make_runners, replicas_rate, torch_threads
+from server.bench_model import MAX_PIXELS, Replicas, _size, add_model_arguments
 from server.preprocess import RawImage, preprocess
 
 
@@ -55,23 +55,22 @@ async def served_window(stub, request: pb.ClassifyRequest, concurrency: int, ram
 
 async def measure(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    runners = make_runners(args, [args.batch_size])
-    threads = torch_threads(args)
-    image = make_image("uint8", *args.image_size)
-    request = pb.ClassifyRequest(images=[image])
-    model_input = preprocess(RawImage("uint8", tuple(image.raw.shape), image.raw.data), MAX_PIXELS)
-    pairs = []
-    async with AsyncClient(args.server) as client:
-        stub = client._stub  # the prepared message as is, as resnet-client bench sends it
-        await served_window(stub, request, args.concurrency, args.ramp, 1.0)  # warm-up
-        for _ in range(args.windows):
-            local, _ = replicas_rate(runners, model_input, args.batch_size, threads, args.window)
-            served = await served_window(stub, request, args.concurrency, args.ramp, args.window)
-            pairs.append((local, served))
+    with Replicas(args, [args.batch_size]) as replicas:
+        image = make_image("uint8", *args.image_size)
+        request = pb.ClassifyRequest(images=[image])
+        model_input = preprocess(RawImage("uint8", tuple(image.raw.shape), image.raw.data), MAX_PIXELS)
+        pairs = []
+        async with AsyncClient(args.server) as client:
+            stub = client._stub  # the prepared message as is, as resnet-client bench sends it
+            await served_window(stub, request, args.concurrency, args.ramp, 1.0)  # warm-up
+            for _ in range(args.windows):
+                local, _ = replicas.rate(model_input, args.batch_size, args.window)
+                served = await served_window(stub, request, args.concurrency, args.ramp, args.window)
+                pairs.append((local, served))
     ratios = [served / local for local, served in pairs]
     return {"windows": args.windows, "window_s": args.window, "concurrency": args.concurrency,
-            "batch_size": args.batch_size, "device": ",".join(str(runner.device) for runner in runners),
-            "torch_threads": threads, "image_size": list(args.image_size),
+            "batch_size": args.batch_size, "device": ",".join(str(runner.device) for runner in replicas.runners),
+            "torch_threads": replicas.threads, "image_size": list(args.image_size),
             "in_process_images_per_s": statistics.median(local for local, _ in pairs),
             "served_images_per_s": statistics.median(served for _, served in pairs),
             "ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],

@@ -31,6 +31,7 @@ from .replicas import Replica, Router, load_replica
 from .security import TokenAuthInterceptor, load_tokens, server_credentials
 from .service import ClassifierService
 from .temperature import default_temperature
+from .threads import use_torch_threads
 
 log = logging.getLogger("server")
 LABELS = list(IMAGENET_WEIGHTS.meta["categories"])
@@ -153,6 +154,7 @@ def model_info(config: ServerConfig, replicas: list[Replica], temperature: float
 
 async def serve(config: ServerConfig) -> None:
     """Run until SIGTERM or SIGINT, then drain within the grace period."""
+    use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (server.threads)
     metrics = Metrics()
     metrics.registry.register(ProcessCollector(registry=None))  # RSS, CPU, open fds of this process
     metrics.registry.register(PlatformCollector(registry=None))

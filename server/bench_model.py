@@ -29,6 +29,7 @@ from .devices import resolve_devices
 from .model import build_model, load_weights
 from .preprocess import EncodedImage, RawImage, preprocess
 from .runner import ModelRunner
+from .threads import use_torch_threads
 
 MAX_PIXELS = 40_000_000
 
@@ -69,69 +70,89 @@ def call_percentiles_ms(calls: list[float]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    runners = make_runners(args, args.batch_sizes)
-    threads = torch_threads(args)
-    image = sample_input(args.input, *args.image_size)
-    model_input = preprocess(image, MAX_PIXELS)
-    forward, call_ms = {}, {}
-    for size in args.batch_sizes:
-        forward[size], calls = replicas_rate(runners, model_input, size, threads, args.duration)
-        call_ms[size] = call_percentiles_ms(calls)
+    with Replicas(args, args.batch_sizes) as replicas:
+        image = sample_input(args.input, *args.image_size)
+        model_input = preprocess(image, MAX_PIXELS)
+        forward, call_ms = {}, {}
+        for size in args.batch_sizes:
+            forward[size], calls = replicas.rate(model_input, size, args.duration)
+            call_ms[size] = call_percentiles_ms(calls)
+    # On this thread, one torch thread: as the server's preprocessing threads run it.
     preprocess_rate, _ = timed_rate(lambda: (preprocess(image, MAX_PIXELS), 1)[1], args.duration)
     best = max(forward, key=forward.get)
     serial = 1.0 / (1.0 / forward[best] + 1.0 / preprocess_rate)
-    return {"device": ",".join(str(runner.device) for runner in runners), "replicas": len(runners),
+    return {"device": ",".join(str(runner.device) for runner in replicas.runners), "replicas": len(replicas.runners),
             "precision": args.precision, "compiled": args.compile, "input": args.input,
             "image_size": list(args.image_size), "forward_images_per_s": forward,
             "forward_call_ms": call_ms, "best_batch_size": best, "preprocess_images_per_s": preprocess_rate,
             "ceiling_with_preprocess_images_per_s": serial,
-            "batch1_latency_ms": len(runners) * 1000.0 / forward[1] if 1 in forward else None,
+            "batch1_latency_ms": len(replicas.runners) * 1000.0 / forward[1] if 1 in forward else None,
             "batch1_latency_p50_ms": call_ms[1]["p50"] if 1 in forward else None,
-            "torch_threads": threads}
+            "torch_threads": replicas.threads}
 
 
-def make_runners(args: argparse.Namespace, batch_sizes: list[int]) -> list[ModelRunner]:
-    """One warmed runner per listed device (``args``: device, weights, precision, compile), as the server's
-    replicas; with --compile each batch size is compiled here, as the server does before SERVING."""
-    runners = [ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
-                           channels_last=True, compiled=args.compile) for device in resolve_devices(args.device)]
-    for runner in runners:
-        runner.warm_up(batch_sizes)
-    return runners
+class Replicas:
+    """One runner per listed device (``args``: device, torch_threads, weights, precision, compile), each built,
+    warmed (compiled, with --compile) and timed on a thread of its own that lives as long as this object, with
+    ``--torch-threads`` torch threads: the server's replica workers.
+
+    The calling thread is set to one torch thread, as the server's other threads are: an OpenMP team of its
+    own would slow the replicas' teams (see server.threads)."""
+
+    def __init__(self, args: argparse.Namespace, batch_sizes: list[int]) -> None:
+        use_torch_threads(1)
+        self.threads = args.torch_threads or len(os.sched_getaffinity(0))
+        devices = resolve_devices(args.device)
+        self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"bench-{device}",
+                                            initializer=use_torch_threads, initargs=(self.threads,))
+                         for device in devices]
+        # One at a time: compilations do not overlap, and a failure stops the rest.
+        self.runners = [worker.submit(_warmed_runner, args, device, batch_sizes).result()
+                        for worker, device in zip(self._workers, devices, strict=True)]
+
+    def rate(self, model_input: torch.Tensor, size: int, duration: float) -> tuple[float, list[float]]:
+        """Images/s of every runner's forward pass at ``size`` run at once, and the seconds each call took,
+        all runners together."""
+        start = threading.Barrier(len(self.runners))
+        futures = [worker.submit(_timed_forward, runner, model_input, size, duration, start)
+                   for worker, runner in zip(self._workers, self.runners, strict=True)]
+        if failures := [future.exception() for future in futures if future.exception()]:
+            raise next((error for error in failures if not isinstance(error, threading.BrokenBarrierError)),
+                       failures[0])
+        results = [future.result() for future in futures]
+        return sum(rate for rate, _ in results), [call for _, calls in results for call in calls]
+
+    def __enter__(self) -> Replicas:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for worker in self._workers:
+            worker.shutdown()
 
 
-def torch_threads(args: argparse.Namespace) -> int:
-    """Torch threads per replica: --torch-threads, or every core (the server's default)."""
-    return args.torch_threads or len(os.sched_getaffinity(0))
+def _warmed_runner(args: argparse.Namespace, device: torch.device, batch_sizes: list[int]) -> ModelRunner:
+    runner = ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
+                         channels_last=True, compiled=args.compile)
+    runner.warm_up(batch_sizes)
+    return runner
 
 
-def replicas_rate(runners: list[ModelRunner], model_input: torch.Tensor, size: int, threads: int,
-                  duration: float) -> tuple[float, list[float]]:
-    """Images/s of every runner's forward pass at ``size`` run at once, each on its own thread with ``threads``
-    torch threads (the server's replica layout), and the seconds each call took, all runners together."""
-    start = threading.Barrier(len(runners))
+def _timed_forward(runner: ModelRunner, model_input: torch.Tensor, size: int, duration: float,
+                   start: threading.Barrier) -> tuple[float, list[float]]:
+    """One replica's part of Replicas.rate, on its own thread: the forward pass at ``size``, timed from the
+    moment every replica is ready."""
+    batch, temperatures = model_input.expand(size, -1, -1, -1).contiguous(), torch.ones(size)
 
-    def measure(runner: ModelRunner) -> tuple[float, list[float]]:
-        batch, temperatures = model_input.expand(size, -1, -1, -1).contiguous(), torch.ones(size)
+    def forward() -> int:
+        return len(runner(batch, temperatures)[0])
 
-        def forward() -> int:
-            return len(runner(batch, temperatures)[0])
-
-        try:
-            torch.set_num_threads(threads)  # this thread's OpenMP team, as each replica's worker sets its own
-            forward(), forward()  # the first calls on a new thread start its team and allocate its buffers
-            start.wait()
-        except BaseException:
-            start.abort()  # the other replicas must not wait for this one
-            raise
-        return timed_rate(forward, duration, warmup=0)
-
-    with ThreadPoolExecutor(len(runners), thread_name_prefix="bench-replica") as pool:
-        futures = [pool.submit(measure, runner) for runner in runners]
-    if failures := [future.exception() for future in futures if future.exception()]:
-        raise next((error for error in failures if not isinstance(error, threading.BrokenBarrierError)), failures[0])
-    results = [future.result() for future in futures]
-    return sum(rate for rate, _ in results), [call for _, calls in results for call in calls]
+    try:
+        forward(), forward()
+        start.wait()
+    except BaseException:
+        start.abort()  # the other replicas must not wait for this one
+        raise
+    return timed_rate(forward, duration, warmup=0)
 
 
 def _size(text: str) -> tuple[int, int]:

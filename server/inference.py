@@ -14,8 +14,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
 from .batcher import ImageOutput, WorkItem
 from .device_decode import defer_or_preprocess
 from .errors import DeadlineExpired, InvalidInput, Overloaded, status_for
@@ -24,6 +22,7 @@ from .postprocess import NUM_CLASSES
 from .preprocess import EncodedImage, ImageInput, RawImage, check_raw, preprocess
 from .replicas import Replica, Router
 from .runner import ModelInput
+from .threads import use_torch_threads
 
 DEFAULT_TOP_K = 5
 
@@ -46,12 +45,6 @@ class ClassifyCall:
     request_id: str = ""
 
 
-def _single_threaded_torch() -> None:
-    """Preprocessing threads run torch ops one-threaded: an OpenMP team per thread would compete
-    with the replicas' forward passes for the same cores (measured: ~30% slower forward on 2 cores)."""
-    torch.set_num_threads(1)
-
-
 class InferenceCore:
     def __init__(self, router: Router, metrics: Metrics, limits: Limits, default_temperature: float,
                  preprocess_threads: int) -> None:
@@ -59,8 +52,10 @@ class InferenceCore:
         self.limits = limits
         self.default_temperature = default_temperature
         self._metrics = metrics
+        # Preprocessing threads run torch ops one-threaded: an OpenMP team per thread would compete with
+        # the replicas' forward passes for the same cores (measured: ~30% slower forward on 2 cores).
         self._executor = ThreadPoolExecutor(preprocess_threads, thread_name_prefix="preprocess",
-                                            initializer=_single_threaded_torch)
+                                            initializer=use_torch_threads, initargs=(1,))
 
     async def classify(self, call: ClassifyCall) -> list[ImageOutput]:
         """Classify every image of one call on one replica; raises ServingError subclasses."""

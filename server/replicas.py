@@ -19,6 +19,7 @@ from .errors import StartupError, Unavailable
 from .metrics import Metrics
 from .model import LoadedWeights, build_model, load_weights
 from .runner import ModelRunner, warm_up_sizes
+from .threads import use_torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class _ReplicaSetup:
     def __call__(self) -> ModelRunner:
         config, device = self.config, self.device
         # This thread's OpenMP team: set here, since other threads (preprocessing) set theirs to 1.
-        torch.set_num_threads(config.torch_threads or len(os.sched_getaffinity(0)))
+        use_torch_threads(config.torch_threads or len(os.sched_getaffinity(0)))
         self.weights = load_weights(config.weights, device)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = config.cudnn_benchmark

@@ -16,9 +16,7 @@ import torch
 
 from client.cli import main as client_main
 from server.app import main as server_main
-from server.bench_model import replicas_rate
-from server.model import build_model, load_weights
-from server.runner import ModelRunner
+from server.bench_model import Replicas
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,14 +79,16 @@ def test_bench_model_times_several_replicas_at_once(capsys):
 
 
 def test_a_replica_failing_in_the_ceiling_raises_its_error_and_stops_the_others():
-    device = torch.device("cpu")
-    working = ModelRunner(build_model(load_weights("random", device), device), device)
+    args = argparse.Namespace(device=("cpu", "cpu"), torch_threads=1, weights="random", precision="fp32",
+                              compile=False)
 
     def broken(inputs, temperatures):
         raise RuntimeError("replica broke")
 
-    with pytest.raises(RuntimeError, match="replica broke"):  # not BrokenBarrierError, and no hang
-        replicas_rate([working, broken], torch.zeros(3, 224, 224), 1, 1, 0.2)
+    with Replicas(args, [1]) as replicas:
+        replicas.runners[1] = broken
+        with pytest.raises(RuntimeError, match="replica broke"):  # not BrokenBarrierError, and no hang
+            replicas.rate(torch.zeros(3, 224, 224), 1, 0.2)
 
 
 def test_latency_pairs_interleaves_in_process_and_served_windows(make_server):
