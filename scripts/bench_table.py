@@ -124,7 +124,6 @@ def print_rounds(folder: Path) -> None:
                   f"(GetModelInfo) round trip {interleaved['empty_call_p50_ms']:.1f} ms")
 
 
-
 def print_throughput_pairs(folder: Path) -> None:
     """Served c=16 over the in-process forward pass, interleaved window by window (scripts/throughput_pairs.py)."""
     if not (folder / "throughput_pairs.json").exists():
