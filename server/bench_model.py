@@ -116,7 +116,7 @@ class Replicas:
         start = threading.Barrier(len(self.runners))
         futures = [worker.submit(_timed_forward, runner, model_input, size, duration, start)
                    for worker, runner in zip(self._workers, self.runners, strict=True)]
-        if failures := [future.exception() for future in futures if future.exception()]:
+        if failures := [error for future in futures if (error := future.exception())]:
             raise next((error for error in failures if not isinstance(error, threading.BrokenBarrierError)),
                        failures[0])
         results = [future.result() for future in futures]
