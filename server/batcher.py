@@ -189,29 +189,34 @@ class Batcher:
     def _execute(self, batch: list[WorkItem]) -> None:
         started = time.monotonic()
         try:
-            batch, inputs = self._prepare(batch)
-            if not batch:
-                return
-            temperatures = torch.tensor([item.temperature for item in batch], dtype=torch.float64)
-            probabilities, logits = self._compute_split_on_oom(inputs, temperatures)
+            batch, outputs = self._outputs(batch, started)
         except ServingError as exc:
             _fail(batch, exc)
             return
-        except Exception:
+        except Exception:  # anything at all: a failure here must fail the batch, never end the worker
             self.consecutive_failures += 1
             ids = sorted({item.request_id for item in batch})
             log.exception("batch of %d on %s failed (requests %s)", len(batch), self.name, ", ".join(ids))
             _fail(batch, ComputeFailed(f"inference failed on {self.name} (request id {ids[0]})"))
             return
-        self.consecutive_failures = 0
+        if batch:
+            self.consecutive_failures = 0
+            self._record(batch, started, outputs[0].compute_seconds)
+            _resolve(batch, outputs)
+
+    def _outputs(self, batch: list[WorkItem], started: float) -> tuple[list[WorkItem], list[ImageOutput]]:
+        """The batch's images that could be prepared, and their results."""
+        batch, inputs = self._prepare(batch)
+        if not batch:
+            return batch, []
+        temperatures = torch.tensor([item.temperature for item in batch], dtype=torch.float64)
+        probabilities, logits = self._compute_split_on_oom(inputs, temperatures)
         elapsed = time.monotonic() - started
-        self._record(batch, started, elapsed)
-        outputs = [
+        return batch, [
             ImageOutput(probabilities[i], logits[i], top_k(probabilities[i], item.top_k), item.temperature,
                         started - item.enqueued, elapsed, self.name)
             for i, item in enumerate(batch)
         ]
-        _resolve(batch, outputs)
 
     def _prepare(self, batch: list[WorkItem]) -> tuple[list[WorkItem], torch.Tensor]:
         """Stack the batch's inputs, decoding deferred JPEGs; an image that cannot be decoded fails alone."""

@@ -141,6 +141,25 @@ def test_unexpected_failure_is_internal_without_internals(make_server):
     assert running.sample("resnet_requests_total", device="cpu", code="INTERNAL") == 1
 
 
+def test_a_failure_after_the_forward_pass_fails_its_batch_and_the_worker_goes_on(make_server):
+    running = make_server()
+    batcher = running.app.core.router.replicas[0].batcher
+    real_compute = batcher._compute
+
+    def three_classes(inputs, temperatures):  # too few classes for a top 5: picking it fails, not the pass
+        probabilities, logits = real_compute(inputs, temperatures)
+        return probabilities[:, :3], logits[:, :3]
+
+    batcher._compute = three_classes
+    with Client(running.target, timeout=20) as client:
+        with pytest.raises(ClassifierError) as caught:
+            client.classify([GOOD])
+        assert caught.value.code == grpc.StatusCode.INTERNAL
+        batcher._compute = real_compute
+        (result,) = client.classify([GOOD])
+    assert len(result.top_k) == 5
+
+
 def test_deadline_passing_in_the_queue_drops_the_image_before_compute(make_server):
     slow_batches = make_server(max_batch_delay_ms=1500.0)
     computed_before = slow_batches.sample("resnet_batch_size_sum", device="cpu")
