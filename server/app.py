@@ -87,11 +87,13 @@ class App:
         return self.port
 
     async def load(self) -> None:
-        """Load and warm every replica off the loop, then report SERVING."""
+        """Load and warm every replica off the loop, all at the same time (start-up on several GPUs then
+        lasts as long as the slowest one, not their sum), then report SERVING."""
         config = self.config
         loop = asyncio.get_running_loop()
-        replicas = [await loop.run_in_executor(None, load_replica, name, device, config, self.metrics)
-                    for name, device in zip(replica_names(self.devices), self.devices, strict=True)]
+        replicas = list(await asyncio.gather(*(
+            loop.run_in_executor(None, load_replica, name, device, config, self.metrics)
+            for name, device in zip(replica_names(self.devices), self.devices, strict=True))))
         limits = Limits(config.max_images_per_request, config.max_pixels, config.max_queue)
         self.core = InferenceCore(Router(replicas, self.metrics), self.metrics, limits, self.temperature,
                                   config.preprocess_threads)

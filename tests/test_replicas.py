@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 
 import grpc
 import numpy as np
@@ -40,6 +41,26 @@ def test_two_replicas_on_one_device_share_the_load_with_their_own_labels(make_se
     expected = reference.probabilities(reference.input_from_bytes(IMAGE))
     for (result,) in results:
         np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
+
+
+def test_replicas_load_at_the_same_time(make_server, monkeypatch):
+    import server.app
+
+    # Each load waits at the barrier until the other has begun too: loaded one after the other, the
+    # first would wait alone, the barrier would break, and the server would not start.
+    both_loading = threading.Barrier(2, timeout=60)
+    real_load = server.app.load_replica
+
+    def load_alongside(*args):
+        both_loading.wait()
+        return real_load(*args)
+
+    monkeypatch.setattr(server.app, "load_replica", load_alongside)
+    running = make_server(devices=("cpu", "cpu"))
+    with Client(running.target) as client:
+        assert list(client.model_info().devices) == ["cpu#0", "cpu#1"]
+        (result,) = client.classify([IMAGE])
+    assert result.top_k
 
 
 def test_max_batch_size_zero_picks_by_device():
