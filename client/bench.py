@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .api import classifier_pb2 as pb
+from .cli import connection
 from .client import AsyncClient
 
 
@@ -34,7 +35,7 @@ class LoadSpec:
     rate: float | None  # open loop: requests per second per process
     warmup: float
     duration: float
-    timeout: float
+    connection: dict  # AsyncClient's keyword arguments: timeout, TLS files, token, attempts
 
 
 def make_image(kind: str, width: int, height: int, path: str | None = None) -> pb.Image:
@@ -66,14 +67,14 @@ async def _drive(spec: LoadSpec) -> list[tuple[float, str]]:
     request = pb.ClassifyRequest.FromString(spec.request)
     started = time.monotonic()
     measure_from, stop_at = started + spec.warmup, started + spec.warmup + spec.duration
-    async with AsyncClient(spec.target, timeout=spec.timeout) as client:
+    async with AsyncClient(spec.target, **spec.connection) as client:
         stub = client._stub  # send the prepared message as is: no per-call re-encoding of images
         metadata = client._config.metadata()
 
         async def one() -> None:
             sent = time.monotonic()
             try:
-                await stub.Classify(request, timeout=spec.timeout, metadata=metadata)
+                await stub.Classify(request, timeout=client.timeout, metadata=metadata)
                 code = "OK"
             except Exception as exc:  # grpc.aio.AioRpcError
                 code = exc.code().name if hasattr(exc, "code") else type(exc).__name__
@@ -157,7 +158,7 @@ def run_point(args: argparse.Namespace, image: pb.Image, concurrency: int | None
     request = pb.ClassifyRequest(images=[image] * args.images_per_request, top_k=1).SerializeToString()
     per_process = [LoadSpec(args.server, request,
                             _share(concurrency, args.processes, i), None if rate is None else rate / args.processes,
-                            args.warmup, args.duration, args.timeout) for i in range(args.processes)]
+                            args.warmup, args.duration, connection(args)) for i in range(args.processes)]
     per_process = [spec for spec in per_process if spec.concurrency or spec.rate]
     before = scrape(args.metrics)
     with multiprocessing.get_context("spawn").Pool(len(per_process)) as pool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,18 +11,29 @@ import grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_TARGET = "localhost:50051"
+DEFAULT_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
 class ChannelConfig:
     """Where and how to connect. Several targets, or a DNS name with several addresses, are balanced
-    per call with gRPC's round_robin policy (one HTTP/2 connection to each replica)."""
+    per call with gRPC's round_robin policy (one HTTP/2 connection to each replica).
+
+    A classifier call that gets UNAVAILABLE (a server still loading, draining, or left with no healthy
+    replica) is retried by gRPC itself, up to ``attempts`` tries in all, and round_robin sends each try to
+    the next server. Classification has no side effects, so a retry is always safe; RESOURCE_EXHAUSTED
+    (overload) is not retried, so that a busy fleet is not sent more work."""
 
     targets: Sequence[str] = (DEFAULT_TARGET,)
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     token: str | None = None
+    attempts: int = DEFAULT_ATTEMPTS  # 1: no retries
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.attempts <= 5:  # gRPC's own ceiling is 5 tries
+            raise ValueError(f"attempts must be between 1 and 5, got {self.attempts}")
 
     @property
     def target(self) -> str:
@@ -34,8 +46,21 @@ class ChannelConfig:
         return [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.lb_policy_name", "round_robin"),
+            ("grpc.service_config", json.dumps(self.service_config())),
+            # A call is retried only while its request is still buffered (256 KiB by default): keep whole
+            # requests, so that a many-image call is retried too.
+            ("grpc.per_rpc_retry_buffer_size", MAX_MESSAGE_BYTES),
         ]
+
+    def service_config(self) -> dict:
+        config: dict = {"loadBalancingConfig": [{"round_robin": {}}]}
+        if self.attempts > 1:
+            config["methodConfig"] = [{
+                "name": [{"service": "resnet.v1.Classifier"}],
+                "retryPolicy": {"maxAttempts": self.attempts, "initialBackoff": "0.05s", "maxBackoff": "1s",
+                                "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+            }]
+        return config
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         """None for plaintext; TLS (optionally with a client certificate) and/or a bearer token otherwise."""

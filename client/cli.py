@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .channel import DEFAULT_ATTEMPTS
 from .client import Client
 from .errors import ClassifierError
 from .messages import Classification
@@ -18,7 +19,7 @@ from .messages import Classification
 TOKEN_ENV = "RESNET_CLIENT_TOKEN"
 
 
-def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+def add_connection_flags(parser: argparse.ArgumentParser, attempts: int = DEFAULT_ATTEMPTS) -> None:
     parser.add_argument("--server", default="localhost:50051",
                         help="host:port, a comma-separated list of IP:port, or dns:///name:port (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per call (default %(default)s)")
@@ -27,11 +28,19 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", help="client private key (PEM) for mutual TLS")
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV),
                         help=f"bearer token sent as 'authorization: Bearer ...' [env {TOKEN_ENV}]")
+    parser.add_argument("--attempts", type=int, default=attempts, choices=range(1, 6), metavar="1-5",
+                        help="tries per call when a server answers UNAVAILABLE, each on the next server "
+                             f"(default {attempts}; 1: no retries)")
+
+
+def connection(args: argparse.Namespace) -> dict:
+    """The connection flags as keyword arguments of Client and AsyncClient (all but the target)."""
+    return {"timeout": args.timeout, "tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
+            "token": args.token, "attempts": args.attempts}
 
 
 def connect(args: argparse.Namespace) -> Client:
-    return Client(args.server, timeout=args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                  tls_key=args.tls_key, token=args.token)
+    return Client(args.server, **connection(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,9 +73,10 @@ def _add_optional_commands(commands) -> None:
     """Commands with their own modules register themselves here."""
     from . import bench, calibrate
 
-    for module in (bench, calibrate):
+    # A load generator reports every failure as it happens: no retries unless asked for.
+    for module, attempts in ((bench, 1), (calibrate, DEFAULT_ATTEMPTS)):
         sub = module.add_parser(commands)
-        add_connection_flags(sub)
+        add_connection_flags(sub, attempts)
 
 
 def result_json(path: str, result: Classification) -> dict:

@@ -9,16 +9,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .api import classifier_pb2 as pb
 from .api import classifier_pb2_grpc as pb_grpc
-from .channel import ChannelConfig, parse_targets
+from .channel import DEFAULT_ATTEMPTS, ChannelConfig, parse_targets
 from .errors import ClassifierError
 from .messages import Classification, ImageLike, build_request, parse_response
 
 DEFAULT_TIMEOUT = 30.0
 
 
-def _connect(channels, target, tls_ca, tls_cert, tls_key, token):
+def _connect(channels, target, tls_ca, tls_cert, tls_key, token, attempts):
     """(config, channel) from ``grpc`` or ``grpc.aio`` (both spell the channel constructors alike)."""
-    config = ChannelConfig(parse_targets(target), tls_ca, tls_cert, tls_key, token)
+    config = ChannelConfig(parse_targets(target), tls_ca, tls_cert, tls_key, token, attempts)
     credentials = config.credentials()
     if credentials is None:
         return config, channels.insecure_channel(config.target, config.options())
@@ -30,12 +30,13 @@ def _health_name(status: int) -> str:
 
 
 class Client:
-    """Blocking client. ``target`` is ``host:port``, a comma-separated list, a list, or ``dns:///name:port``."""
+    """Blocking client. ``target`` is ``host:port``, a comma-separated list, a list, or ``dns:///name:port``;
+    ``attempts``: tries per classifier call on UNAVAILABLE (see :class:`client.channel.ChannelConfig`)."""
 
     def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 token: str | None = None) -> None:
-        self._config, self._channel = _connect(grpc, target, tls_ca, tls_cert, tls_key, token)
+                 token: str | None = None, attempts: int = DEFAULT_ATTEMPTS) -> None:
+        self._config, self._channel = _connect(grpc, target, tls_ca, tls_cert, tls_key, token, attempts)
         self.timeout = timeout
         self._stub = pb_grpc.ClassifierStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -84,8 +85,8 @@ class AsyncClient:
 
     def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 token: str | None = None) -> None:
-        self._config, self._channel = _connect(grpc.aio, target, tls_ca, tls_cert, tls_key, token)
+                 token: str | None = None, attempts: int = DEFAULT_ATTEMPTS) -> None:
+        self._config, self._channel = _connect(grpc.aio, target, tls_ca, tls_cert, tls_key, token, attempts)
         self.timeout = timeout
         self._stub = pb_grpc.ClassifierStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

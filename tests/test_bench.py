@@ -57,6 +57,21 @@ def test_bench_open_loop_counts_errors_by_code(make_server, capsys):
     assert point["ok"] == 0 and point["errors"]["INVALID_ARGUMENT"] == point["requests"] > 5
 
 
+def test_bench_sends_the_connection_flags(make_server, capsys, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("bench-token\n")
+    running = make_server(auth_token_file=str(tokens))
+    point = {}
+    for token, expected_code in (("bench-token", 0), ("wrong-token", 1)):
+        code = client_main(["bench", "--server", running.target, "--token", token, "--concurrency", "2",
+                            "--duration", "1", "--warmup", "0", "--input", "uint8", "--image-size", "64x48",
+                            "--json", "--quiet"])
+        assert code == expected_code
+        point[token] = json.loads(capsys.readouterr().out)
+    assert point["bench-token"]["ok"] > 0 and point["bench-token"]["errors"] == {}
+    assert point["wrong-token"]["ok"] == 0 and point["wrong-token"]["errors"]["UNAUTHENTICATED"] > 0
+
+
 def test_bench_model_reports_the_ceiling(weights_file, capsys):
     assert server_main(["bench-model", "--weights", str(weights_file[0]), "--batch-sizes", "1,2",
                         "--duration", "0.5", "--input", "jpeg", "--json"]) == 0

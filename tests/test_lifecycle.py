@@ -76,3 +76,36 @@ def _port_from_log(process: subprocess.Popen) -> int:
             threading.Thread(target=process.stderr.read, daemon=True).start()  # keep draining the pipe
             return port
     raise AssertionError("server exited before serving")
+
+
+def test_unavailable_is_retried_on_the_next_server(make_server, weights_file):
+    serving = make_server()
+    loading = ServerThread(base_config(str(weights_file[0])))
+    loading.run(loading.app.bind())  # answers UNAVAILABLE: its model is "still loading"
+    tried_loading = []
+    real_ready_core = loading.app.classifier._ready_core
+
+    def count_tries():
+        tried_loading.append(1)
+        return real_ready_core()
+
+    loading.app.classifier._ready_core = count_tries
+    targets = [serving.target, loading.target]
+    try:
+        with Client(targets, timeout=30, attempts=1) as no_retries:
+            codes = [_code_of(no_retries, IMAGE) for _ in range(20)]
+        assert "UNAVAILABLE" in codes and "OK" in codes, codes  # both servers get calls
+        tried_before = len(tried_loading)
+        with Client(targets, timeout=30) as retrying:
+            assert [_code_of(retrying, IMAGE) for _ in range(10)] == ["OK"] * 10
+        assert len(tried_loading) > tried_before  # the loading server was tried, and its UNAVAILABLE retried
+    finally:
+        loading.stop()
+
+
+def _code_of(client: Client, image: bytes) -> str:
+    try:
+        client.classify([image])
+        return "OK"
+    except ClassifierError as error:
+        return error.code.name
