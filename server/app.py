@@ -22,6 +22,7 @@ from .config import ConfigError, ServerConfig, parse_config
 from .devices import replica_names, resolve_devices
 from .errors import StartupError
 from .inference import InferenceCore, Limits
+from .logs import configure_logging
 from .metrics import Metrics, serve_metrics
 from .model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION
 from .oip_service import InferenceService
@@ -187,8 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"resnet-server: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
     try:
         asyncio.run(serve(config))
     except StartupError as exc:

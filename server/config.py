@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .logs import LOG_FORMATS
+
 ENV_PREFIX = "RESNET_SERVER_"
 
 
@@ -41,6 +43,7 @@ class ServerConfig:
     torch_threads: int = 0
     grace_period: float = 10.0
     log_level: str = "INFO"
+    log_format: str = "text"
     precision: str = "fp32"
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -84,6 +87,12 @@ def positive_temperature(text: str) -> float:
 def _precision(text: str) -> str:
     if text not in ("fp32", "fp16", "bf16"):
         raise argparse.ArgumentTypeError(f"must be fp32, fp16 or bf16, got {text!r}")
+    return text
+
+
+def _log_format(text: str) -> str:
+    if text not in LOG_FORMATS:
+        raise argparse.ArgumentTypeError(f"must be text or json, got {text!r}")
     return text
 
 
@@ -131,6 +140,7 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("torch-threads", _non_negative_int, "torch threads of each replica's forward pass (0: every core)"),
     ("grace-period", _non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
     ("log-level", str, "DEBUG, INFO, WARNING or ERROR"),
+    ("log-format", _log_format, "text (readable lines) or json (one object per line, for log pipelines)"),
     ("tls-cert", str, "server certificate chain (PEM); with --tls-key turns TLS on"),
     ("tls-key", str, "server private key (PEM)"),
     ("tls-client-ca", str, "CA (PEM) that client certificates must chain to: mutual TLS, certificates required"),

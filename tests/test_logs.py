@@ -1,0 +1,51 @@
+"""--log-format json: every record the server logs is one JSON object per line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+
+from server.logs import JsonFormatter
+
+
+def test_a_record_with_a_traceback_is_one_json_line():
+    try:
+        raise ValueError("broken batch")
+    except ValueError:
+        record = logging.LogRecord("server.batcher", logging.ERROR, __file__, 1, "batch of %d failed", (8,),
+                                   sys.exc_info())
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    entry = json.loads(line)
+    assert entry["level"] == "ERROR" and entry["logger"] == "server.batcher"
+    assert entry["message"] == "batch of 8 failed"
+    assert entry["exception"].startswith("Traceback") and "ValueError: broken batch" in entry["exception"]
+    assert entry["time"].endswith("+00:00")
+
+
+def test_the_server_logs_json_from_start_to_stop(weights_file):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+         "--device", "cpu", "--weights", str(weights_file[0]), "--log-format", "json"],
+        stderr=subprocess.PIPE, text=True)
+    logged = []
+    try:
+        for line in process.stderr:
+            if line.startswith("{"):
+                logged.append(json.loads(line))
+                if "serving resnet18 on" in logged[-1]["message"]:
+                    break
+        process.send_signal(signal.SIGTERM)
+        rest = process.stderr.read()
+        assert process.wait(timeout=60) == 0
+    finally:
+        process.kill()
+    logged += [json.loads(line) for line in rest.splitlines() if line.startswith("{")]
+    messages = [entry["message"] for entry in logged]
+    assert any(message.startswith("replica cpu ready on cpu") for message in messages), messages
+    assert any(message.startswith("serving resnet18 on 127.0.0.1:") for message in messages), messages
+    assert messages[-1] == "stopped"
+    assert {entry["logger"] for entry in logged} >= {"server", "server.replicas"}
