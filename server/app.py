@@ -57,6 +57,7 @@ class App:
         self.inference = InferenceService()
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
+        self._health_lost: asyncio.Future | None = None  # set once no replica is left
 
     async def start(self) -> int:
         """Bind and load: the port answers health checks (NOT_SERVING) while the model loads."""
@@ -97,7 +98,7 @@ class App:
             for name, device in zip(replica_names(self.devices), self.devices, strict=True))))
         limits = Limits(config.max_images_per_request, config.max_pixels, config.max_queue)
         self.core = InferenceCore(Router(replicas, self.metrics), self.metrics, limits, self.temperature,
-                                  config.preprocess_threads)
+                                  config.preprocess_threads, self._no_replica_left)
         info = model_info(config, replicas, self.temperature, self.temperature_source)
         self._record_model_info(replicas)
         self.classifier.attach(self.core, info)
@@ -112,6 +113,13 @@ class App:
             self.metrics.model.labels(replica.name).info(
                 {"model": MODEL_NAME, "version": MODEL_VERSION, "weights": replica.weights.source,
                  "server_version": __version__})
+
+    def _no_replica_left(self) -> None:
+        """Every replica is out of rotation, for good: health says NOT_SERVING, so that balancers stop
+        sending work here and an orchestrator's probe can replace the process."""
+        if self._health_lost is None:
+            log.error("no healthy replica is left; health now reports NOT_SERVING")
+            self._health_lost = asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def _set_health(self, status: int) -> None:
         for name in ("", *SERVICE_NAMES):

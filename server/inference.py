@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .batcher import ImageOutput, WorkItem
 from .device_decode import defer_or_preprocess
-from .errors import DeadlineExpired, InvalidInput, Overloaded, status_for
+from .errors import DeadlineExpired, InvalidInput, Overloaded, Unavailable, status_for
 from .metrics import Metrics
 from .postprocess import NUM_CLASSES
 from .preprocess import EncodedImage, ImageInput, RawImage, check_raw, preprocess
@@ -47,8 +47,10 @@ class ClassifyCall:
 
 class InferenceCore:
     def __init__(self, router: Router, metrics: Metrics, limits: Limits, default_temperature: float,
-                 preprocess_threads: int) -> None:
+                 preprocess_threads: int, on_no_replica_left: Callable[[], None] = lambda: None) -> None:
         self.router = router
+        # Called (on the event loop) whenever a call finds every replica out of rotation.
+        self._on_no_replica_left = on_no_replica_left
         self.limits = limits
         self.default_temperature = default_temperature
         self._metrics = metrics
@@ -60,7 +62,11 @@ class InferenceCore:
     async def classify(self, call: ClassifyCall) -> list[ImageOutput]:
         """Classify every image of one call on one replica; raises ServingError subclasses."""
         started = time.monotonic()
-        replica = self.router.choose()
+        try:
+            replica = self.router.choose()
+        except Unavailable:
+            self._on_no_replica_left()
+            raise
         in_flight = self._metrics.in_flight.labels(replica.name)
         in_flight.inc()
         replica.pending += len(call.images)
@@ -69,6 +75,8 @@ class InferenceCore:
             return await self._classify_on(replica, call, started)
         except BaseException as exc:
             code = "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0].name
+            if not self.router.any_healthy():  # this call's failure may have evicted the last replica
+                self._on_no_replica_left()
             raise
         finally:
             replica.pending -= len(call.images)

@@ -188,7 +188,7 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
         self._core, self._labels, self._config = core, labels, config
 
     def _ready(self) -> bool:
-        return self._core is not None and any(replica.healthy for replica in self._core.router.replicas)
+        return self._core is not None and self._core.router.any_healthy()
 
     async def ServerLive(self, request, context):
         return oip.ServerLiveResponse(live=True)

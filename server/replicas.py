@@ -136,6 +136,9 @@ class Router:
         self._turn += 1
         return candidates[self._turn % len(candidates)]
 
+    def any_healthy(self) -> bool:
+        return any(replica.healthy for replica in self.replicas)
+
     def _check_health(self, replica: Replica) -> bool:
         healthy = replica.healthy
         self._metrics.healthy.labels(replica.name).set(1 if healthy else 0)

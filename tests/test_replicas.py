@@ -116,6 +116,26 @@ def test_all_replicas_failing_is_unavailable(make_server):
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_health_says_not_serving_once_the_last_replica_leaves_the_rotation(make_server):
+    running = make_server()
+
+    def fail(inputs, temperatures):
+        raise RuntimeError("device fell off the bus")
+
+    running.app.core.router.replicas[0].batcher._compute = fail
+    with Client(running.target) as client:
+        for _ in range(FAILURES_BEFORE_EVICTION):
+            assert client.health() == "SERVING"
+            with pytest.raises(ClassifierError) as caught:
+                client.classify([IMAGE])
+            assert caught.value.code == grpc.StatusCode.INTERNAL
+        wait_for(lambda: client.health() == "NOT_SERVING")
+        assert client.health("resnet.v1.Classifier") == "NOT_SERVING"
+        with pytest.raises(ClassifierError) as caught:
+            client.classify([IMAGE])
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+
+
 def test_cpu_runner_returns_probabilities_and_logits_and_warm_up_sizes(weights_file):
     from torchvision.models import resnet18
 
