@@ -50,7 +50,7 @@ def main(folder: Path, size: str) -> None:
               f"{float('nan') if batch is None else batch:.2f} | {ratio} |")
     c1, c16 = served["served_uint8"][1], served["served_uint8"][16]
     print(f"\nc=1 p50 {c1['p50_ms']:.1f} ms vs in-process batch-1 latency (median) {batch1_ms:.1f} ms "
-          f"(+{c1['p50_ms'] - batch1_ms:.1f} ms); c=16 p99/p50 = {c16['p99_ms'] / c16['p50_ms']:.2f}; "
+          f"({c1['p50_ms'] - batch1_ms:+.1f} ms); c=16 p99/p50 = {c16['p99_ms'] / c16['p50_ms']:.2f}; "
           f"batching on/off at c=16: {c16['images_per_s']:.1f} vs "
           f"{served['served_uint8_nobatch'][16]['images_per_s']:.1f} images/s")
     if spread := in_process_spread(uint8, c16):
