@@ -14,6 +14,15 @@ def load(folder: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (folder / f"{name}.json").read_text().splitlines() if line.strip()]
 
 
+def load_interleaved(folder: Path, name: str) -> tuple[dict, str] | None:
+    """An interleaved run's result (scripts/latency_pairs.py or throughput_pairs.py) and the opening of its
+    line, or None when the run did not record one."""
+    if not (folder / f"{name}.json").exists():
+        return None
+    result = load(folder, name)[0]
+    return result, f"Interleaved ({result['windows']} windows of {result['window_s']:g} s per side)"
+
+
 def main(folder: Path, size: str) -> None:
     uint8 = load(folder, "ceiling_uint8")[0]
     jpeg = load(folder, "ceiling_jpeg")[0]
@@ -110,11 +119,10 @@ def print_rounds(folder: Path) -> None:
     pairs = ", ".join(f"{point['p50_ms']:.1f}/{ms:.1f}" for point, ms in zip(c1, batch1_ms, strict=True))
     print(f"Alternating rounds, served uint8 c=1 p50 / in-process batch-1 latency: {pairs} ms; "
           f"difference median {statistics.median(gaps):+.1f} ms (range {min(gaps):+.1f} to {max(gaps):+.1f})")
-    if (folder / "latency_pairs.json").exists():
-        interleaved = load(folder, "latency_pairs")[0]
+    if found := load_interleaved(folder, "latency_pairs"):
+        interleaved, opening = found
         low, high = interleaved["difference_range_ms"]
-        print(f"Interleaved ({interleaved['windows']} windows of {interleaved['window_s']:g} s per side), served "
-              f"uint8 c=1 p50 / in-process batch-1 p50: {interleaved['served_p50_ms']:.1f} / "
+        print(f"{opening}, served uint8 c=1 p50 / in-process batch-1 p50: {interleaved['served_p50_ms']:.1f} / "
               f"{interleaved['in_process_p50_ms']:.1f} ms; difference median "
               f"{interleaved['difference_median_ms']:+.1f} ms (range {low:+.1f} to {high:+.1f})")
         if "outside_compute_median_ms" in interleaved:
@@ -126,12 +134,11 @@ def print_rounds(folder: Path) -> None:
 
 def print_throughput_pairs(folder: Path) -> None:
     """Served c=16 over the in-process forward pass, interleaved window by window (scripts/throughput_pairs.py)."""
-    if not (folder / "throughput_pairs.json").exists():
+    if not (found := load_interleaved(folder, "throughput_pairs")):
         return
-    pairs = load(folder, "throughput_pairs")[0]
+    pairs, opening = found
     low, high = pairs["ratio_range"]
-    print(f"Interleaved ({pairs['windows']} windows of {pairs['window_s']:g} s per side), served uint8 "
-          f"c={pairs['concurrency']} / in-process forward at batch {pairs['batch_size']}: "
+    print(f"{opening}, served uint8 c={pairs['concurrency']} / in-process forward at batch {pairs['batch_size']}: "
           f"{pairs['served_images_per_s']:.1f} / {pairs['in_process_images_per_s']:.1f} images/s; "
           f"ratio median {pairs['ratio_median']:.2f} (range {low:.2f}-{high:.2f})")
 
