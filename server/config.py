@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .logs import LOG_FORMATS
@@ -84,16 +84,20 @@ def positive_temperature(text: str) -> float:
     return value
 
 
-def _precision(text: str) -> str:
-    if text not in ("fp32", "fp16", "bf16"):
-        raise argparse.ArgumentTypeError(f"must be fp32, fp16 or bf16, got {text!r}")
-    return text
+def _one_of(*options: str) -> Callable[[str], str]:
+    """A flag type that accepts exactly one of ``options``."""
+    listed = f"{', '.join(options[:-1])} or {options[-1]}"
+
+    def check(text: str) -> str:
+        if text not in options:
+            raise argparse.ArgumentTypeError(f"must be {listed}, got {text!r}")
+        return text
+
+    return check
 
 
-def _log_format(text: str) -> str:
-    if text not in LOG_FORMATS:
-        raise argparse.ArgumentTypeError(f"must be text or json, got {text!r}")
-    return text
+_precision = _one_of("fp32", "fp16", "bf16")
+_log_format = _one_of(*LOG_FORMATS)
 
 
 def _boolean(text: str) -> bool:
