@@ -28,6 +28,11 @@ def classify_concurrently(target: str, count: int) -> list:
     return asyncio.run(run())
 
 
+def device_fell_off(inputs, temperatures):
+    """A replica's forward pass that always fails."""
+    raise RuntimeError("device fell off the bus")
+
+
 def test_two_replicas_on_one_device_share_the_load_with_their_own_labels(make_server, reference):
     running = make_server(devices=("cpu", "cpu"))
     with Client(running.target) as client:
@@ -91,10 +96,7 @@ def test_a_failing_replica_leaves_the_rotation_and_the_other_keeps_serving(make_
     running = make_server(devices=("cpu", "cpu"))
     broken = running.app.core.router.replicas[0]
 
-    def fail(inputs, temperatures):
-        raise RuntimeError("device fell off the bus")
-
-    broken.batcher._compute = fail
+    broken.batcher._compute = device_fell_off
     codes = []
     with Client(running.target) as client:
         for _ in range(2 * FAILURES_BEFORE_EVICTION + 4):
@@ -119,10 +121,7 @@ def test_all_replicas_failing_is_unavailable(make_server):
 def test_health_says_not_serving_once_the_last_replica_leaves_the_rotation(make_server):
     running = make_server()
 
-    def fail(inputs, temperatures):
-        raise RuntimeError("device fell off the bus")
-
-    running.app.core.router.replicas[0].batcher._compute = fail
+    running.app.core.router.replicas[0].batcher._compute = device_fell_off
     with Client(running.target) as client:
         for _ in range(FAILURES_BEFORE_EVICTION):
             assert client.health() == "SERVING"
