@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .config import _device_list, _non_negative_int, _precision
+from .config import _boolean, _device_list, _non_negative_int, _precision
 from .devices import resolve_devices
 from .model import build_model, load_weights
 from .preprocess import EncodedImage, RawImage, preprocess
@@ -132,7 +132,7 @@ class Replicas:
 
 def _warmed_runner(args: argparse.Namespace, device: torch.device, batch_sizes: list[int]) -> ModelRunner:
     runner = ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
-                         channels_last=True, compiled=args.compile)
+                         channels_last=args.channels_last, compiled=args.compile)
     runner.warm_up(batch_sizes)
     return runner
 
@@ -169,6 +169,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", type=_precision, default="fp32")
     parser.add_argument("--weights", default="random")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model, as resnet-server --compile")
+    parser.add_argument("--channels-last", type=_boolean, default=True, help="as resnet-server --channels-last")
 
 
 def main(argv: Sequence[str]) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from client.cli import main as client_main
 from server.app import main as server_main
-from server.bench_model import Replicas
+from server.bench_model import Replicas, add_model_arguments
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +28,13 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def model_arguments(*argv: str) -> argparse.Namespace:
+    """bench-model's model flags as parsed from ``argv``, every other one at its default."""
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    return parser.parse_args(argv)
 
 
 def test_bench_closed_loop_reports_throughput_latency_and_the_server_view(make_server, capsys, tmp_path):
@@ -94,8 +101,7 @@ def test_bench_model_times_several_replicas_at_once(capsys):
 
 
 def test_a_replica_failing_in_the_ceiling_raises_its_error_and_stops_the_others():
-    args = argparse.Namespace(device=("cpu", "cpu"), torch_threads=1, weights="random", precision="fp32",
-                              compile=False)
+    args = model_arguments("--device", "cpu,cpu", "--torch-threads", "1")
 
     def broken(inputs, temperatures):
         raise RuntimeError("replica broke")
@@ -124,9 +130,9 @@ def test_latency_pairs_interleaves_in_process_and_served_windows(make_server):
 def test_throughput_pairs_interleaves_in_process_and_served_windows(make_server):
     throughput_pairs = load_script("throughput_pairs")
     running = make_server()
-    args = argparse.Namespace(server=running.target, image_size=(64, 48), windows=2, window=0.8, ramp=0.4,
-                              concurrency=4, batch_size=2, device=("cpu",), torch_threads=0, weights="random",
-                              precision="fp32", compile=False)
+    args = model_arguments()
+    vars(args).update(server=running.target, image_size=(64, 48), windows=2, window=0.8, ramp=0.4, concurrency=4,
+                      batch_size=2)
     batches_before = running.sample("resnet_batch_size_count", device="cpu")
     result = asyncio.run(throughput_pairs.measure(args))
     assert len(result["pairs_images_per_s"]) == 2
