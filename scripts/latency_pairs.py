@@ -28,6 +28,7 @@ from client.api import classifier_pb2 as pb
 from client.bench import make_image
 from client.client import AsyncClient
 from server.bench_model import MAX_PIXELS, _size
+from server.config import _boolean
 from server.model import build_model, load_weights
 from server.preprocess import RawImage, preprocess
 from server.runner import ModelRunner
@@ -71,7 +72,8 @@ async def measure(args: argparse.Namespace) -> dict:
     if args.torch_threads:
         use_torch_threads(args.torch_threads)
     device = torch.device("cpu")
-    runner = ModelRunner(build_model(load_weights("random", device), device), device, compiled=args.compile)
+    runner = ModelRunner(build_model(load_weights("random", device), device), device,
+                         channels_last=args.channels_last, compiled=args.compile)
     runner.warm_up([1])
     image = make_image("uint8", *args.image_size)
     request = pb.ClassifyRequest(images=[image])
@@ -109,6 +111,8 @@ def main() -> None:
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch threads of the in-process side, as the server's --torch-threads (0: every core)")
     parser.add_argument("--compile", action="store_true", help="compile the in-process model (for a --compile server)")
+    parser.add_argument("--channels-last", type=_boolean, default=True,
+                        help="the in-process model's layout, as the server's --channels-last")
     args = parser.parse_args()
     result = asyncio.run(measure(args))
     print(json.dumps(result))
