@@ -151,7 +151,7 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("auth-token-file", str, "file of accepted bearer tokens, one per line; calls without one get UNAUTHENTICATED"),
     ("auth-health", _boolean, "require the token on the health service too (probes then need it)"),
     ("precision", _precision, "fp32, fp16 or bf16 weights and activations (softmax is always fp32)"),
-    ("channels-last", _boolean, "channels_last memory format for eager models (faster convolutions, CUDA and CPU)"),
+    ("channels-last", _boolean, "channels_last memory format (faster convolutions on CUDA and the CPU)"),
     ("cudnn-benchmark", _boolean, "let cuDNN autotune convolutions (at warm-up, before SERVING)"),
     ("compile", _boolean, "torch.compile the model for each power-of-two batch size up to --max-batch-size "
                           "(at warm-up, before SERVING); other batch sizes run as compiled pieces on the CPU, "
