@@ -2,8 +2,8 @@
 
 On CUDA it uses pinned host staging, ``non_blocking`` copies both ways on a stream of its own,
 optional reduced precision, and exactly one synchronisation per batch (when the results land in
-pinned CPU memory). On the CPU it is a plain forward pass. On both, the model runs ``channels_last``
-unless told otherwise.
+pinned CPU memory). On the CPU it is a plain forward pass. On both, batch norms are folded into the
+convolutions before them, and the model runs ``channels_last`` unless told otherwise.
 
 With ``compiled=True`` the model goes through ``torch.compile`` (inductor, weights frozen as
 constants) once per warm-up batch size (powers of two), with static shapes. A batch of another
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from .device_decode import DeferredJpeg, decode_batch
 from .devices import to_device
@@ -40,7 +41,7 @@ class ModelRunner:
         # channels_last speeds up convolutions on CUDA (tensor cores) and on the CPU too (oneDNN, eager: +20-30%
         # at batch 1-16 on the 2-core CI machine; compiled: the same speed, inductor picks its own layouts).
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.model = model.to(device=device, dtype=self.dtype, memory_format=self.memory_format).eval()
+        self.model = _fold_batch_norms(model).to(device=device, dtype=self.dtype, memory_format=self.memory_format)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.compiled = compiled
         self._network = _compile(self.model) if compiled else self.model
@@ -127,6 +128,31 @@ class ModelRunner:
         if not self.cuda:
             return 0, 0
         return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+
+
+def _fold_batch_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """The model in eval mode with every batch norm folded into the convolution it follows: the same function
+    (logits within 1e-5), one pass less over each activation and 20 fewer kernels per forward pass. On the
+    2-core CPU, in eager channels_last, it is worth little (batch 8: +1.6% in the median of six alternating
+    pairs); it is there for small GPU batches, where kernel launches dominate. Done in fp32, before any cast
+    to reduced precision.
+
+    Pairs are found by name, as torchvision's ResNets lay them out: ``bnN`` follows ``convN`` and a
+    ``downsample`` is ``Sequential(conv, bn)``. (torch.fx would find them by tracing, but its tracer patches
+    torch globals, which breaks the forward passes of replicas warming up on other threads.)"""
+    model.eval()
+    for module in list(model.modules()):
+        for name, norm in list(module.named_children()):
+            conv = getattr(module, _conv_name(name), None)
+            if isinstance(norm, torch.nn.BatchNorm2d) and isinstance(conv, torch.nn.Conv2d):
+                setattr(module, _conv_name(name), fuse_conv_bn_eval(conv, norm))
+                setattr(module, name, torch.nn.Identity())
+    return model
+
+
+def _conv_name(norm_name: str) -> str:
+    """bn2 -> conv2; in a Sequential, "1" -> "0"."""
+    return str(int(norm_name) - 1) if norm_name.isdigit() else norm_name.replace("bn", "conv", 1)
 
 
 def _split(count: int, sizes: list[int]) -> list[int]:

@@ -151,6 +151,28 @@ def test_cpu_runner_returns_probabilities_and_logits_and_warm_up_sizes(weights_f
     assert _split(13, [1, 2, 4, 8]) == [8, 4, 1] and _split(3, [1, 4]) == [1, 1, 1]
 
 
+def test_the_runner_folds_every_batch_norm_into_its_convolution_and_computes_the_same_function():
+    import copy
+
+    from torchvision.models import resnet18
+
+    model = resnet18().eval()
+    generator = torch.Generator().manual_seed(2)
+    for norm in (module for module in model.modules() if isinstance(module, torch.nn.BatchNorm2d)):
+        # Statistics far from their initial values, so that a wrong fold would show in the logits.
+        for tensor, low, high in ((norm.running_mean, -0.5, 0.5), (norm.running_var, 0.5, 2.0),
+                                  (norm.weight.data, 0.5, 1.5), (norm.bias.data, -0.2, 0.2)):
+            tensor.copy_(torch.empty(tensor.shape).uniform_(low, high, generator=generator))
+    reference = copy.deepcopy(model)
+    runner = ModelRunner(model, torch.device("cpu"), channels_last=False)
+    assert not any(isinstance(module, torch.nn.BatchNorm2d) for module in runner.model.modules())
+    batch = torch.randn(2, 3, 224, 224, generator=generator)
+    with torch.inference_mode():
+        expected = reference(batch)
+    _, logits = runner(batch, torch.ones(2))
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
+
+
 def test_cpu_runner_is_channels_last_by_default_with_the_plain_layouts_answers(weights_file):
     from torchvision.models import resnet18
 
