@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# Every GPU check in one go, for a machine with CUDA: the CUDA-marked tests, reduced-precision agreement,
-# GPU JPEG decode agreement, the in-process ceiling (eager per precision, compiled fp16) and the served
-# sweeps (uint8 batching on and off, fp16, JPEG decoded on the GPU vs the CPU). Writes results/gpu/, ending
-# with gpu_table.md (scripts/gpu_table.py): the README's GPU table and the device issue's targets.
-# Usage: scripts/gpu_check.sh [OUT_DIR]   (about 10 minutes on one H100)
+# Every GPU check, for a machine with CUDA, in three parts that each fit in a 10-minute slot:
+#   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement
+#   ceilings  the in-process forward ceiling: eager per precision; fp16 compiled, plain and as CUDA graphs
+#   served    the served sweeps: uint8 batching on and off, fp16, JPEG decoded on the GPU vs the CPU
+# Writes OUT_DIR (default results/gpu), ending with gpu_table.md (scripts/gpu_table.py, from whatever OUT_DIR
+# holds, so parts run in separate calls can be tabled together): the README's GPU table and the device
+# issue's targets.
+# Usage: scripts/gpu_check.sh [OUT_DIR [PART...]]   (all three parts by default; about 12 minutes on one H100)
 set -uo pipefail
 out=${1:-results/gpu}
+parts=("${@:2}")
+[ ${#parts[@]} -eq 0 ] && parts=(checks ceilings served)
+for part in "${parts[@]}"; do
+  case $part in checks|ceilings|served) ;; *) echo "unknown part $part (checks, ceilings or served)" >&2; exit 2 ;; esac
+done
 mkdir -p "$out"
 port=50161 metrics=8161
 fp32_batch=64 fp16_batch=128  # the served batch caps; gpu_table.py compares each with the in-process forward at it
@@ -21,18 +29,6 @@ command -v resnet-server >/dev/null || resnet-server() { python -c 'import sys; 
 command -v resnet-client >/dev/null || resnet-client() { python -c 'import sys; from client.cli import main; sys.exit(main())' "$@"; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 
-# Only the modules with CUDA tests: the others import test-only packages the GPU box may not have.
-python -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_raw_batch.py tests/test_device_decode.py \
-  tests/test_replicas.py 2>&1 | tee "$out/cuda_tests.txt"
-python scripts/precision_check.py --device cuda:0 --json "$out/precision.json" | tee "$out/precision.txt"
-python scripts/decode_check.py --device cuda:0 --json "$out/decode.json" | tee "$out/decode.txt"
-for precision in fp32 fp16 bf16; do
-  resnet-server bench-model --device cuda:0 --precision $precision --batch-sizes 1,8,32,64,128 \
-    --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_$precision.json"
-done
-resnet-server bench-model --device cuda:0 --precision fp16 --compile --batch-sizes 1,64,128 \
-  --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_fp16_compiled.json"
-
 serve() {
   resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device cuda:0 --weights random \
     --log-level WARNING "$@" & server_pid=$!
@@ -46,12 +42,32 @@ bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise
   resnet-client bench --server 127.0.0.1:$port --metrics http://127.0.0.1:$metrics/metrics --input uint8 \
     --image-size 224x224 --duration 15 --warmup 3 --processes 8 --quiet --json "${@:2}" > "$out/$1.json"
 }
-serve --max-batch-size $fp32_batch && bench served_batched --sweep 1,16,64,256 && stop
-serve --max-batch-size 1 && bench served_nobatch --concurrency 256 && stop
-serve --max-batch-size $fp16_batch --precision fp16 && bench served_fp16 --sweep 64,256 && stop
-for where in true false; do
-  serve --max-batch-size $fp32_batch --decode-on-device $where && \
-    bench served_jpeg_decode_on_device_$where --input jpeg --image-size 640x480 --concurrency 256 && stop
-done
+checks() {
+  # Only the modules with CUDA tests: the others import test-only packages the GPU box may not have.
+  python -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_raw_batch.py tests/test_device_decode.py \
+    tests/test_replicas.py 2>&1 | tee "$out/cuda_tests.txt"
+  python scripts/precision_check.py --device cuda:0 --json "$out/precision.json" | tee "$out/precision.txt"
+  python scripts/decode_check.py --device cuda:0 --json "$out/decode.json" | tee "$out/decode.txt"
+}
+ceilings() {
+  for precision in fp32 fp16 bf16; do
+    resnet-server bench-model --device cuda:0 --precision $precision --batch-sizes 1,8,32,64,128 \
+      --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_$precision.json"
+  done
+  for mode in default reduce-overhead; do  # the compiled graphs, launched kernel by kernel or replayed as CUDA graphs
+    resnet-server bench-model --device cuda:0 --precision fp16 --compile --compile-mode $mode --batch-sizes 1,8,64,128 \
+      --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_fp16_compiled_$mode.json"
+  done
+}
+served() {
+  serve --max-batch-size $fp32_batch && bench served_batched --sweep 1,16,64,256 && stop
+  serve --max-batch-size 1 && bench served_nobatch --concurrency 256 && stop
+  serve --max-batch-size $fp16_batch --precision fp16 && bench served_fp16 --sweep 64,256 && stop
+  for where in true false; do
+    serve --max-batch-size $fp32_batch --decode-on-device $where && \
+      bench served_jpeg_decode_on_device_$where --input jpeg --image-size 640x480 --concurrency 256 && stop
+  done
+}
+for part in "${parts[@]}"; do $part; done
 python scripts/gpu_table.py "$out" $fp32_batch $fp16_batch | tee "$out/gpu_table.md"  # the README's GPU table and targets
 echo "results in $out"

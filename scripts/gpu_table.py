@@ -17,11 +17,13 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 
 def ceiling_rows(folder: Path) -> list[str]:
     rows = []
-    for name in (*(f"ceiling_{p}" for p in PRECISIONS), "ceiling_fp16_compiled"):
+    compiled = (f"ceiling_fp16_compiled_{mode}" for mode in ("default", "reduce-overhead"))
+    for name in (*(f"ceiling_{p}" for p in PRECISIONS), *compiled):
         if not (folder / f"{name}.json").exists():
             continue
         ceiling = load(folder, name)[0]
-        label = ceiling["precision"] + (" compiled" if ceiling.get("compiled") else "")
+        label = ceiling["precision"] + {None: "", "default": " compiled", "reduce-overhead": " compiled, CUDA graphs"}[
+            ceiling.get("compile_mode")]
         for size, rate in ceiling["forward_images_per_s"].items():
             rows.append(f"| in-process forward, {label}, batch {size} | {rate:.0f} | | | | |")
     return rows

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .config import _boolean, _device_list, _non_negative_int, _precision
+from .config import _boolean, _compile_mode, _device_list, _non_negative_int, _precision
 from .devices import resolve_devices
 from .model import build_model, load_weights
 from .preprocess import EncodedImage, RawImage, preprocess
@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> dict:
     best = max(forward, key=forward.get)
     serial = 1.0 / (1.0 / forward[best] + 1.0 / preprocess_rate)
     return {"device": ",".join(str(runner.device) for runner in replicas.runners), "replicas": len(replicas.runners),
-            "precision": args.precision, "compiled": args.compile, "input": args.input,
+            "precision": args.precision, "compiled": args.compile,
+            "compile_mode": args.compile_mode if args.compile else None, "input": args.input,
             "image_size": list(args.image_size), "forward_images_per_s": forward,
             "forward_call_ms": call_ms, "best_batch_size": best, "preprocess_images_per_s": preprocess_rate,
             "ceiling_with_preprocess_images_per_s": serial,
@@ -92,9 +93,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 class Replicas:
-    """One runner per listed device (``args``: device, torch_threads, weights, precision, compile), each built,
-    warmed (compiled, with --compile) and timed on a thread of its own that lives as long as this object, with
-    ``--torch-threads`` torch threads: the server's replica workers.
+    """One runner per listed device (``args``: device, torch_threads, weights, precision, compile and its mode),
+    each built, warmed (compiled, with --compile) and timed on a thread of its own that lives as long as this
+    object, with ``--torch-threads`` torch threads: the server's replica workers.
 
     The calling thread is set to one torch thread, as the server's other threads are: an OpenMP team of its
     own would slow the replicas' teams (see server.threads)."""
@@ -132,7 +133,7 @@ class Replicas:
 
 def _warmed_runner(args: argparse.Namespace, device: torch.device, batch_sizes: list[int]) -> ModelRunner:
     runner = ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
-                         channels_last=args.channels_last, compiled=args.compile)
+                         channels_last=args.channels_last, compiled=args.compile, compile_mode=args.compile_mode)
     runner.warm_up(batch_sizes)
     return runner
 
@@ -169,6 +170,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", type=_precision, default="fp32")
     parser.add_argument("--weights", default="random")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model, as resnet-server --compile")
+    parser.add_argument("--compile-mode", type=_compile_mode, default="default",
+                        help="as resnet-server --compile-mode (needs --compile)")
     parser.add_argument("--channels-last", type=_boolean, default=True, help="as resnet-server --channels-last")
 
 
@@ -181,11 +184,13 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.compile_mode != "default" and not args.compile:
+        parser.error(f"--compile-mode {args.compile_mode} needs --compile")
     result = run(args)
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"device {result['device']}  precision {result['precision']}  compiled {result['compiled']}  "
+    print(f"device {result['device']}  precision {result['precision']}  compile {result['compile_mode'] or 'off'}  "
           f"torch threads {result['torch_threads']}")
     for size, rate in result["forward_images_per_s"].items():
         call = result["forward_call_ms"][size]

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 from .logs import LOG_FORMATS
 
+# torch.compile's own mode names; reduce-overhead replays CUDA graphs.
+COMPILE_MODES = ("default", "reduce-overhead")
+
 ENV_PREFIX = "RESNET_SERVER_"
 
 
@@ -53,6 +56,7 @@ class ServerConfig:
     channels_last: bool = True
     cudnn_benchmark: bool = True
     compile: bool = False
+    compile_mode: str = "default"
     decode_on_device: str = "auto"
 
 
@@ -97,6 +101,7 @@ def _one_of(*options: str) -> Callable[[str], str]:
 
 
 _precision = _one_of("fp32", "fp16", "bf16")
+_compile_mode = _one_of(*COMPILE_MODES)
 _log_format = _one_of(*LOG_FORMATS)
 
 
@@ -156,6 +161,9 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("compile", _boolean, "torch.compile the model for each power-of-two batch size up to --max-batch-size "
                           "(at warm-up, before SERVING); other batch sizes run as compiled pieces on the CPU, "
                           "padded on CUDA"),
+    ("compile-mode", _compile_mode, "with --compile: default, or reduce-overhead (each compiled graph replayed as "
+                                    "a CUDA graph on CUDA replicas, recorded at warm-up; the same as default on "
+                                    "the CPU)"),
     ("decode-on-device", _auto_boolean, "decode JPEGs in batches on the replica's device (nvjpeg on CUDA) and "
                                         "resize/normalise there; auto: on for CUDA devices, off for the CPU"),
 ]
@@ -203,4 +211,6 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     config = ServerConfig(**vars(namespace))
     if config.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
+    if config.compile_mode != "default" and not config.compile:
+        raise ConfigError(f"--compile-mode {config.compile_mode} needs --compile")
     return config

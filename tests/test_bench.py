@@ -89,6 +89,14 @@ def test_bench_model_reports_the_ceiling(weights_file, capsys):
     for calls in result["forward_call_ms"].values():
         assert 0 < calls["p50"] <= calls["p99"]
     assert result["forward_call_ms"]["1"]["p50"] == result["batch1_latency_p50_ms"]
+    assert (result["compiled"], result["compile_mode"]) == (False, None)
+
+
+def test_bench_model_refuses_a_compile_mode_without_compile(capsys):
+    with pytest.raises(SystemExit) as caught:
+        server_main(["bench-model", "--compile-mode", "reduce-overhead"])
+    assert caught.value.code == 2
+    assert "--compile-mode reduce-overhead needs --compile" in capsys.readouterr().err
 
 
 def test_bench_model_times_several_replicas_at_once(capsys):
@@ -151,3 +159,25 @@ def test_grpc_floor_times_both_minimal_servers():
     for line in lines:
         empty, image = (float(ms) for ms in re.findall(r"([\d.]+) ms", line))
         assert empty > 0 and image > 0
+
+
+def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, capsys, tmp_path, monkeypatch):
+    """scripts/gpu_table.py on files written as scripts/gpu_check.sh writes them, by CPU runs of the same
+    commands (one ceiling, served with batching on and off), so the GPU run's last step is known to work."""
+    running = make_server(max_batch_size=2)
+    assert server_main(["bench-model", "--batch-sizes", "1,2", "--duration", "0.3", "--image-size", "64x48",
+                        "--json"]) == 0
+    (tmp_path / "ceiling_fp32.json").write_text(capsys.readouterr().out)
+    for name, concurrency in (("served_batched", "1,4"), ("served_nobatch", "4")):
+        assert client_main(["bench", "--server", running.target, "--sweep", concurrency, "--duration", "0.5",
+                            "--warmup", "0", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet"]) == 0
+        (tmp_path / f"{name}.json").write_text(capsys.readouterr().out)
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as when run as a script: it imports bench_table
+    load_script("gpu_table").main(tmp_path, 2, 128)
+    table = capsys.readouterr().out
+    ceiling = json.loads((tmp_path / "ceiling_fp32.json").read_text())["forward_images_per_s"]["2"]
+    batched = json.loads((tmp_path / "served_batched.json").read_text().splitlines()[-1])["images_per_s"]
+    assert f"| in-process forward, fp32, batch 2 | {ceiling:.0f} |" in table
+    assert "| served batched, c=4 |" in table and "| served nobatch, c=4 |" in table
+    assert f"- served_batched c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
+    assert "batching on / off at c=4" in table

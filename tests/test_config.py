@@ -33,6 +33,14 @@ def test_a_boolean_flag_alone_means_true():
     assert parse_config(["--channels-last", "off"], env={}).channels_last is False
 
 
+def test_a_compile_mode_other_than_default_needs_compile():
+    assert parse_config(["--compile", "--compile-mode", "reduce-overhead"], env={}).compile_mode == "reduce-overhead"
+    assert parse_config(["--compile"], env={"RESNET_SERVER_COMPILE_MODE": "reduce-overhead"}).compile_mode == \
+        "reduce-overhead"
+    with pytest.raises(ConfigError, match="--compile-mode reduce-overhead needs --compile"):
+        parse_config(["--compile-mode", "reduce-overhead"], env={})
+
+
 def test_decode_on_device_is_auto_true_or_false():
     assert parse_config([], env={}).decode_on_device == "auto"
     assert parse_config(["--decode-on-device"], env={}).decode_on_device == "true"
@@ -43,7 +51,7 @@ def test_decode_on_device_is_auto_true_or_false():
 @pytest.mark.parametrize("argv", [["--temperature", "0"], ["--temperature", "nan"], ["--temperature", "-1"],
                                   ["--temperature", "inf"], ["--max-batch-size", "-1"], ["--max-queue", "-3"],
                                   ["--port", "x"], ["--compile", "maybe"],
-                                  ["--decode-on-device", "gpu"]])
+                                  ["--decode-on-device", "gpu"], ["--compile", "--compile-mode", "fast"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as caught:
         parse_config(argv, env={})

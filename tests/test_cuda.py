@@ -76,3 +76,17 @@ def test_two_replicas_share_one_gpu_with_their_own_labels(make_server):
     for name in names:  # least-queued routing, ties in turn: sequential calls alternate
         assert running.sample("resnet_batch_size_count", device=name) == 2
         assert running.sample("resnet_gpu_memory_allocated_bytes", device=name) > 0
+
+
+@pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])
+def test_compiled_cuda_batches_are_padded_and_match_the_cpu_reference(make_server, reference, compile_mode):
+    running = make_server(devices=("cuda:0",), compile=True, compile_mode=compile_mode, max_batch_size=4)
+    assert running.app.core.router.replicas[0].runner.compiled_sizes == [1, 2, 4]
+    with Client(running.target) as client:
+        first = client.classify(PIXELS, full=True)  # one batch of 3, padded up to the graph of 4
+        second = client.classify(PIXELS[:1], full=True)  # the graph of 1 (CUDA graphs reuse their memory)
+        third = client.classify(PIXELS[1:], full=True)  # padded to 2
+    assert running.sample("resnet_batch_size_count", device="cuda:0") == 3
+    for result, pixels in zip([*first, *second, *third], [*PIXELS, PIXELS[0], *PIXELS[1:]], strict=True):
+        want = reference.logits(reference.input_from_array(pixels).unsqueeze(0))[0].numpy()
+        np.testing.assert_allclose(result.logits, want, atol=0.02 * np.abs(want).max(), rtol=0)

@@ -192,9 +192,11 @@ def test_cpu_runner_is_channels_last_by_default_with_the_plain_layouts_answers(w
 
 
 @pytest.mark.slow
-def test_compiled_model_splits_an_odd_batch_and_matches_torchvision(make_server, reference):
-    running = make_server(compile=True, max_batch_size=4)
-    assert running.app.core.router.replicas[0].runner.compiled_sizes == [1, 2, 4]
+@pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])  # on the CPU: no CUDA graphs, same answers
+def test_compiled_model_splits_an_odd_batch_and_matches_torchvision(make_server, reference, compile_mode):
+    running = make_server(compile=True, compile_mode=compile_mode, max_batch_size=4)
+    runner = running.app.core.router.replicas[0].runner
+    assert runner.compiled_sizes == [1, 2, 4] and runner.compile_mode == compile_mode
     images = [encode(random_rgb(seed)) for seed in (1, 2, 3)]
     with Client(running.target) as client:
         results = client.classify(images, full=True)
