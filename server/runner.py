@@ -16,7 +16,9 @@ warm-up and replay it per batch: one launch for the whole forward pass instead o
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import threading
 
 import torch
 from torch.nn.utils.fusion import fuse_conv_bn_eval
@@ -101,6 +103,8 @@ class ModelRunner:
     def _run_network(self, inputs: torch.Tensor) -> torch.Tensor:
         if not self.compiled_sizes:
             return self._network(inputs)
+        if self.compile_mode == "reduce-overhead":
+            cuda_graph_state_for_this_thread()
         # A new batch: the last batch's outputs are dead, so CUDA graphs (reduce-overhead) may reuse their memory.
         torch.compiler.cudagraph_mark_step_begin()
         if self.cuda:
@@ -191,6 +195,20 @@ def _compile(model: torch.nn.Module, mode: str) -> torch.nn.Module:
 
     inductor_config.freezing = True
     return torch.compile(model, mode=mode, dynamic=False)
+
+
+def cuda_graph_state_for_this_thread() -> None:
+    """Inductor keeps its CUDA graph trees in thread-locals. Before torch 2.13 only the thread that imported
+    the module (and autograd's threads) had them, and any other thread failed an assertion on its first
+    compiled call (pytorch/pytorch#123177); replicas compile and run on worker threads of their own, so each
+    sets its state up, as newer torch does by itself."""
+    from torch._inductor import cudagraph_trees
+
+    local = cudagraph_trees.local
+    if hasattr(local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    local.tree_manager_containers = {}
+    local.tree_manager_locks = collections.defaultdict(threading.Lock)
 
 
 def _allow_recompiles(shapes: int) -> None:

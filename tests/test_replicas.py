@@ -15,7 +15,7 @@ import torch
 from client import AsyncClient, ClassifierError, Client
 from server.config import ServerConfig
 from server.replicas import FAILURES_BEFORE_EVICTION, max_batch_size
-from server.runner import ModelRunner, _split, warm_up_sizes
+from server.runner import ModelRunner, _split, cuda_graph_state_for_this_thread, warm_up_sizes
 from tests.helpers import encode, free_port, random_rgb, scraped_value, wait_for
 
 IMAGE = encode(random_rgb(77))
@@ -250,3 +250,28 @@ def _serving(client: Client) -> bool:
         return client.health() == "SERVING"
     except ClassifierError:
         return False
+
+
+def test_every_worker_thread_gets_its_own_cuda_graph_state():
+    """A thread other than the one that imported inductor's CUDA graph trees has no state for them until the
+    runner sets it up (older torch then failed an assertion on the first reduce-overhead call)."""
+    from torch._inductor import cudagraph_trees
+
+    main_state = cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers")
+    seen = {}
+
+    def worker() -> None:
+        seen["before"] = hasattr(cudagraph_trees.local, "tree_manager_containers")
+        cuda_graph_state_for_this_thread()
+        cuda_graph_state_for_this_thread()  # a second call keeps the first one's state
+        seen["state"] = cudagraph_trees.local.tree_manager_containers
+        seen["lock"] = cudagraph_trees.local.tree_manager_locks[0]
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen["before"] is False
+    assert seen["state"] == {} and seen["state"] is not main_state
+    assert hasattr(seen["lock"], "acquire")
+    cuda_graph_state_for_this_thread()  # the importing thread keeps what it has
+    assert cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers") is main_state
