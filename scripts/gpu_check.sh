@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check, for a machine with CUDA, in three parts that each fit in a 10-minute slot:
 #   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement
-#   ceilings  the in-process forward ceiling: eager per precision; fp16 compiled, plain and as CUDA graphs
+#   ceilings  the in-process forward ceiling: eager per precision (fp16 also with batch norms unfolded);
+#             fp16 compiled, plain and as CUDA graphs
 #   served    the served sweeps: uint8 batching on and off, fp16, JPEG decoded on the GPU vs the CPU
 # Writes OUT_DIR (default results/gpu), ending with gpu_table.md (scripts/gpu_table.py, from whatever OUT_DIR
 # holds, so parts run in separate calls can be tabled together): the README's GPU table and the device
@@ -54,6 +55,9 @@ ceilings() {
     resnet-server bench-model --device cuda:0 --precision $precision --batch-sizes 1,8,32,64,128 \
       --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_$precision.json"
   done
+  # What folding batch norms into the convolutions saves: the same eager fp16 model with them left in.
+  resnet-server bench-model --device cuda:0 --precision fp16 --fold-batch-norms false --batch-sizes 1,8,32,128 \
+    --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_fp16_unfolded.json"
   for mode in default reduce-overhead; do  # the compiled graphs, launched kernel by kernel or replayed as CUDA graphs
     resnet-server bench-model --device cuda:0 --precision fp16 --compile --compile-mode $mode --batch-sizes 1,8,64,128 \
       --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_fp16_compiled_$mode.json"

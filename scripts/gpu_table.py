@@ -18,15 +18,20 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 def ceiling_rows(folder: Path) -> list[str]:
     rows = []
     compiled = (f"ceiling_fp16_compiled_{mode}" for mode in ("default", "reduce-overhead"))
-    for name in (*(f"ceiling_{p}" for p in PRECISIONS), *compiled):
+    for name in (*(f"ceiling_{p}" for p in PRECISIONS), "ceiling_fp16_unfolded", *compiled):
         if not (folder / f"{name}.json").exists():
             continue
         ceiling = load(folder, name)[0]
-        label = ceiling["precision"] + {None: "", "default": " compiled", "reduce-overhead": " compiled, CUDA graphs"}[
-            ceiling.get("compile_mode")]
         for size, rate in ceiling["forward_images_per_s"].items():
-            rows.append(f"| in-process forward, {label}, batch {size} | {rate:.0f} | | | | |")
+            rows.append(f"| in-process forward, {ceiling_label(ceiling)}, batch {size} | {rate:.0f} | | | | |")
     return rows
+
+
+def ceiling_label(ceiling: dict) -> str:
+    """What ran: "fp16", "fp16 compiled, CUDA graphs", "fp16, batch norms not folded"."""
+    compiled = {None: "", "default": " compiled", "reduce-overhead": " compiled, CUDA graphs"}[ceiling["compile_mode"]]
+    folded = "" if ceiling["fold_batch_norms"] else ", batch norms not folded"
+    return ceiling["precision"] + compiled + folded
 
 
 def served_rows(folder: Path) -> list[str]:

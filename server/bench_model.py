@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> dict:
     serial = 1.0 / (1.0 / forward[best] + 1.0 / preprocess_rate)
     return {"device": ",".join(str(runner.device) for runner in replicas.runners), "replicas": len(replicas.runners),
             "precision": args.precision, "compiled": args.compile,
-            "compile_mode": args.compile_mode if args.compile else None, "input": args.input,
+            "compile_mode": args.compile_mode if args.compile else None,
+            "fold_batch_norms": args.fold_batch_norms, "input": args.input,
             "image_size": list(args.image_size), "forward_images_per_s": forward,
             "forward_call_ms": call_ms, "best_batch_size": best, "preprocess_images_per_s": preprocess_rate,
             "ceiling_with_preprocess_images_per_s": serial,
@@ -133,7 +134,8 @@ class Replicas:
 
 def _warmed_runner(args: argparse.Namespace, device: torch.device, batch_sizes: list[int]) -> ModelRunner:
     runner = ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
-                         channels_last=args.channels_last, compiled=args.compile, compile_mode=args.compile_mode)
+                         channels_last=args.channels_last, compiled=args.compile, compile_mode=args.compile_mode,
+                         fold_batch_norms=args.fold_batch_norms)
     runner.warm_up(batch_sizes)
     return runner
 
@@ -173,6 +175,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-mode", type=_compile_mode, default="default",
                         help="as resnet-server --compile-mode (needs --compile)")
     parser.add_argument("--channels-last", type=_boolean, default=True, help="as resnet-server --channels-last")
+    parser.add_argument("--fold-batch-norms", type=_boolean, default=True,
+                        help="fold batch norms into the convolutions, as the server always does (false: to measure "
+                             "what folding saves)")
 
 
 def main(argv: Sequence[str]) -> int:

@@ -37,14 +37,16 @@ PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, precision: str = "fp32",
-                 channels_last: bool = True, compiled: bool = False, compile_mode: str = "default") -> None:
+                 channels_last: bool = True, compiled: bool = False, compile_mode: str = "default",
+                 fold_batch_norms: bool = True) -> None:
         self.device = device
         self.dtype = PRECISIONS[precision]
         self.cuda = device.type == "cuda"
         # channels_last speeds up convolutions on CUDA (tensor cores) and on the CPU too (oneDNN, eager: +20-30%
         # at batch 1-16 on the 2-core CI machine; compiled: the same speed, inductor picks its own layouts).
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.model = _fold_batch_norms(model).to(device=device, dtype=self.dtype, memory_format=self.memory_format)
+        model = _fold_batch_norms(model) if fold_batch_norms else model.eval()  # off only to measure what it saves
+        self.model = model.to(device=device, dtype=self.dtype, memory_format=self.memory_format)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.compiled = compiled
         self.compile_mode = compile_mode if compiled else None

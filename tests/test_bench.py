@@ -89,7 +89,7 @@ def test_bench_model_reports_the_ceiling(weights_file, capsys):
     for calls in result["forward_call_ms"].values():
         assert 0 < calls["p50"] <= calls["p99"]
     assert result["forward_call_ms"]["1"]["p50"] == result["batch1_latency_p50_ms"]
-    assert (result["compiled"], result["compile_mode"]) == (False, None)
+    assert (result["compiled"], result["compile_mode"], result["fold_batch_norms"]) == (False, None, True)
 
 
 def test_bench_model_refuses_a_compile_mode_without_compile(capsys):
@@ -168,6 +168,9 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert server_main(["bench-model", "--batch-sizes", "1,2", "--duration", "0.3", "--image-size", "64x48",
                         "--json"]) == 0
     (tmp_path / "ceiling_fp32.json").write_text(capsys.readouterr().out)
+    assert server_main(["bench-model", "--batch-sizes", "1", "--duration", "0.3", "--image-size", "64x48",
+                        "--precision", "fp16", "--fold-batch-norms", "false", "--json"]) == 0
+    (tmp_path / "ceiling_fp16_unfolded.json").write_text(capsys.readouterr().out)
     for name, concurrency in (("served_batched", "1,4"), ("served_nobatch", "4")):
         assert client_main(["bench", "--server", running.target, "--sweep", concurrency, "--duration", "0.5",
                             "--warmup", "0", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet"]) == 0
@@ -178,6 +181,7 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     ceiling = json.loads((tmp_path / "ceiling_fp32.json").read_text())["forward_images_per_s"]["2"]
     batched = json.loads((tmp_path / "served_batched.json").read_text().splitlines()[-1])["images_per_s"]
     assert f"| in-process forward, fp32, batch 2 | {ceiling:.0f} |" in table
+    assert "| in-process forward, fp16, batch norms not folded, batch 1 |" in table
     assert "| served batched, c=4 |" in table and "| served nobatch, c=4 |" in table
     assert f"- served_batched c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
     assert "batching on / off at c=4" in table

@@ -164,13 +164,16 @@ def test_the_runner_folds_every_batch_norm_into_its_convolution_and_computes_the
                                   (norm.weight.data, 0.5, 1.5), (norm.bias.data, -0.2, 0.2)):
             tensor.copy_(torch.empty(tensor.shape).uniform_(low, high, generator=generator))
     reference = copy.deepcopy(model)
+    unfolded = ModelRunner(copy.deepcopy(model), torch.device("cpu"), channels_last=False, fold_batch_norms=False)
     runner = ModelRunner(model, torch.device("cpu"), channels_last=False)
     assert not any(isinstance(module, torch.nn.BatchNorm2d) for module in runner.model.modules())
+    assert sum(isinstance(module, torch.nn.BatchNorm2d) for module in unfolded.model.modules()) == 20
     batch = torch.randn(2, 3, 224, 224, generator=generator)
     with torch.inference_mode():
         expected = reference(batch)
     _, logits = runner(batch, torch.ones(2))
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(unfolded(batch, torch.ones(2))[1], expected, rtol=0, atol=1e-5)
 
 
 def test_cpu_runner_is_channels_last_by_default_with_the_plain_layouts_answers(weights_file):
