@@ -15,15 +15,18 @@ from bench_table import load
 PRECISIONS = ("fp32", "fp16", "bf16")
 
 
+def results(folder: Path, name: str) -> list[dict]:
+    """The JSON lines one step wrote; none when it did not run or failed before writing (an empty file)."""
+    return load(folder, name) if (folder / f"{name}.json").exists() else []
+
+
 def ceiling_rows(folder: Path) -> list[str]:
     rows = []
     compiled = (f"ceiling_fp16_compiled_{mode}" for mode in ("default", "reduce-overhead"))
     for name in (*(f"ceiling_{p}" for p in PRECISIONS), "ceiling_fp16_unfolded", *compiled):
-        if not (folder / f"{name}.json").exists():
-            continue
-        ceiling = load(folder, name)[0]
-        for size, rate in ceiling["forward_images_per_s"].items():
-            rows.append(f"| in-process forward, {ceiling_label(ceiling)}, batch {size} | {rate:.0f} | | | | |")
+        for ceiling in results(folder, name)[:1]:
+            for size, rate in ceiling["forward_images_per_s"].items():
+                rows.append(f"| in-process forward, {ceiling_label(ceiling)}, batch {size} | {rate:.0f} | | | | |")
     return rows
 
 
@@ -38,9 +41,7 @@ def served_rows(folder: Path) -> list[str]:
     rows = []
     for name in ("served_batched", "served_nobatch", "served_fp16", "served_jpeg_decode_on_device_true",
                  "served_jpeg_decode_on_device_false"):
-        if not (folder / f"{name}.json").exists():
-            continue
-        for point in load(folder, name):
+        for point in results(folder, name):
             view = next(iter(point["server"].values()), {})
             errors = ", ".join(f"{code} {count}" for code, count in point["errors"].items())
             rows.append(f"| {name.replace('_', ' ')}, c={point['concurrency']} | {point['images_per_s']:.0f} | "
@@ -56,18 +57,18 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
     top = {}  # served run -> its highest-concurrency point
     for served_name, ceiling_name, batch in (("served_batched", "ceiling_fp32", fp32_batch),
                                              ("served_fp16", "ceiling_fp16", fp16_batch)):
-        if not (folder / f"{served_name}.json").exists():
+        if not (points := results(folder, served_name)):
             continue
-        top[served_name] = max(load(folder, served_name), key=lambda point: point["concurrency"])
-        if not (folder / f"{ceiling_name}.json").exists():
+        top[served_name] = max(points, key=lambda point: point["concurrency"])
+        if not (ceilings := results(folder, ceiling_name)):
             continue
-        ceiling = load(folder, ceiling_name)[0]["forward_images_per_s"][str(batch)]
+        ceiling = ceilings[0]["forward_images_per_s"][str(batch)]
         rate = top[served_name]["images_per_s"]
         lines.append(f"- {served_name} c={top[served_name]['concurrency']}: {rate:.0f} images/s = "
                      f"{rate / ceiling:.2f} x the in-process {ceiling_name[8:]} forward at batch "
                      f"{batch} ({ceiling:.0f}); target >= 0.8")
-    if "served_batched" in top and (folder / "served_nobatch.json").exists():
-        batched, unbatched = top["served_batched"], load(folder, "served_nobatch")[0]
+    if "served_batched" in top and (unbatched_points := results(folder, "served_nobatch")):
+        batched, unbatched = top["served_batched"], unbatched_points[0]
         lines.append(f"- batching on / off at c={batched['concurrency']}: {batched['images_per_s']:.0f} / "
                      f"{unbatched['images_per_s']:.0f} images/s = "
                      f"{batched['images_per_s'] / unbatched['images_per_s']:.1f} x; target >= 10")
