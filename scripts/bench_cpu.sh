@@ -63,6 +63,9 @@ python3 scripts/latency_pairs.py --server 127.0.0.1:$port --image-size $size --t
 # c=16 against the in-process forward pass at the server's batch size, interleaved the same way.
 python3 scripts/throughput_pairs.py --server 127.0.0.1:$port --image-size $size --device $device \
   --torch-threads $threads "${compile[@]}" > "$out/throughput_pairs.json"
+# Where the two cores go at c=16: the server's forward team, its other threads, the client (this machine's tax).
+python3 scripts/cpu_split.py --server 127.0.0.1:$port --server-pid "$server_pid" --image-size $size \
+  > "$out/cpu_split.json"
 stop
 serve --max-batch-size 1
 bench served_uint8_nobatch --input uint8 --concurrency 16

@@ -66,6 +66,7 @@ def main(folder: Path, size: str) -> None:
         print(f"One in-process batch-{spread[0]} forward call on the same machine: p99/p50 = {spread[1]:.2f}")
     print_rounds(folder)
     print_throughput_pairs(folder)
+    print_cpu_split(folder)
 
 
 def batch1_latency_ms(ceiling: dict) -> float:
@@ -141,6 +142,18 @@ def print_throughput_pairs(folder: Path) -> None:
     print(f"{opening}, served uint8 c={pairs['concurrency']} / in-process forward at batch {pairs['batch_size']}: "
           f"{pairs['served_images_per_s']:.1f} / {pairs['in_process_images_per_s']:.1f} images/s; "
           f"ratio median {pairs['ratio_median']:.2f} (range {low:.2f}-{high:.2f})")
+
+
+def print_cpu_split(folder: Path) -> None:
+    """Where the cores went while the server answered c=16 (scripts/cpu_split.py)."""
+    if not (folder / "cpu_split.json").exists():
+        return
+    cpu = load(folder, "cpu_split")[0]
+    parts = ", ".join(f"{part.replace('_', ' ')} {cpu['cpu_ms_per_image'][part]:.2f} ms "
+                      f"({100 * share:.1f}%)" for part, share in cpu["share_of_cores"].items() if part != "unaccounted")
+    print(f"CPU per served image at c={cpu['concurrency']} ({cpu['window_s']:.0f} s, {cpu['images_per_s']:.1f} "
+          f"images/s; share of the {cpu['cores']} cores): {parts}; unaccounted "
+          f"{100 * cpu['share_of_cores']['unaccounted']:.1f}%")
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from client import Client
 from client.cli import main as client_main
 from server.app import main as server_main
 from server.bench_model import Replicas, add_model_arguments
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -186,3 +187,31 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert "| served batched, c=4 |" in table and "| served nobatch, c=4 |" in table
     assert f"- served_batched c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
     assert "batching on / off at c=4" in table
+
+
+def test_cpu_split_reads_the_server_threads_and_this_process(weights_file):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
+                                "--metrics-port", "0", "--device", "cpu", "--weights", str(weights_file[0]),
+                                "--log-level", "WARNING"])
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=5) as client:
+            wait_for(lambda: _answers_health(client), timeout=120)
+        args = argparse.Namespace(server=f"127.0.0.1:{port}", server_pid=process.pid, concurrency=2,
+                                  image_size=(64, 48), ramp=0.5, window=1.5, team=2)
+        result = asyncio.run(load_script("cpu_split").measure(args))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert result["images"] > 0 and result["images_per_s"] == pytest.approx(result["images"] / result["window_s"])
+    per_image = result["cpu_ms_per_image"]
+    # The forward pass (ResNet18 at 224x224) dwarfs the event loop's share of a request; the client is this process.
+    assert per_image["forward_team"] > 5 * per_image["event_loop"] > 0 and per_image["client"] > 0
+    assert sum(result["share_of_cores"].values()) == pytest.approx(1.0)
+
+
+def _answers_health(client: Client) -> bool:
+    try:
+        return client.health() == "SERVING"
+    except Exception:  # noqa: BLE001 - not listening yet
+        return False
