@@ -29,7 +29,7 @@ import torch
 from client.api import classifier_pb2 as pb
 from client.bench import make_image
 from client.client import AsyncClient
-from server.bench_model import MAX_PIXELS, Replicas, _size, add_model_arguments
+from server.bench_model import MAX_PIXELS, Replicas, _size, add_model_arguments, parse_model_arguments
 from server.preprocess import RawImage, preprocess
 
 
@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=15)
     parser.add_argument("--window", type=float, default=4.0, help="seconds per side per window")
     parser.add_argument("--ramp", type=float, default=1.0, help="seconds a served window fills before counting")
-    args = parser.parse_args()
+    args = parse_model_arguments(parser)
     print(json.dumps(asyncio.run(measure(args))))
 
 

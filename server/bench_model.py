@@ -94,9 +94,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 class Replicas:
-    """One runner per listed device (``args``: device, torch_threads, weights, precision, compile and its mode),
-    each built, warmed (compiled, with --compile) and timed on a thread of its own that lives as long as this
-    object, with ``--torch-threads`` torch threads: the server's replica workers.
+    """One runner per listed device (``args``: the flags of :func:`add_model_arguments`), each built, warmed
+    (compiled, with --compile) and timed on a thread of its own that lives as long as this object, with
+    ``--torch-threads`` torch threads: the server's replica workers.
 
     The calling thread is set to one torch thread, as the server's other threads are: an OpenMP team of its
     own would slow the replicas' teams (see server.threads)."""
@@ -180,6 +180,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "what folding saves)")
 
 
+def parse_model_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse, refusing what the server refuses too: a compile mode without --compile."""
+    args = parser.parse_args(argv)
+    if args.compile_mode != "default" and not args.compile:
+        parser.error(f"--compile-mode {args.compile_mode} needs --compile")
+    return args
+
+
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="resnet-server bench-model", description=__doc__)
     add_model_arguments(parser)
@@ -188,9 +196,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--image-size", type=_size, default=(640, 480), help="WxH of the sample image")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    if args.compile_mode != "default" and not args.compile:
-        parser.error(f"--compile-mode {args.compile_mode} needs --compile")
+    args = parse_model_arguments(parser, argv)
     result = run(args)
     if args.json:
         print(json.dumps(result))
