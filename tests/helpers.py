@@ -16,6 +16,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.models import resnet18
 from torchvision.transforms import v2
 
+from client import ClassifierError, Client
 from server.app import App
 from server.config import ServerConfig
 from server.metrics import Metrics
@@ -144,3 +145,11 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.02) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)
+
+
+def serving(client: Client) -> bool:
+    """Whether the server answers health with SERVING; False while it is not listening yet."""
+    try:
+        return client.health() == "SERVING"
+    except ClassifierError:
+        return False

@@ -18,7 +18,7 @@ from client import Client
 from client.cli import main as client_main
 from server.app import main as server_main
 from server.bench_model import Replicas, add_model_arguments
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, serving, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -196,7 +196,7 @@ def test_cpu_split_reads_the_server_threads_and_this_process(weights_file):
                                 "--log-level", "WARNING"])
     try:
         with Client(f"127.0.0.1:{port}", timeout=5) as client:
-            wait_for(lambda: _answers_health(client), timeout=120)
+            wait_for(lambda: serving(client), timeout=120)
         args = argparse.Namespace(server=f"127.0.0.1:{port}", server_pid=process.pid, concurrency=2,
                                   image_size=(64, 48), ramp=0.5, window=1.5, team=2)
         result = asyncio.run(load_script("cpu_split").measure(args))
@@ -208,10 +208,3 @@ def test_cpu_split_reads_the_server_threads_and_this_process(weights_file):
     # The forward pass (ResNet18 at 224x224) dwarfs the event loop's share of a request; the client is this process.
     assert per_image["forward_team"] > 5 * per_image["event_loop"] > 0 and per_image["client"] > 0
     assert sum(result["share_of_cores"].values()) == pytest.approx(1.0)
-
-
-def _answers_health(client: Client) -> bool:
-    try:
-        return client.health() == "SERVING"
-    except Exception:  # noqa: BLE001 - not listening yet
-        return False

@@ -16,7 +16,7 @@ from client import AsyncClient, ClassifierError, Client
 from server.config import ServerConfig
 from server.replicas import FAILURES_BEFORE_EVICTION, max_batch_size
 from server.runner import ModelRunner, _split, cuda_graph_state_for_this_thread, warm_up_sizes
-from tests.helpers import encode, free_port, random_rgb, scraped_value, wait_for
+from tests.helpers import encode, free_port, random_rgb, scraped_value, serving, wait_for
 
 IMAGE = encode(random_rgb(77))
 
@@ -235,7 +235,7 @@ def test_client_round_robin_spreads_calls_over_three_server_processes(weights_fi
         targets = [f"127.0.0.1:{port}" for port, _ in ports]
         for target in targets:
             with Client(target, timeout=5) as probe:
-                wait_for(lambda probe=probe: _serving(probe), timeout=120, interval=0.2)
+                wait_for(lambda probe=probe: serving(probe), timeout=120, interval=0.2)
         with Client(targets, timeout=60) as client:
             for _ in range(12):
                 assert client.classify([IMAGE])[0].top_k
@@ -246,13 +246,6 @@ def test_client_round_robin_spreads_calls_over_three_server_processes(weights_fi
             process.terminate()
         for process in processes:
             assert process.wait(timeout=60) == 0
-
-
-def _serving(client: Client) -> bool:
-    try:
-        return client.health() == "SERVING"
-    except ClassifierError:
-        return False
 
 
 def test_every_worker_thread_gets_its_own_cuda_graph_state():
