@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .config import _boolean, _compile_mode, _device_list, _non_negative_int, _precision
+from .config import _boolean, _compile_mode, _device_list, _non_negative_int, _precision, compile_mode_problem
 from .devices import resolve_devices
 from .model import build_model, load_weights
 from .preprocess import EncodedImage, RawImage, preprocess
@@ -183,8 +183,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_model_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse, refusing what the server refuses too: a compile mode without --compile."""
     args = parser.parse_args(argv)
-    if args.compile_mode != "default" and not args.compile:
-        parser.error(f"--compile-mode {args.compile_mode} needs --compile")
+    if problem := compile_mode_problem(args.compile, args.compile_mode):
+        parser.error(problem)
     return args
 
 

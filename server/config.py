@@ -211,6 +211,11 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     config = ServerConfig(**vars(namespace))
     if config.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
-    if config.compile_mode != "default" and not config.compile:
-        raise ConfigError(f"--compile-mode {config.compile_mode} needs --compile")
+    if problem := compile_mode_problem(config.compile, config.compile_mode):
+        raise ConfigError(problem)
     return config
+
+
+def compile_mode_problem(compile: bool, mode: str) -> str | None:
+    """Why a compile mode cannot be used as given (one other than default without --compile), or None."""
+    return None if compile or mode == "default" else f"--compile-mode {mode} needs --compile"
