@@ -105,8 +105,6 @@ class ModelRunner:
     def _run_network(self, inputs: torch.Tensor) -> torch.Tensor:
         if not self.compiled_sizes:
             return self._network(inputs)
-        if self.compile_mode == "reduce-overhead":
-            cuda_graph_state_for_this_thread()
         # A new batch: the last batch's outputs are dead, so CUDA graphs (reduce-overhead) may reuse their memory.
         torch.compiler.cudagraph_mark_step_begin()
         if self.cuda:
@@ -121,11 +119,14 @@ class ModelRunner:
         return torch.cat(outputs)
 
     def warm_up(self, batch_sizes: list[int]) -> None:
-        """Run every batch size once, so autotuning (cudnn.benchmark) and compilation are paid before SERVING."""
+        """Run every batch size, so autotuning (cudnn.benchmark) and compilation are paid before SERVING.
+        Call it on the thread that will run the batches: CUDA graphs are recorded per thread."""
         sizes = sorted({1, *batch_sizes} if self.compiled else set(batch_sizes))  # 1: any batch splits into them
         if self.compiled:
             _allow_recompiles(len(sizes))
             self.compiled_sizes = sizes  # warm-up batches take the path served ones will
+        if self.compile_mode == "reduce-overhead":
+            cuda_graph_state_for_this_thread()  # the thread that warms up is the one that serves
         # CUDA graphs are recorded on a graph's second call (the first runs it plainly); a third call replays it.
         repeats = 3 if self.compile_mode == "reduce-overhead" else 1
         for size in sizes:
