@@ -72,9 +72,10 @@ async def measure(args: argparse.Namespace) -> dict:
         await asyncio.gather(*callers)
     wall, images = end[0] - start[0], end[3] - start[3]
     seconds = {**split(args.server_pid, start[2], end[2], args.team), "client": end[1] - start[1]}
-    capacity = len(os.sched_getaffinity(0)) * wall
+    cores = len(os.sched_getaffinity(0))
+    capacity = cores * wall
     return {"concurrency": args.concurrency, "image_size": list(args.image_size), "window_s": wall,
-            "images": images, "images_per_s": images / wall, "cores": len(os.sched_getaffinity(0)),
+            "images": images, "images_per_s": images / wall, "cores": cores,
             "cpu_ms_per_image": {part: 1000 * used / images for part, used in seconds.items()},
             "share_of_cores": {**{part: used / capacity for part, used in seconds.items()},
                                "unaccounted": 1 - sum(seconds.values()) / capacity}}
