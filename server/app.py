@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import sys
@@ -57,7 +58,9 @@ class App:
         self.inference = InferenceService()
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
-        self._health_lost: asyncio.Future | None = None  # set once no replica is left
+        self._no_replica = False  # every replica out of rotation: health went NOT_SERVING
+        self._draining = False
+        self._health_update: asyncio.Future | None = None  # the latest change of health; held, so it is not collected
 
     async def start(self) -> int:
         """Bind and load: the port answers health checks (NOT_SERVING) while the model loads."""
@@ -93,11 +96,12 @@ class App:
         lasts as long as the slowest one, not their sum), then report SERVING."""
         config = self.config
         loop = asyncio.get_running_loop()
+        rejoined = functools.partial(loop.call_soon_threadsafe, self._replica_rejoined)
         replicas = list(await asyncio.gather(*(
-            loop.run_in_executor(None, load_replica, name, device, config, self.metrics)
+            loop.run_in_executor(None, load_replica, name, device, config, self.metrics, rejoined)
             for name, device in zip(replica_names(self.devices), self.devices, strict=True))))
         limits = Limits(config.max_images_per_request, config.max_pixels, config.max_queue)
-        self.core = InferenceCore(Router(replicas, self.metrics), self.metrics, limits, self.temperature,
+        self.core = InferenceCore(Router(replicas), self.metrics, limits, self.temperature,
                                   config.preprocess_threads, self._no_replica_left)
         info = model_info(config, replicas, self.temperature, self.temperature_source)
         self._record_model_info(replicas)
@@ -115,11 +119,28 @@ class App:
                  "server_version": __version__})
 
     def _no_replica_left(self) -> None:
-        """Every replica is out of rotation, for good: health says NOT_SERVING, so that balancers stop
-        sending work here and an orchestrator's probe can replace the process."""
-        if self._health_lost is None:
+        """Every replica is out of rotation: health says NOT_SERVING, so that balancers stop sending work
+        here and an orchestrator's probe can replace the process, unless a replica's probe brings it back first."""
+        if not self._no_replica:
             log.error("no healthy replica is left; health now reports NOT_SERVING")
-            self._health_lost = asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+            self._no_replica = True
+            self._change_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _replica_rejoined(self) -> None:
+        """A replica is back in rotation: if health had gone NOT_SERVING for want of one, it is SERVING again."""
+        if self._no_replica and not self._draining:
+            log.warning("a replica is back in rotation; health reports SERVING again")
+            self._no_replica = False
+            self._change_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def _change_health(self, status: int) -> None:
+        """From a synchronous callback on the loop; each change waits for the one before, so the last wins."""
+        self._health_update = asyncio.ensure_future(self._set_health_after(self._health_update, status))
+
+    async def _set_health_after(self, previous: asyncio.Future | None, status: int) -> None:
+        if previous is not None:
+            await previous
+        await self._set_health(status)
 
     async def _set_health(self, status: int) -> None:
         for name in ("", *SERVICE_NAMES):
@@ -127,7 +148,9 @@ class App:
 
     async def begin_drain(self) -> None:
         """Health says NOT_SERVING so balancers and orchestrators stop sending new work."""
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._draining = True
+        self._change_health(health_pb2.HealthCheckResponse.NOT_SERVING)  # after any change still under way
+        await self._health_update
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, answer accepted ones within grace, stop the workers."""

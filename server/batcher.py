@@ -7,6 +7,11 @@ themselves while the previous batch computes. ``max_batch_delay_ms`` lets the wo
 fuller batch, but never past that long after the oldest waiting image arrived. Cancelled and
 expired images are dropped before compute. Results go back to the loop with one
 ``call_soon_threadsafe`` per batch.
+
+A batcher whose batches fail ``failures_before_eviction`` times in a row is out of rotation (the
+router sends it nothing). Every ``probe_interval`` seconds its worker then runs one blank image
+through the forward pass, and the first probe that passes brings it back: a transient fault costs
+no user request after the eviction, and a device that stays broken stays out.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from .errors import ComputeFailed, DeadlineExpired, Overloaded, ServingError, Unavailable
 from .metrics import Metrics
 from .postprocess import top_k
+from .preprocess import FLOAT_SHAPE
 
 if TYPE_CHECKING:
     from .runner import ModelInput, ModelRunner
@@ -76,7 +82,8 @@ class Batcher:
     ops gets its own team of spinning workers, and on a small CPU two teams cost a third of the speed."""
 
     def __init__(self, name: str, setup: Callable[[], ModelRunner], metrics: Metrics, *, max_batch_size: int,
-                 max_batch_delay_ms: float, max_queue: int) -> None:
+                 max_batch_delay_ms: float, max_queue: int, failures_before_eviction: int = 3,
+                 probe_interval: float = 0.0, on_rejoin: Callable[[], None] = lambda: None) -> None:
         self.name = name
         self._setup = setup
         self._compute: ComputeFn | None = None  # the runner's forward pass; tests swap it to inject faults
@@ -91,11 +98,20 @@ class Batcher:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
         self.consecutive_failures = 0
+        self._failures_before_eviction = failures_before_eviction
+        self._probe_interval = probe_interval  # 0: an evicted batcher stays out
+        self._next_probe = 0.0  # time.monotonic() of the next probe while out of rotation
+        self._on_rejoin = on_rejoin  # called on the worker thread when a probe brings it back
+        self._probes = metrics.probes
         self._queue_depth = metrics.queue_depth.labels(name)
         self._queue_wait = metrics.queue_wait.labels(name)
         self._compute_time = metrics.compute.labels(name)
         self._batch_size = metrics.batch_size.labels(name)
         self._dropped = metrics.dropped
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.consecutive_failures < self._failures_before_eviction
 
     def start(self) -> None:
         """Start the worker and wait until its setup is done (re-raising any setup error)."""
@@ -146,15 +162,19 @@ class Batcher:
         finally:
             self._ready.set()
         while (batch := self._next_batch()) is not None:
+            if not batch:  # out of rotation, no work, and the time to probe has come
+                self._probe()
+                continue
             live = self._drop_dead(batch)
             if live:
                 self._execute(live)
 
     def _next_batch(self) -> list[WorkItem] | None:
-        """Block until work arrives; None once stopping with nothing left."""
+        """Block until work arrives; None once stopping with nothing left; [] when a probe is due."""
         with self._cond:
             while not self._queue and not self._stopping:
-                self._cond.wait()
+                if not self._cond.wait(self._time_to_probe()):
+                    return []
             if not self._queue:
                 return None
             if self._max_delay > 0:
@@ -163,6 +183,42 @@ class Batcher:
             batch = [self._queue.popleft() for _ in range(size)]
             self._queue_depth.set(len(self._queue))
             return batch
+
+    def _time_to_probe(self) -> float | None:
+        """Seconds until the next probe is due; None (wait for work alone) while in rotation or not probing."""
+        if self.in_rotation or not self._probe_interval:
+            return None
+        return max(0.0, self._next_probe - time.monotonic())
+
+    def _probe(self) -> None:
+        """One blank image through the forward pass, as a batch would go; passing brings the batcher back."""
+        try:
+            probabilities, _ = self._compute(torch.zeros((1, *FLOAT_SHAPE)), torch.ones(1, dtype=torch.float64))
+            if len(probabilities) != 1:
+                raise RuntimeError(f"compute returned {len(probabilities)} results for 1 image")
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the replica out; the next probe decides again
+            self._probes.labels(self.name, "failed").inc()
+            self._next_probe = time.monotonic() + self._probe_interval
+            log.warning("replica %s failed its probe (%s: %s); next probe in %gs", self.name, type(exc).__name__,
+                        exc, self._probe_interval)
+            return
+        self._probes.labels(self.name, "passed").inc()
+        self._batch_passed()
+
+    def _batch_passed(self) -> None:
+        rejoining = not self.in_rotation
+        self.consecutive_failures = 0
+        if rejoining:
+            log.warning("replica %s is back in rotation", self.name)
+            self._on_rejoin()
+
+    def _batch_failed(self) -> None:
+        self.consecutive_failures += 1
+        if self.consecutive_failures == self._failures_before_eviction:
+            self._next_probe = time.monotonic() + self._probe_interval
+            log.error("replica %s leaves the rotation after %d failed batches in a row%s", self.name,
+                      self.consecutive_failures,
+                      f"; probing it every {self._probe_interval:g}s" if self._probe_interval else "")
 
     def _wait_for_fuller_batch(self) -> None:
         fill_by = self._queue[0].enqueued + self._max_delay
@@ -194,13 +250,13 @@ class Batcher:
             _fail(batch, exc)
             return
         except Exception:  # anything at all: a failure here must fail the batch, never end the worker
-            self.consecutive_failures += 1
+            self._batch_failed()
             ids = sorted({item.request_id for item in batch})
             log.exception("batch of %d on %s failed (requests %s)", len(batch), self.name, ", ".join(ids))
             _fail(batch, ComputeFailed(f"inference failed on {self.name} (request id {ids[0]})"))
             return
         if batch:
-            self.consecutive_failures = 0
+            self._batch_passed()
             self._record(batch, started, outputs[0].compute_seconds)
             _resolve(batch, outputs)
 

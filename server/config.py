@@ -45,6 +45,7 @@ class ServerConfig:
     preprocess_threads: int = 2
     torch_threads: int = 0
     grace_period: float = 10.0
+    replica_probe_interval: float = 30.0
     log_level: str = "INFO"
     log_format: str = "text"
     precision: str = "fp32"
@@ -148,6 +149,9 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("preprocess-threads", _positive_int, "threads that decode and preprocess images (one torch thread each)"),
     ("torch-threads", _non_negative_int, "torch threads of each replica's forward pass (0: every core)"),
     ("grace-period", _non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
+    ("replica-probe-interval", _non_negative_float, "seconds between test batches (one blank image) on a replica "
+                                                    "taken out of rotation; it rejoins when one passes (0: it "
+                                                    "stays out until the server restarts)"),
     ("log-level", str, "DEBUG, INFO, WARNING or ERROR"),
     ("log-format", _log_format, "text (readable lines) or json (one object per line, for log pipelines)"),
     ("tls-cert", str, "server certificate chain (PEM); with --tls-key turns TLS on"),

@@ -43,6 +43,9 @@ class Metrics:
         self.queue_depth = Gauge(PREFIX + "queue_depth", "Images waiting in the device queue", **by_device)
         self.in_flight = Gauge(PREFIX + "requests_in_flight", "Requests being served", **by_device)
         self.healthy = Gauge(PREFIX + "replica_healthy", "1 while the replica is in rotation, else 0", **by_device)
+        self.probes = Counter(
+            PREFIX + "replica_probes", "Test batches (one blank image) run on a replica out of rotation, by result "
+            "(passed: it rejoined; failed: it stays out)", labelnames=["device", "result"], registry=self.registry)
         self.load_time = Gauge(PREFIX + "model_load_seconds", "Time to load, place and warm up the model",
                                **by_device)
         self.model = Info(PREFIX + "model", "The model served", **by_device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ class Replica:
 
     @property
     def healthy(self) -> bool:
-        return self.batcher.consecutive_failures < FAILURES_BEFORE_EVICTION
+        return self.batcher.in_rotation
 
 
 class _ReplicaSetup:
@@ -84,18 +85,22 @@ class _ReplicaSetup:
         return self.runner
 
 
-def load_replica(name: str, device: torch.device, config: ServerConfig, metrics: Metrics) -> Replica:
-    """Start the replica's worker thread, which loads and warms the model before taking work."""
+def load_replica(name: str, device: torch.device, config: ServerConfig, metrics: Metrics,
+                 on_rejoin: Callable[[], None] = lambda: None) -> Replica:
+    """Start the replica's worker thread, which loads and warms the model before taking work.
+    ``on_rejoin`` is called on that thread whenever the replica comes back into rotation."""
     started = time.monotonic()
     batch_limit = max_batch_size(config, device)
     setup = _ReplicaSetup(device, config, batch_limit)
     batcher = Batcher(name, setup, metrics, max_batch_size=batch_limit,
-                      max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue)
+                      max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue,
+                      failures_before_eviction=FAILURES_BEFORE_EVICTION,
+                      probe_interval=config.replica_probe_interval, on_rejoin=on_rejoin)
     batcher.start()
     runner, weights = setup.runner, setup.weights
     elapsed = time.monotonic() - started
     metrics.load_time.labels(name).set(elapsed)
-    metrics.healthy.labels(name).set(1)
+    metrics.healthy.labels(name).set_function(lambda: 1 if batcher.in_rotation else 0)
     if device.type == "cuda":
         _watch_gpu(name, device, runner, metrics)
     log.info("replica %s ready on %s in %.2fs (weights %s)", name, device, elapsed, weights.source)
@@ -122,13 +127,12 @@ def _watch_gpu(name: str, device: torch.device, runner: ModelRunner, metrics: Me
 class Router:
     """Sends each request to the healthy replica with the least queued work, ties in turn."""
 
-    def __init__(self, replicas: list[Replica], metrics: Metrics) -> None:
+    def __init__(self, replicas: list[Replica]) -> None:
         self.replicas = replicas
-        self._metrics = metrics
         self._turn = 0
 
     def choose(self) -> Replica:
-        healthy = [replica for replica in self.replicas if self._check_health(replica)]
+        healthy = [replica for replica in self.replicas if replica.healthy]
         if not healthy:
             raise Unavailable("no healthy model replica is left to serve the request")
         least = min(replica.pending for replica in healthy)
@@ -138,11 +142,6 @@ class Router:
 
     def any_healthy(self) -> bool:
         return any(replica.healthy for replica in self.replicas)
-
-    def _check_health(self, replica: Replica) -> bool:
-        healthy = replica.healthy
-        self._metrics.healthy.labels(replica.name).set(1 if healthy else 0)
-        return healthy
 
     def stop(self, timeout: float | None = None) -> None:
         for replica in self.replicas:

@@ -24,6 +24,7 @@ def test_env_twins_and_flags_win():
     assert config.devices == ("cuda:1",)
     assert config.temperature == 2.5 and config.max_batch_delay_ms == 3.0 and config.weights == "random"
     assert parse_config(["--device", "cpu,cpu"], env=env).devices == ("cpu", "cpu")
+    assert parse_config([], env={"RESNET_SERVER_REPLICA_PROBE_INTERVAL": "0"}).replica_probe_interval == 0.0
 
 
 def test_a_boolean_flag_alone_means_true():
@@ -51,7 +52,8 @@ def test_decode_on_device_is_auto_true_or_false():
 @pytest.mark.parametrize("argv", [["--temperature", "0"], ["--temperature", "nan"], ["--temperature", "-1"],
                                   ["--temperature", "inf"], ["--max-batch-size", "-1"], ["--max-queue", "-3"],
                                   ["--port", "x"], ["--compile", "maybe"],
-                                  ["--decode-on-device", "gpu"], ["--compile", "--compile-mode", "fast"]])
+                                  ["--decode-on-device", "gpu"], ["--compile", "--compile-mode", "fast"],
+                                  ["--replica-probe-interval", "-1"], ["--replica-probe-interval", "inf"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as caught:
         parse_config(argv, env={})

@@ -135,6 +135,65 @@ def test_health_says_not_serving_once_the_last_replica_leaves_the_rotation(make_
         assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def break_until_evicted(running, replica) -> None:
+    """Make the replica's forward pass fail and send requests until the router has taken it out."""
+    replica.batcher._compute = device_fell_off
+    with Client(running.target) as client:
+        while replica.healthy:
+            try:
+                client.classify([IMAGE])
+            except ClassifierError as exc:
+                assert exc.code == grpc.StatusCode.INTERNAL
+
+
+def test_an_evicted_replica_is_probed_and_rejoins_once_a_probe_passes(make_server):
+    running = make_server(devices=("cpu", "cpu"), replica_probe_interval=0.05)
+    broken = running.app.core.router.replicas[0]
+    break_until_evicted(running, broken)
+
+    def probes(result: str) -> float:
+        return running.sample("resnet_replica_probes_total", device="cpu#0", result=result)
+
+    # Still broken: probes fail, and no caller's request is sent there meanwhile.
+    wait_for(lambda: probes("failed") >= 3)
+    with Client(running.target) as client:
+        assert {client.classify([IMAGE])[0].device for _ in range(4)} == {"cpu#1"}
+    assert running.sample("resnet_replica_healthy", device="cpu#0") == 0
+    assert running.sample("resnet_requests_total", device="cpu#0", code="INTERNAL") == FAILURES_BEFORE_EVICTION
+    assert probes("passed") == 0
+
+    broken.batcher._compute = broken.runner  # the fault clears
+    wait_for(lambda: running.sample("resnet_replica_healthy", device="cpu#0") == 1)
+    assert probes("passed") == 1
+    with Client(running.target) as client:
+        assert {client.classify([IMAGE])[0].device for _ in range(4)} == {"cpu#0", "cpu#1"}
+    assert running.sample("resnet_requests_total", device="cpu#0", code="OK") >= 1
+
+
+def test_health_is_serving_again_when_the_last_replica_rejoins(make_server):
+    running = make_server(replica_probe_interval=0.05)
+    replica = running.app.core.router.replicas[0]
+    break_until_evicted(running, replica)
+    with Client(running.target) as client:
+        wait_for(lambda: client.health() == "NOT_SERVING")
+        replica.batcher._compute = replica.runner
+        wait_for(lambda: client.health() == "SERVING")
+        assert client.health("resnet.v1.Classifier") == "SERVING"
+        (result,) = client.classify([IMAGE])
+    assert result.device == "cpu"
+
+
+def test_without_probes_an_evicted_replica_stays_out(make_server):
+    running = make_server(devices=("cpu", "cpu"), replica_probe_interval=0)
+    broken = running.app.core.router.replicas[0]
+    break_until_evicted(running, broken)
+    broken.batcher._compute = broken.runner
+    with Client(running.target) as client:
+        assert {client.classify([IMAGE])[0].device for _ in range(4)} == {"cpu#1"}
+    assert broken.batcher._time_to_probe() is None  # its worker waits for work alone, with no timeout
+    assert running.sample("resnet_replica_probes_total", device="cpu#0", result="failed") == 0
+
+
 def test_cpu_runner_returns_probabilities_and_logits_and_warm_up_sizes(weights_file):
     from torchvision.models import resnet18
 
