@@ -9,6 +9,7 @@ import threading
 import urllib.request
 from dataclasses import replace
 
+import grpc
 import numpy as np
 import torch
 from PIL import Image
@@ -153,3 +154,20 @@ def serving(client: Client) -> bool:
         return client.health() == "SERVING"
     except ClassifierError:
         return False
+
+
+def device_fell_off(inputs, temperatures):
+    """A replica's forward pass that always fails."""
+    raise RuntimeError("device fell off the bus")
+
+
+def break_until_evicted(running: ServerThread, replica) -> None:
+    """Make the replica's forward pass fail and send requests until the router has taken it out."""
+    replica.batcher._compute = device_fell_off
+    image = encode(random_rgb(5))
+    with Client(running.target) as client:
+        while replica.healthy:
+            try:
+                client.classify([image])
+            except ClassifierError as exc:
+                assert exc.code == grpc.StatusCode.INTERNAL

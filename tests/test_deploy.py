@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from client import Client
-from tests.helpers import encode, free_port, random_rgb, wait_for
+from tests.helpers import break_until_evicted, encode, free_port, random_rgb, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = bool(os.environ.get("CI"))
@@ -57,10 +57,35 @@ def test_prometheus_config_is_valid():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def prometheus_query(port: int, expr: str) -> dict:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+@needs_promtool
+def test_alert_rules_are_valid_and_pass_their_unit_tests():
+    for command in (["promtool", "check", "rules", str(ROOT / "deploy/prometheus/alerts.yml")],
+                    ["promtool", "test", "rules", str(ROOT / "tests/prometheus/alerts_test.yml")]):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "SUCCESS" in done.stdout
+
+
+def prometheus_api(port: int, path: str, **params) -> dict:
+    url = f"http://127.0.0.1:{port}/api/v1/{path}?" + urllib.parse.urlencode(params)
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())
+
+
+def prometheus_query(port: int, expr: str) -> dict:
+    return prometheus_api(port, "query", query=expr)
+
+
+def evaluated_rules(port: int) -> dict[str, dict]:
+    """The loaded alerting rules by name, once every one has been evaluated at least once."""
+    groups = prometheus_api(port, "rules")["data"]["groups"]
+    rules = {rule["name"]: rule for group in groups for rule in group["rules"]}
+    evaluated = all(not rule["lastEvaluation"].startswith("0001") for rule in rules.values())
+    return rules if rules and evaluated else {}
+
+
+def rule_state(port: int, name: str) -> str:
+    return evaluated_rules(port).get(name, {}).get("state", "")
 
 
 @needs_promtool
@@ -69,7 +94,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(make_server, 
     running = make_server(metrics_port=free_port())
     config = tmp_path / "prometheus.yml"
     config.write_text(
-        "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: resnet-server\n"
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{ROOT / 'deploy/prometheus/alerts.yml'}']\n"
+        "scrape_configs:\n  - job_name: resnet-server\n"
         f"    static_configs: [{{targets: ['127.0.0.1:{running.app.config.metrics_port}']}}]\n")
     port = free_port()
     prometheus = subprocess.Popen(
@@ -95,6 +122,19 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(make_server, 
             assert answer["status"] == "success", (expr, answer)
             if "resnet_gpu_" not in expr:  # GPU gauges exist only on CUDA replicas
                 assert answer["data"]["result"], f"no data for {expr}"
+        # The alerting rules load and evaluate against the real series, and a healthy server fires none.
+        wait_for(lambda: evaluated_rules(port), timeout=30)
+        rules = evaluated_rules(port)
+        assert set(rules) == {"ResnetServerDown", "ResnetNoReplicaInRotation", "ResnetReplicaOutOfRotation",
+                              "ResnetRequestsFailing", "ResnetSlowRequests"}
+        for name, rule in rules.items():
+            assert (rule["health"], rule["state"]) == ("ok", "inactive"), (name, rule)
+        # A replica taken out of rotation: both replica alerts match the real series (pending, for their `for:`).
+        break_until_evicted(running, running.app.core.router.replicas[0])
+        wait_for(lambda: rule_state(port, "ResnetNoReplicaInRotation") == "pending", timeout=30)
+        wait_for(lambda: rule_state(port, "ResnetReplicaOutOfRotation") == "pending", timeout=30)
+        (alert,) = evaluated_rules(port)["ResnetReplicaOutOfRotation"]["alerts"]
+        assert alert["labels"]["device"] == "cpu" and alert["labels"]["severity"] == "warning"
     finally:
         prometheus.terminate()
         prometheus.wait(30)

@@ -16,7 +16,16 @@ from client import AsyncClient, ClassifierError, Client
 from server.config import ServerConfig
 from server.replicas import FAILURES_BEFORE_EVICTION, max_batch_size
 from server.runner import ModelRunner, _split, cuda_graph_state_for_this_thread, warm_up_sizes
-from tests.helpers import encode, free_port, random_rgb, scraped_value, serving, wait_for
+from tests.helpers import (
+    break_until_evicted,
+    device_fell_off,
+    encode,
+    free_port,
+    random_rgb,
+    scraped_value,
+    serving,
+    wait_for,
+)
 
 IMAGE = encode(random_rgb(77))
 
@@ -26,11 +35,6 @@ def classify_concurrently(target: str, count: int) -> list:
         async with AsyncClient(target, timeout=120) as client:
             return await asyncio.gather(*(client.classify([IMAGE], full=True) for _ in range(count)))
     return asyncio.run(run())
-
-
-def device_fell_off(inputs, temperatures):
-    """A replica's forward pass that always fails."""
-    raise RuntimeError("device fell off the bus")
 
 
 def test_two_replicas_on_one_device_share_the_load_with_their_own_labels(make_server, reference):
@@ -133,17 +137,6 @@ def test_health_says_not_serving_once_the_last_replica_leaves_the_rotation(make_
         with pytest.raises(ClassifierError) as caught:
             client.classify([IMAGE])
         assert caught.value.code == grpc.StatusCode.UNAVAILABLE
-
-
-def break_until_evicted(running, replica) -> None:
-    """Make the replica's forward pass fail and send requests until the router has taken it out."""
-    replica.batcher._compute = device_fell_off
-    with Client(running.target) as client:
-        while replica.healthy:
-            try:
-                client.classify([IMAGE])
-            except ClassifierError as exc:
-                assert exc.code == grpc.StatusCode.INTERNAL
 
 
 def test_an_evicted_replica_is_probed_and_rejoins_once_a_probe_passes(make_server):

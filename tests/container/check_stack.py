@@ -1,5 +1,6 @@
 """Checks a running compose stack from the host: classify through the gateway, both replicas in
-Prometheus, every dashboard query evaluates with data, and (if running) Grafana serves the dashboard.
+Prometheus, every dashboard query evaluates with data, the alerting rules are loaded and quiet, and (if
+running) Grafana serves the dashboard.
 Bounded: every wait gives up after a few minutes. Exit code 0 only when every check passes."""
 
 from __future__ import annotations
@@ -82,6 +83,18 @@ def main() -> int:
 
             answer = wait_until(evaluated, f"dashboard query {expr} with {wanted} series", timeout=120)
             print(f"ok: {len(answer['data']['result'])} series  {expr[:90]}")
+
+    # The alerting rules are mounted, loaded, evaluated without error, and quiet on a healthy stack.
+    def rules_evaluated():
+        groups = get_json(f"{args.prometheus}/api/v1/rules")["data"]["groups"]
+        rules = [rule for group in groups for rule in group["rules"]]
+        return rules if rules and all(not rule["lastEvaluation"].startswith("0001") for rule in rules) else None
+
+    rules = wait_until(rules_evaluated, "alerting rules loaded and evaluated", timeout=60)
+    for rule in rules:
+        if (rule["health"], rule["state"]) != ("ok", "inactive"):
+            raise SystemExit(f"FAILED: alert {rule['name']} is {rule['health']}/{rule['state']}: {rule}")
+    print(f"ok: {len(rules)} alerting rules loaded, evaluated and inactive: {sorted(r['name'] for r in rules)}")
 
     if args.grafana:
         found = wait_until(lambda: get_json(f"{args.grafana}/api/dashboards/uid/resnet-serving"),
