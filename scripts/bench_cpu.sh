@@ -57,9 +57,10 @@ for round in $(seq "$rounds"); do  # the server idles while the ceiling runs
   bench "round_$round" --input uint8 --sweep 1,16 && cat "$out/round_$round.json" >> "$out/rounds_served.json"
   rm "$out/round_$round.json"
 done
-# c=1 against the in-process batch-1 latency, interleaved window by window (immune to the drift above).
-python3 scripts/latency_pairs.py --server 127.0.0.1:$port --image-size $size --torch-threads $threads \
-  "${compile[@]}" > "$out/latency_pairs.json"
+# c=1 against the in-process batch-1 latency of one replica (at c=1 the others idle), interleaved window by
+# window (immune to the drift above).
+python3 scripts/latency_pairs.py --server 127.0.0.1:$port --image-size $size --device "${device%%,*}" \
+  --torch-threads $threads "${compile[@]}" > "$out/latency_pairs.json"
 # c=16 against the in-process forward pass at the server's batch size, interleaved the same way.
 python3 scripts/throughput_pairs.py --server 127.0.0.1:$port --image-size $size --device $device \
   --torch-threads $threads "${compile[@]}" > "$out/throughput_pairs.json"

@@ -2,8 +2,9 @@
 
 This VM's speed drifts by 10-15% over tens of seconds, which is +-3 ms on a 35 ms forward pass: more
 than the 2 ms the c=1 target is about, so two measurements taken a minute apart cannot resolve it.
-One process here alternates short windows: batch-1 forward passes in process (the ModelRunner that
-bench-model times), then one-at-a-time uint8 requests to the server (the request bench sends). Each
+One process here alternates short windows: batch-1 forward passes in process (the replica layout that
+bench-model times, each on a thread of its own as the server's), then one-at-a-time uint8 requests to the
+server (the request bench sends). Each
 side idles while the other runs. Prints the median of each side and of the per-window differences,
 and splits the difference with the compute time each answer carries (the server's batch time:
 conversion, forward pass, softmax): how much slower the server's batch is than the in-process forward
@@ -11,7 +12,8 @@ pass, and how much the request spends outside it (gRPC and the client both ways,
 event loop and the replica's thread). For scale, it also times an empty call (GetModelInfo): the
 round trip of gRPC itself between these two processes.
 
-Usage: python scripts/latency_pairs.py --server 127.0.0.1:50151 [--image-size 224x224] [--windows 20] [--compile]
+Usage: python scripts/latency_pairs.py --server 127.0.0.1:50151 [--image-size 224x224] [--windows 20]
+       [--device cpu] [--torch-threads 0] [--compile] (and bench-model's other model flags: the server's own)
 """
 
 from __future__ import annotations
@@ -27,23 +29,14 @@ import torch
 from client.api import classifier_pb2 as pb
 from client.bench import make_image
 from client.client import AsyncClient
-from server.bench_model import MAX_PIXELS, _size
-from server.config import _boolean
-from server.model import build_model, load_weights
+from server.bench_model import MAX_PIXELS, Replicas, _size, add_model_arguments, parse_model_arguments
 from server.preprocess import RawImage, preprocess
-from server.runner import ModelRunner
-from server.threads import use_torch_threads
 
 
-def in_process_window(runner: ModelRunner, model_input: torch.Tensor, seconds: float) -> float:
+def in_process_window(replicas: Replicas, model_input: torch.Tensor, seconds: float) -> float:
     """Median batch-1 forward pass, in ms."""
-    batch, temperatures = model_input.unsqueeze(0), torch.ones(1)
-    latencies, stop_at = [], time.perf_counter() + seconds
-    while time.perf_counter() < stop_at:
-        started = time.perf_counter()
-        runner(batch, temperatures)
-        latencies.append(1000 * (time.perf_counter() - started))
-    return statistics.median(latencies)
+    _, calls = replicas.rate(model_input, 1, seconds)
+    return 1000 * statistics.median(calls)
 
 
 async def served_window(stub, request: pb.ClassifyRequest, seconds: float) -> tuple[float, float]:
@@ -69,26 +62,21 @@ async def empty_call_ms(stub, calls: int = 200) -> float:
 
 async def measure(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    if args.torch_threads:
-        use_torch_threads(args.torch_threads)
-    device = torch.device("cpu")
-    runner = ModelRunner(build_model(load_weights("random", device), device), device,
-                         channels_last=args.channels_last, compiled=args.compile)
-    runner.warm_up([1])
-    image = make_image("uint8", *args.image_size)
-    request = pb.ClassifyRequest(images=[image])
-    model_input = preprocess(RawImage("uint8", tuple(image.raw.shape), image.raw.data), MAX_PIXELS)
-    pairs, computes = [], []
-    async with AsyncClient(args.server) as client:
-        stub = client._stub  # the prepared message as is, as resnet-client bench sends it
-        in_process_window(runner, model_input, 1.0)  # warm-up, both sides
-        await served_window(stub, request, 1.0)
-        for _ in range(args.windows):
-            local = in_process_window(runner, model_input, args.window)
-            served, compute = await served_window(stub, request, args.window)
-            pairs.append((local, served))
-            computes.append(compute)
-        empty_call = await empty_call_ms(stub)
+    with Replicas(args, [1]) as replicas:
+        image = make_image("uint8", *args.image_size)
+        request = pb.ClassifyRequest(images=[image])
+        model_input = preprocess(RawImage("uint8", tuple(image.raw.shape), image.raw.data), MAX_PIXELS)
+        pairs, computes = [], []
+        async with AsyncClient(args.server) as client:
+            stub = client._stub  # the prepared message as is, as resnet-client bench sends it
+            in_process_window(replicas, model_input, 1.0)  # warm-up, both sides
+            await served_window(stub, request, 1.0)
+            for _ in range(args.windows):
+                local = in_process_window(replicas, model_input, args.window)
+                served, compute = await served_window(stub, request, args.window)
+                pairs.append((local, served))
+                computes.append(compute)
+            empty_call = await empty_call_ms(stub)
     differences = [served - local for local, served in pairs]
     return {"windows": args.windows, "window_s": args.window, "image_size": list(args.image_size),
             "in_process_p50_ms": statistics.median(local for local, _ in pairs),
@@ -104,16 +92,14 @@ async def measure(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--server", required=True, help="host:port of a CPU server with --weights random")
+    parser.add_argument("--server", required=True, help="host:port of a server with --weights random, same layout")
+    add_model_arguments(parser)
     parser.add_argument("--image-size", type=_size, default=(224, 224))
     parser.add_argument("--windows", type=int, default=20)
     parser.add_argument("--window", type=float, default=1.5, help="seconds per side per window")
-    parser.add_argument("--torch-threads", type=int, default=0,
-                        help="torch threads of the in-process side, as the server's --torch-threads (0: every core)")
-    parser.add_argument("--compile", action="store_true", help="compile the in-process model (for a --compile server)")
-    parser.add_argument("--channels-last", type=_boolean, default=True,
-                        help="the in-process model's layout, as the server's --channels-last")
-    args = parser.parse_args()
+    args = parse_model_arguments(parser)
+    if len(args.device) > 1:  # at c=1 one replica computes while the others idle: time one alone
+        parser.error("--device takes one device here (the c=1 comparison is with one replica)")
     result = asyncio.run(measure(args))
     print(json.dumps(result))
 

@@ -124,8 +124,8 @@ def test_a_replica_failing_in_the_ceiling_raises_its_error_and_stops_the_others(
 def test_latency_pairs_interleaves_in_process_and_served_windows(make_server):
     latency_pairs = load_script("latency_pairs")
     running = make_server()
-    args = argparse.Namespace(server=running.target, image_size=(64, 48), windows=3, window=0.3, compile=False,
-                              channels_last=True, torch_threads=0)
+    args = model_arguments()
+    vars(args).update(server=running.target, image_size=(64, 48), windows=3, window=0.3)
     result = asyncio.run(latency_pairs.measure(args))
     assert len(result["pairs_ms"]) == 3 and all(local > 0 and served > 0 for local, served in result["pairs_ms"])
     differences = sorted(served - local for local, served in result["pairs_ms"])
