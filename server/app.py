@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import os
 import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,6 +40,7 @@ from .temperature import default_temperature
 from .threads import use_torch_threads
 
 log = logging.getLogger("server")
+T = TypeVar("T")
 LABELS = list(IMAGENET_WEIGHTS.meta["categories"])
 SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name,)
 
@@ -98,7 +103,7 @@ class App:
         loop = asyncio.get_running_loop()
         rejoined = functools.partial(loop.call_soon_threadsafe, self._replica_rejoined)
         replicas = list(await asyncio.gather(*(
-            loop.run_in_executor(None, load_replica, name, device, config, self.metrics, rejoined)
+            in_own_thread(f"load-{name}", load_replica, name, device, config, self.metrics, rejoined)
             for name, device in zip(replica_names(self.devices), self.devices, strict=True))))
         limits = Limits(config.max_images_per_request, config.max_pixels, config.max_queue)
         self.core = InferenceCore(Router(replicas), self.metrics, limits, self.temperature,
@@ -166,6 +171,34 @@ class App:
             self._metrics_http.server_close()
 
 
+def in_own_thread(name: str, function: Callable[..., T], *args: object) -> asyncio.Future[T]:
+    """``function(*args)`` on a daemon thread of its own, as a future of the running loop. Unlike the loop's
+    default executor, whose threads are joined when the loop closes, nothing waits for it: a replica that fails
+    to load ends start-up at once instead of after the other replicas' loads and warm-ups."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result, error = function(*args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed: start-up failed and no one waits
+            loop.call_soon_threadsafe(_settle, future, result, error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 def model_info(config: ServerConfig, replicas: list[Replica], temperature: float, source: str) -> pb.ModelInfo:
     weights = replicas[0].weights
     return pb.ModelInfo(
@@ -224,5 +257,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(serve(config))
     except StartupError as exc:
         print(f"resnet-server: error: {exc}", file=sys.stderr)
-        return 1
+        exit_at_once(1)
     return 0
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """End the process without joining its threads: other replicas may still be loading or warming up on
+    daemon threads, and the interpreter's shutdown can abort on a thread that is inside torch."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -96,7 +96,14 @@ def load_replica(name: str, device: torch.device, config: ServerConfig, metrics:
                       max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue,
                       failures_before_eviction=FAILURES_BEFORE_EVICTION,
                       probe_interval=config.replica_probe_interval, on_rejoin=on_rejoin)
-    batcher.start()
+    try:
+        batcher.start()
+    except StartupError:
+        raise
+    except Exception as exc:  # a failure with no message of ours (out of memory in warm-up, a bad device...)
+        log.exception("replica %s failed to start on %s", name, device)
+        raise StartupError(f"replica {name} failed to start on {device}: {type(exc).__name__}: {str(exc)[:300]}"
+                           ) from exc
     runner, weights = setup.runner, setup.weights
     elapsed = time.monotonic() - started
     metrics.load_time.labels(name).set(elapsed)
