@@ -82,8 +82,8 @@ class Batcher:
     ops gets its own team of spinning workers, and on a small CPU two teams cost a third of the speed."""
 
     def __init__(self, name: str, setup: Callable[[], ModelRunner], metrics: Metrics, *, max_batch_size: int,
-                 max_batch_delay_ms: float, max_queue: int, failures_before_eviction: int = 3,
-                 probe_interval: float = 0.0, on_rejoin: Callable[[], None] = lambda: None) -> None:
+                 max_batch_delay_ms: float, max_queue: int, failures_before_eviction: int, probe_interval: float,
+                 on_rejoin: Callable[[], None]) -> None:
         self.name = name
         self._setup = setup
         self._compute: ComputeFn | None = None  # the runner's forward pass; tests swap it to inject faults
