@@ -47,17 +47,33 @@ def transform(pixels: torch.Tensor) -> torch.Tensor:
     per 224x224 image here, and Normalize copies its mean and std to the device on every call, a blocking
     copy on CUDA; the values agree within 1e-6."""
     cropped = F.center_crop(F.resize(pixels, [RESIZE], interpolation=PRESET.interpolation, antialias=True), [CROP])
-    scale, shift = _normalisation(cropped.device)
-    # Written into a contiguous tensor: the resize leaves channels-last strides, and the model wants NCHW.
-    return torch.addcmul(shift, cropped.float(), scale, out=torch.empty(cropped.shape, device=cropped.device))
+    batch = cropped if cropped.dim() == 4 else cropped.unsqueeze(0)
+    normalised = _normalise(batch)
+    return normalised if cropped.dim() == 4 else normalised[0]
+
+
+def _normalise(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, 3, H, W] to float, normalised, written channels-last (the model's layout: no copy later).
+
+    Viewed as rows of [W * 3] values with the per-channel constants tiled along a row, the multiply-add runs
+    over long contiguous rows; broadcasting [3, 1, 1] constants over channels-last memory instead gives an
+    inner loop of three values (batch 8, 224x224, 2 cores: about 0.8 ms against 0.4)."""
+    count, channels, height, width = pixels.shape
+    out = torch.empty(pixels.shape, device=pixels.device, memory_format=torch.channels_last)
+    # A view where the resize left channels-last strides (on the CPU it does), else a copy.
+    rows = pixels.permute(0, 2, 3, 1).reshape(count, height, width * channels)
+    scale, shift = _normalisation(pixels.device, width)
+    torch.addcmul(shift, rows, scale, out=out.permute(0, 2, 3, 1).view(count, height, width * channels))
+    return out
 
 
 @functools.cache
-def _normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(1 / (255 std), -mean / std) as [3, 1, 1] on ``device``: x * scale + shift == (x / 255 - mean) / std."""
+def _normalisation(device: torch.device, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1 / (255 std), -mean / std) tiled over a row of ``width`` RGB pixels, on ``device``:
+    x * scale + shift == (x / 255 - mean) / std for every value of the row."""
     mean, std = torch.tensor(MEAN, dtype=torch.float64), torch.tensor(STD, dtype=torch.float64)
     scale, shift = 1.0 / (255.0 * std), -mean / std
-    return (scale.float().view(3, 1, 1).to(device), shift.float().view(3, 1, 1).to(device))
+    return scale.float().repeat(width).to(device), shift.float().repeat(width).to(device)
 
 
 FLOAT_SHAPE = (3, CROP, CROP)

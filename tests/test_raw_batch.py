@@ -16,6 +16,7 @@ import torch
 from client import AsyncClient, ClassifierError
 from server.errors import InvalidInput
 from server.preprocess import STD, RawImage, check_raw, raw_batch, transform
+from server.runner import ModelRunner
 from tests.helpers import random_rgb
 
 
@@ -40,6 +41,21 @@ def test_a_mixed_batch_converts_each_image_as_it_would_alone():
         alone = transform(torch.from_numpy(pixels).permute(2, 0, 1))
         torch.testing.assert_close(results[index], alone, atol=0, rtol=0)
     torch.testing.assert_close(results[1], torch.from_numpy(finite.astype(np.float32)), atol=0, rtol=0)
+
+
+def test_consecutive_batches_of_any_size_come_out_whole_in_the_model_layout():
+    """The runner writes each batch into one buffer it keeps: a smaller batch after a larger one, and a larger
+    one after that (the buffer grows), each holds exactly its own images, channels-last."""
+    runner = ModelRunner(torch.nn.Identity(), torch.device("cpu"))
+    pixels = [random_rgb(50 + seed, 224, 224) for seed in range(6)]
+    broken = np.full((3, 224, 224), np.nan)
+    for batch in ([0, 1, 2], [3], [0, 1, 2, 3, 4, 5]):
+        images = [raw_uint8(pixels[i]) for i in batch]
+        inputs, errors = runner.prepare([*images[:1], raw_float(broken), *images[1:]])
+        assert list(errors) == [1]
+        expected = torch.stack([transform(torch.from_numpy(pixels[i]).permute(2, 0, 1)) for i in batch])
+        torch.testing.assert_close(inputs, expected, atol=0, rtol=0)
+        assert inputs.is_contiguous(memory_format=torch.channels_last)
 
 
 @pytest.mark.parametrize("image, fragment", [
