@@ -19,7 +19,6 @@ Usage: python scripts/latency_pairs.py --server 127.0.0.1:50151 [--image-size 22
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import time
@@ -28,7 +27,7 @@ import torch
 
 from client.api import classifier_pb2 as pb
 from client.bench import make_image
-from client.client import AsyncClient
+from client.client import Client
 from server.bench_model import MAX_PIXELS, Replicas, _size, add_model_arguments, parse_model_arguments
 from server.preprocess import RawImage, preprocess
 
@@ -39,44 +38,44 @@ def in_process_window(replicas: Replicas, model_input: torch.Tensor, seconds: fl
     return 1000 * statistics.median(calls)
 
 
-async def served_window(stub, request: pb.ClassifyRequest, seconds: float) -> tuple[float, float]:
+def served_window(stub, request: pb.ClassifyRequest, seconds: float) -> tuple[float, float]:
     """Medians of the round trip and of the server's compute time for the image, in ms."""
     latencies, computes, stop_at = [], [], time.perf_counter() + seconds
     while time.perf_counter() < stop_at:
         started = time.perf_counter()
-        reply = await stub.Classify(request, timeout=30)
+        reply = stub.Classify(request, timeout=30)
         latencies.append(1000 * (time.perf_counter() - started))
         computes.append(reply.results[0].compute_ms)
     return statistics.median(latencies), statistics.median(computes)
 
 
-async def empty_call_ms(stub, calls: int = 200) -> float:
+def empty_call_ms(stub, calls: int = 200) -> float:
     """Median round trip of a call that carries nothing and does no work."""
     latencies = []
     for _ in range(calls):
         started = time.perf_counter()
-        await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         latencies.append(1000 * (time.perf_counter() - started))
     return statistics.median(latencies)
 
 
-async def measure(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     with Replicas(args, [1]) as replicas:
         image = make_image("uint8", *args.image_size)
         request = pb.ClassifyRequest(images=[image])
         model_input = preprocess(RawImage("uint8", tuple(image.raw.shape), image.raw.data), MAX_PIXELS)
         pairs, computes = [], []
-        async with AsyncClient(args.server) as client:
-            stub = client._stub  # the prepared message as is, as resnet-client bench sends it
+        with Client(args.server) as client:
+            stub = client._stub  # the prepared message as is, blocking, as resnet-client bench's closed loop sends it
             in_process_window(replicas, model_input, 1.0)  # warm-up, both sides
-            await served_window(stub, request, 1.0)
+            served_window(stub, request, 1.0)
             for _ in range(args.windows):
                 local = in_process_window(replicas, model_input, args.window)
-                served, compute = await served_window(stub, request, args.window)
+                served, compute = served_window(stub, request, args.window)
                 pairs.append((local, served))
                 computes.append(compute)
-            empty_call = await empty_call_ms(stub)
+            empty_call = empty_call_ms(stub)
     differences = [served - local for local, served in pairs]
     return {"windows": args.windows, "window_s": args.window, "image_size": list(args.image_size),
             "in_process_p50_ms": statistics.median(local for local, _ in pairs),
@@ -100,7 +99,7 @@ def main() -> None:
     args = parse_model_arguments(parser)
     if len(args.device) > 1:  # at c=1 one replica computes while the others idle: time one alone
         parser.error("--device takes one device here (the c=1 comparison is with one replica)")
-    result = asyncio.run(measure(args))
+    result = measure(args)
     print(json.dumps(result))
 
 

@@ -126,7 +126,7 @@ def test_latency_pairs_interleaves_in_process_and_served_windows(make_server):
     running = make_server()
     args = model_arguments()
     vars(args).update(server=running.target, image_size=(64, 48), windows=3, window=0.3)
-    result = asyncio.run(latency_pairs.measure(args))
+    result = latency_pairs.measure(args)
     assert len(result["pairs_ms"]) == 3 and all(local > 0 and served > 0 for local, served in result["pairs_ms"])
     differences = sorted(served - local for local, served in result["pairs_ms"])
     assert result["difference_median_ms"] == differences[1]
