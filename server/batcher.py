@@ -193,9 +193,7 @@ class Batcher:
     def _probe(self) -> None:
         """One blank image through the forward pass, as a batch would go; passing brings the batcher back."""
         try:
-            probabilities, _ = self._compute(torch.zeros((1, *FLOAT_SHAPE)), torch.ones(1, dtype=torch.float64))
-            if len(probabilities) != 1:
-                raise RuntimeError(f"compute returned {len(probabilities)} results for 1 image")
+            self._compute_split_on_oom(torch.zeros((1, *FLOAT_SHAPE)), torch.ones(1, dtype=torch.float64))
         except Exception as exc:  # noqa: BLE001 - any failure keeps the replica out; the next probe decides again
             self._probes.labels(self.name, "failed").inc()
             self._next_probe = time.monotonic() + self._probe_interval

@@ -86,7 +86,7 @@ class _ReplicaSetup:
 
 
 def load_replica(name: str, device: torch.device, config: ServerConfig, metrics: Metrics,
-                 on_rejoin: Callable[[], None] = lambda: None) -> Replica:
+                 on_rejoin: Callable[[], None]) -> Replica:
     """Start the replica's worker thread, which loads and warms the model before taking work.
     ``on_rejoin`` is called on that thread whenever the replica comes back into rotation."""
     started = time.monotonic()
