@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import multiprocessing
@@ -39,6 +40,7 @@ class LoadSpec:
     warmup: float
     duration: float
     connection: dict  # Client's keyword arguments: timeout, TLS files, token, attempts
+    connections: int = 1  # connections of this process, its requests spread over them
 
 
 def make_image(kind: str, width: int, height: int, path: str | None = None) -> pb.Image:
@@ -92,11 +94,13 @@ def _closed_loop(spec: LoadSpec) -> list[tuple[float, str]]:
     against 0.82-1.00 ms), the client's own overhead rather than the server's; at c=16 the two served the
     same. The request goes as prepared: no per-call re-encoding of images."""
     request = pb.ClassifyRequest.FromString(spec.request)
-    with Client(spec.target, **spec.connection) as client:
-        stub, metadata = client._stub, client._config.metadata()
+    with contextlib.ExitStack() as stack:
+        clients = [stack.enter_context(Client(spec.target, **spec.connection, own_connection=spec.connections > 1))
+                   for _ in range(spec.connections)]
         window = _Window(spec)
 
-        def loop() -> None:
+        def loop(client: Client) -> None:
+            stub, metadata = client._stub, client._config.metadata()
             while window.open():
                 sent = time.monotonic()
                 try:
@@ -106,7 +110,8 @@ def _closed_loop(spec: LoadSpec) -> list[tuple[float, str]]:
                     code = _code(error)
                 window.record(sent, code)
 
-        threads = [threading.Thread(target=loop, daemon=True) for _ in range(spec.concurrency)]
+        threads = [threading.Thread(target=loop, args=(clients[i % len(clients)],), daemon=True)
+                   for i in range(spec.concurrency)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -117,14 +122,16 @@ def _closed_loop(spec: LoadSpec) -> list[tuple[float, str]]:
 async def _open_loop(spec: LoadSpec) -> list[tuple[float, str]]:
     """Requests sent at Poisson arrival times, ``spec.rate`` a second, whether or not earlier ones returned."""
     request = pb.ClassifyRequest.FromString(spec.request)
-    async with AsyncClient(spec.target, **spec.connection) as client:
-        stub, metadata = client._stub, client._config.metadata()
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(
+            AsyncClient(spec.target, **spec.connection, own_connection=spec.connections > 1))
+            for _ in range(spec.connections)]
         window = _Window(spec)
 
-        async def one() -> None:
+        async def one(client: AsyncClient) -> None:
             sent = time.monotonic()
             try:
-                await stub.Classify(request, timeout=client.timeout, metadata=metadata)
+                await client._stub.Classify(request, timeout=client.timeout, metadata=client._config.metadata())
                 code = "OK"
             except Exception as error:  # noqa: BLE001 - every failure is counted
                 code = _code(error)
@@ -135,7 +142,7 @@ async def _open_loop(spec: LoadSpec) -> list[tuple[float, str]]:
         next_at = time.monotonic()
         while next_at < window.stop_at:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            tasks.append(asyncio.ensure_future(one()))
+            tasks.append(asyncio.ensure_future(one(clients[len(tasks) % len(clients)])))
             next_at += rng.expovariate(spec.rate)
         await asyncio.gather(*tasks)
     return window.records
@@ -160,10 +167,17 @@ def percentile(sorted_values: list[float], q: float) -> float:
 _SAMPLE = re.compile(r'^(resnet_\w+)\{([^}]*)\} ([-+\deE.naif]+)$')
 
 
-def scrape(url: str | None) -> dict[tuple[str, str], float]:
-    """{(series, device): value} for the sums and counts the server view needs; {} without a URL."""
-    if not url:
-        return {}
+def scrape(urls: str | None) -> dict[tuple[str, str], float]:
+    """{(series, device): value} for the sums and counts the server view needs, summed over a comma-separated
+    list of URLs (a --workers server's workers, one /metrics each); {} without one."""
+    values: Counter[tuple[str, str]] = Counter()
+    for url in (urls or "").split(","):
+        if url.strip():
+            values.update(_scrape_one(url.strip()))
+    return dict(values)
+
+
+def _scrape_one(url: str) -> dict[tuple[str, str], float]:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
             text = response.read().decode()
@@ -202,7 +216,8 @@ def run_point(args: argparse.Namespace, image: pb.Image, concurrency: int | None
     request = pb.ClassifyRequest(images=[image] * args.images_per_request, top_k=1).SerializeToString()
     per_process = [LoadSpec(args.server, request,
                             _share(concurrency, args.processes, i), None if rate is None else rate / args.processes,
-                            args.warmup, args.duration, connection(args)) for i in range(args.processes)]
+                            args.warmup, args.duration, connection(args), args.connections)
+                   for i in range(args.processes)]
     per_process = [spec for spec in per_process if spec.concurrency or spec.rate]
     before = scrape(args.metrics)
     with multiprocessing.get_context("spawn").Pool(len(per_process)) as pool:
@@ -283,9 +298,13 @@ def add_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--image-size", default="640x480", help="WxH of the generated image")
     bench.add_argument("--images-per-request", type=int, default=1)
     bench.add_argument("--processes", type=int, default=1, help="client processes sharing the load")
+    bench.add_argument("--connections", type=int, default=1,
+                       help="connections per process, its requests spread over them (a --workers server hands "
+                            "each connection to one of its workers)")
     bench.add_argument("--duration", type=float, default=10.0, help="measured seconds per point")
     bench.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each point")
-    bench.add_argument("--metrics", help="server's /metrics URL (default http://HOST:8000/metrics)")
+    bench.add_argument("--metrics", help="server's /metrics URL, or a comma-separated list (a --workers server's: "
+                                         "summed) (default http://HOST:8000/metrics)")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", help="write throughput and latency against load to this PNG")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -30,6 +30,10 @@ class ChannelConfig:
     tls_key: str | None = None
     token: str | None = None
     attempts: int = DEFAULT_ATTEMPTS  # 1: no retries
+    # gRPC shares one connection among the channels of a process that name the same target with the same
+    # options; a client with its own opens its own, so that several spread over a --workers server's processes
+    # (the kernel hands each new connection to one of them).
+    own_connection: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.attempts <= 5:  # gRPC's own ceiling is 5 tries
@@ -50,6 +54,7 @@ class ChannelConfig:
             # A call is retried only while its request is still buffered (256 KiB by default): keep whole
             # requests, so that a many-image call is retried too.
             ("grpc.per_rpc_retry_buffer_size", MAX_MESSAGE_BYTES),
+            *([("grpc.use_local_subchannel_pool", 1)] if self.own_connection else []),
         ]
 
     def service_config(self) -> dict:

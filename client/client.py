@@ -16,9 +16,9 @@ from .messages import Classification, ImageLike, build_request, parse_response
 DEFAULT_TIMEOUT = 30.0
 
 
-def _connect(channels, target, tls_ca, tls_cert, tls_key, token, attempts):
+def _connect(channels, target, tls_ca, tls_cert, tls_key, token, attempts, own_connection):
     """(config, channel) from ``grpc`` or ``grpc.aio`` (both spell the channel constructors alike)."""
-    config = ChannelConfig(parse_targets(target), tls_ca, tls_cert, tls_key, token, attempts)
+    config = ChannelConfig(parse_targets(target), tls_ca, tls_cert, tls_key, token, attempts, own_connection)
     credentials = config.credentials()
     if credentials is None:
         return config, channels.insecure_channel(config.target, config.options())
@@ -31,12 +31,14 @@ def _health_name(status: int) -> str:
 
 class Client:
     """Blocking client. ``target`` is ``host:port``, a comma-separated list, a list, or ``dns:///name:port``;
-    ``attempts``: tries per classifier call on UNAVAILABLE (see :class:`client.channel.ChannelConfig`)."""
+    ``attempts``: tries per classifier call on UNAVAILABLE; ``own_connection``: a connection not shared with
+    the process's other clients of the same target (see :class:`client.channel.ChannelConfig`)."""
 
     def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 token: str | None = None, attempts: int = DEFAULT_ATTEMPTS) -> None:
-        self._config, self._channel = _connect(grpc, target, tls_ca, tls_cert, tls_key, token, attempts)
+                 token: str | None = None, attempts: int = DEFAULT_ATTEMPTS, own_connection: bool = False) -> None:
+        self._config, self._channel = _connect(grpc, target, tls_ca, tls_cert, tls_key, token, attempts,
+                                               own_connection)
         self.timeout = timeout
         self._stub = pb_grpc.ClassifierStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -85,8 +87,9 @@ class AsyncClient:
 
     def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 token: str | None = None, attempts: int = DEFAULT_ATTEMPTS) -> None:
-        self._config, self._channel = _connect(grpc.aio, target, tls_ca, tls_cert, tls_key, token, attempts)
+                 token: str | None = None, attempts: int = DEFAULT_ATTEMPTS, own_connection: bool = False) -> None:
+        self._config, self._channel = _connect(grpc.aio, target, tls_ca, tls_cert, tls_key, token, attempts,
+                                               own_connection)
         self.timeout = timeout
         self._stub = pb_grpc.ClassifierStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

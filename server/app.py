@@ -38,6 +38,7 @@ from .security import TokenAuthInterceptor, load_tokens, server_credentials
 from .service import ClassifierService
 from .temperature import default_temperature
 from .threads import use_torch_threads
+from .workers import run_workers
 
 log = logging.getLogger("server")
 T = TypeVar("T")
@@ -83,6 +84,9 @@ class App:
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+            # The port is shared only among this server's own workers. gRPC allows SO_REUSEPORT by default, so
+            # a second server started on a port already in use would otherwise take half its connections.
+            ("grpc.so_reuseport", int(config.workers > 1)),
         ])
         pb_grpc.add_ClassifierServicer_to_server(self.classifier, self._server)
         oip_grpc.add_GRPCInferenceServiceServicer_to_server(self.inference, self._server)
@@ -90,10 +94,18 @@ class App:
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self._server)
         address = f"{config.host}:{config.port}"
-        self.port = (self._server.add_secure_port(address, self.credentials) if self.credentials
-                     else self._server.add_insecure_port(address))
+        try:
+            self.port = (self._server.add_secure_port(address, self.credentials) if self.credentials
+                         else self._server.add_insecure_port(address))
+        except RuntimeError:  # gRPC says only "Failed to bind" (and logs the reason)
+            raise StartupError(f"cannot listen on {address}: the port is in use, or the address is not "
+                               "this machine's") from None
         await self._server.start()
-        self._metrics_http = serve_metrics(self.metrics, config.metrics_host, config.metrics_port)
+        try:
+            self._metrics_http = serve_metrics(self.metrics, config.metrics_host, config.metrics_port)
+        except OSError as exc:
+            raise StartupError(f"cannot serve /metrics on {config.metrics_host}:{config.metrics_port}: "
+                               f"{exc.strerror}") from None
         return self.port
 
     async def load(self) -> None:
@@ -115,7 +127,9 @@ class App:
             config.max_images_per_request, info.batching.max_batch_size, config.max_batch_delay_ms,
             list(info.devices)))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on %s:%d (devices %s)", MODEL_NAME, config.host, self.port, ", ".join(info.devices))
+        worker = f"; worker {config.worker} of {config.workers}" if config.workers > 1 else ""
+        log.info("serving %s on %s:%d (devices %s%s)", MODEL_NAME, config.host, self.port, ", ".join(info.devices),
+                 worker)
 
     def _record_model_info(self, replicas: list[Replica]) -> None:
         for replica in replicas:
@@ -219,8 +233,9 @@ def model_info(config: ServerConfig, replicas: list[Replica], temperature: float
     )
 
 
-async def serve(config: ServerConfig) -> None:
-    """Run until SIGTERM or SIGINT, then drain within the grace period."""
+async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then drain within the grace period. ``on_bound`` hears the gRPC port as
+    soon as it is bound, before the model loads."""
     use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (server.threads)
     metrics = Metrics()
     metrics.registry.register(ProcessCollector(registry=None))  # RSS, CPU, open fds of this process
@@ -231,7 +246,10 @@ async def serve(config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await app.start()
+        port = await app.bind()
+        if on_bound is not None:
+            on_bound(port)
+        await app.load()
     except BaseException:
         await app.stop(0)  # close the bound port before the error ends the process
         raise
@@ -253,10 +271,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"resnet-server: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
+    return run_workers(config) if config.workers > 1 else run(config)
+
+
+def run(config: ServerConfig, on_bound: Callable[[int], object] | None = None) -> int:
+    """Serve until a signal and drain; 0, or exit 1 at once with the error in one line if start-up fails."""
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, on_bound))
     except StartupError as exc:
-        print(f"resnet-server: error: {exc}", file=sys.stderr)
+        worker = f"worker {config.worker}: " if config.workers > 1 else ""
+        print(f"resnet-server: error: {worker}{exc}", file=sys.stderr)
         exit_at_once(1)
     return 0
 

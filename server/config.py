@@ -59,6 +59,8 @@ class ServerConfig:
     compile: bool = False
     compile_mode: str = "default"
     decode_on_device: str = "auto"
+    workers: int = 1
+    worker: int = 0  # this process's index among the workers (set by server.workers, not a flag)
 
 
 def _positive_int(text: str) -> int:
@@ -148,6 +150,8 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("max-concurrent-streams", _positive_int, "most concurrent RPCs per HTTP/2 connection"),
     ("preprocess-threads", _positive_int, "threads that decode and preprocess images (one torch thread each)"),
     ("torch-threads", _non_negative_int, "torch threads of each replica's forward pass (0: every core)"),
+    ("workers", _positive_int, "server processes sharing the gRPC port (SO_REUSEPORT), for more cores than one "
+                               "event loop's; worker i serves /metrics on --metrics-port + i"),
     ("grace-period", _non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
     ("replica-probe-interval", _non_negative_float, "seconds between test batches (one blank image) on a replica "
                                                     "taken out of rotation; it rejoins when one passes (0: it "

@@ -25,6 +25,7 @@ def test_env_twins_and_flags_win():
     assert config.temperature == 2.5 and config.max_batch_delay_ms == 3.0 and config.weights == "random"
     assert parse_config(["--device", "cpu,cpu"], env=env).devices == ("cpu", "cpu")
     assert parse_config([], env={"RESNET_SERVER_REPLICA_PROBE_INTERVAL": "0"}).replica_probe_interval == 0.0
+    assert parse_config([], env={"RESNET_SERVER_WORKERS": "4"}).workers == 4
 
 
 def test_a_boolean_flag_alone_means_true():
@@ -53,7 +54,8 @@ def test_decode_on_device_is_auto_true_or_false():
                                   ["--temperature", "inf"], ["--max-batch-size", "-1"], ["--max-queue", "-3"],
                                   ["--port", "x"], ["--compile", "maybe"],
                                   ["--decode-on-device", "gpu"], ["--compile", "--compile-mode", "fast"],
-                                  ["--replica-probe-interval", "-1"], ["--replica-probe-interval", "inf"]])
+                                  ["--replica-probe-interval", "-1"], ["--replica-probe-interval", "inf"],
+                                  ["--workers", "0"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as caught:
         parse_config(argv, env={})

@@ -1,0 +1,145 @@
+"""--workers: several server processes on one port, each answering its own connections; the supervisor's
+signals and exit codes; and a lone server refusing a port that is already taken."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from client import Client
+from client.api import classifier_pb2 as pb
+from client.bench import LoadSpec, _closed_loop, scrape
+from server.config import ServerConfig
+from server.errors import StartupError
+from server.workers import worker_config
+from tests.helpers import ServerThread, base_config, encode, free_port, random_rgb, scraped_value
+
+IMAGE = encode(random_rgb(31))
+METRICS = 'resnet_requests_total{code="OK",device="cpu"}'
+
+
+class Workers:
+    """``python -m server --workers 2`` on 127.0.0.1, port 0; its log lines read as they come."""
+
+    def __init__(self, weights: str, *extra: str) -> None:
+        self.metrics_port = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "server", "--workers", "2", "--host", "127.0.0.1", "--port", "0",
+             "--metrics-port", str(self.metrics_port), "--device", "cpu", "--weights", weights,
+             "--grace-period", "20", *extra],
+            stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+
+    def read_until(self, count: int, text: str) -> list[str]:
+        """Log lines until ``count`` of them hold ``text``; those lines."""
+        for line in self.process.stderr:
+            self.lines.append(line)
+            found = [seen for seen in self.lines if text in seen]
+            if len(found) == count:
+                return found
+        raise AssertionError("the server exited early:\n" + "".join(self.lines))
+
+    def serving(self) -> tuple[int, list[int]]:
+        """Once both workers serve: the shared port and the workers' pids."""
+        pids = [int(line.rsplit("pid ", 1)[1].rstrip(")\n")) for line in self.read_until(2, "started worker")]
+        ports = {int(line.split(" on 127.0.0.1:")[1].split()[0]) for line in self.read_until(2, "serving resnet18")}
+        threading.Thread(target=self.process.stderr.read, daemon=True).start()  # keep draining the pipe
+        assert len(ports) == 1
+        return ports.pop(), pids
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.slow
+def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, reference):
+    workers = Workers(str(weights_file[0]))
+    try:
+        port, pids = workers.serving()
+        target = f"127.0.0.1:{port}"
+        answers = []
+        for _ in range(6):  # each client its own connection, so the kernel hands them to either worker
+            with Client(target, timeout=30, own_connection=True) as client:
+                answers.append(client.classify([IMAGE], full=True)[0].probabilities)
+        expected = reference.probabilities(reference.input_from_bytes(IMAGE))
+        for probabilities in answers:
+            np.testing.assert_allclose(probabilities, expected, atol=1e-5)
+        # The bench's closed loop over sixteen connections of one process reaches both workers, and the
+        # workers' /metrics, summed, count every image it sent (its window records the calls that ended inside
+        # it: all but the sixteen or fewer still in flight as it closed).
+        urls = ",".join(f"http://127.0.0.1:{workers.metrics_port + i}/metrics" for i in range(2))
+        request = pb.ClassifyRequest(images=[pb.Image(encoded=IMAGE)], top_k=1).SerializeToString()
+        before = scrape(urls)
+        records = _closed_loop(LoadSpec(target, request, 16, None, 0.0, 1.0, {"timeout": 30}, connections=16))
+        after = scrape(urls)
+        served = [scraped_value(workers.metrics_port + i, METRICS) for i in range(2)]
+        assert all(count > 0 for count in served), served
+        computed = after[("resnet_batch_size_sum", "cpu")] - before[("resnet_batch_size_sum", "cpu")]
+        assert computed == sum(served) - 6
+        assert len(records) <= computed <= len(records) + 16
+        workers.process.send_signal(signal.SIGTERM)
+        assert workers.process.wait(timeout=60) == 0
+        assert all(_gone(pid) for pid in pids)
+    finally:
+        workers.close()
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_stops_the_others_and_the_supervisor_exits_1(weights_file):
+    workers = Workers(str(weights_file[0]))
+    try:
+        _, pids = workers.serving()
+        os.kill(pids[1], signal.SIGKILL)
+        assert workers.process.wait(timeout=60) == 1
+        assert _gone(pids[0])
+    finally:
+        workers.close()
+
+
+@pytest.mark.parametrize(("flags", "error", "binds"), [
+    (["--device", "cuda:99"], "cuda:99", False),  # refused before binding: no other worker starts
+    (["--weights", "missing.pth"], "missing.pth", True),  # refused while loading, after binding
+])
+def test_a_worker_that_cannot_start_ends_the_set_with_its_error(flags, error, binds, weights_file, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "server", "--workers", "2", "--host", "127.0.0.1", "--port", "0",
+         "--metrics-port", "0", "--device", "cpu", "--weights", str(weights_file[0]), *flags],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "resnet-server: error: worker 0: " in done.stderr and error in done.stderr
+    assert ("started worker 1" in done.stderr) == binds
+
+
+def test_each_worker_gets_the_shared_port_its_own_metrics_port_and_a_share_of_the_cores():
+    config = ServerConfig(workers=2, metrics_port=9000)
+    cores = len(os.sched_getaffinity(0))
+    assert [(c.port, c.worker, c.metrics_port) for c in (worker_config(config, i, 6000) for i in range(2))] == \
+        [(6000, 0, 9000), (6000, 1, 9001)]
+    assert worker_config(config, 1, 6000).torch_threads == max(1, cores // 2)
+    assert worker_config(ServerConfig(workers=2, torch_threads=3), 1, 6000).torch_threads == 3
+    assert worker_config(ServerConfig(workers=2, metrics_port=0), 1, 6000).metrics_port == 0  # off stays off
+
+
+def test_a_lone_server_refuses_a_port_that_is_already_taken(server, weights_file):
+    taken = ServerThread(base_config(str(weights_file[0]), port=server.app.port))
+    with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{server.app.port}: the port is in use"):
+        taken.run(taken.app.bind())
+    taken.stop(grace=0)
+    with Client(server.target, timeout=30) as client:  # the server holding it is untouched
+        assert client.classify([IMAGE])[0].top_k
