@@ -3,7 +3,8 @@
 #   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement
 #   ceilings  the in-process forward ceiling: eager per precision (fp16 also with batch norms unfolded);
 #             fp16 compiled, plain and as CUDA graphs
-#   served    the served sweeps: uint8 batching on and off, fp16, JPEG decoded on the GPU vs the CPU
+#   served    the served sweeps: uint8 batching on and off, one server process and --workers 4, sixteen images a
+#             call; fp16 (one process and four); JPEG decoded on the GPU vs the CPU
 # Writes OUT_DIR (default results/gpu), ending with gpu_table.md (scripts/gpu_table.py, from whatever OUT_DIR
 # holds, so parts run in separate calls can be tabled together): the README's GPU table and the device
 # issue's targets.
@@ -18,6 +19,7 @@ done
 mkdir -p "$out"
 port=50161 metrics=8161
 fp32_batch=64 fp16_batch=128  # the served batch caps; gpu_table.py compares each with the in-process forward at it
+workers=4  # server processes in the --workers runs
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
 # The GPU box may lack this project and some of its dependencies (the generated code needs grpcio >= 1.85.1
 # and protobuf >= 7.35.1): install wheels carried to it in .whl/gpu (offline), run the project from the checkout.
@@ -30,17 +32,21 @@ command -v resnet-server >/dev/null || resnet-server() { python -c 'import sys; 
 command -v resnet-client >/dev/null || resnet-client() { python -c 'import sys; from client.cli import main; sys.exit(main())' "$@"; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 
-serve() {
+serve() {  # serve NAME WORKERS [FLAGS...]: a server on cuda:0, its log in OUT_DIR/NAME.server.log
+  local log="$out/$1.server.log" count=$2
   resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device cuda:0 --weights random \
-    --log-level WARNING "$@" & server_pid=$!
-  for _ in $(seq 240); do
-    resnet-client health --server 127.0.0.1:$port --timeout 1 >/dev/null 2>&1 && return 0; sleep 0.5
+    --workers "$count" "${@:3}" 2> "$log" & server_pid=$!
+  metrics_urls=$(seq -s, -f "http://127.0.0.1:%g/metrics" $metrics $((metrics + count - 1)))
+  for _ in $(seq 240); do  # every worker SERVING (one health call reaches only one of them)
+    [ "$(grep -c 'serving resnet18' "$log")" -ge "$count" ] && return 0
+    kill -0 "$server_pid" 2>/dev/null || { tail -3 "$log"; return 1; }
+    sleep 0.5
   done; return 1
 }
 stop() { kill -TERM "$server_pid"; wait "$server_pid"; }
 trap 'kill -TERM "${server_pid:-}" 2>/dev/null || true' EXIT
 bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise
-  resnet-client bench --server 127.0.0.1:$port --metrics http://127.0.0.1:$metrics/metrics --input uint8 \
+  resnet-client bench --server 127.0.0.1:$port --metrics "$metrics_urls" --input uint8 \
     --image-size 224x224 --duration 15 --warmup 3 --processes 8 --quiet --json "${@:2}" > "$out/$1.json"
 }
 checks() {
@@ -64,11 +70,18 @@ ceilings() {
   done
 }
 served() {
-  serve --max-batch-size $fp32_batch && bench served_batched --sweep 1,16,64,256 && stop
-  serve --max-batch-size 1 && bench served_nobatch --concurrency 256 && stop
-  serve --max-batch-size $fp16_batch --precision fp16 && bench served_fp16 --sweep 64,256 && stop
+  # One server process, then $workers sharing the port (one event loop's CPU caps one process's calls a second;
+  # bench --connections spreads each client process over them), then sixteen images a call on one process.
+  serve batched 1 --max-batch-size $fp32_batch && bench served_batched --sweep 1,16,64,256 && \
+    bench served_16_per_request --concurrency 32 --images-per-request 16 && stop
+  serve nobatch 1 --max-batch-size 1 && bench served_nobatch --concurrency 256 && stop
+  serve workers $workers --max-batch-size $fp32_batch && \
+    bench served_workers --concurrency 256 --connections 4 && stop
+  serve fp16 1 --max-batch-size $fp16_batch --precision fp16 && bench served_fp16 --sweep 64,256 && stop
+  serve fp16_workers $workers --max-batch-size $fp16_batch --precision fp16 && \
+    bench served_fp16_workers --concurrency 256 --connections 4 && stop
   for where in true false; do
-    serve --max-batch-size $fp32_batch --decode-on-device $where && \
+    serve jpeg_$where 1 --max-batch-size $fp32_batch --decode-on-device $where && \
       bench served_jpeg_decode_on_device_$where --input jpeg --image-size 640x480 --concurrency 256 && stop
   done
 }

@@ -39,8 +39,8 @@ def ceiling_label(ceiling: dict) -> str:
 
 def served_rows(folder: Path) -> list[str]:
     rows = []
-    for name in ("served_batched", "served_nobatch", "served_fp16", "served_jpeg_decode_on_device_true",
-                 "served_jpeg_decode_on_device_false"):
+    for name in ("served_batched", "served_16_per_request", "served_workers", "served_nobatch", "served_fp16",
+                 "served_fp16_workers", "served_jpeg_decode_on_device_true", "served_jpeg_decode_on_device_false"):
         for point in results(folder, name):
             view = next(iter(point["server"].values()), {})
             errors = ", ".join(f"{code} {count}" for code, count in point["errors"].items())
@@ -51,12 +51,16 @@ def served_rows(folder: Path) -> list[str]:
 
 
 def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
-    """The device issue's numbers: served uint8 at the highest concurrency against the in-process forward
-    at the served maximum batch size (same device, precision, batch size), and against batching off."""
+    """The device issue's numbers: served uint8 at the highest concurrency (one server process, --workers, and
+    sixteen images a call) against the in-process forward at the served maximum batch size (same device,
+    precision, batch size), and against batching off."""
     lines = []
     top = {}  # served run -> its highest-concurrency point
     for served_name, ceiling_name, batch in (("served_batched", "ceiling_fp32", fp32_batch),
-                                             ("served_fp16", "ceiling_fp16", fp16_batch)):
+                                             ("served_workers", "ceiling_fp32", fp32_batch),
+                                             ("served_16_per_request", "ceiling_fp32", fp32_batch),
+                                             ("served_fp16", "ceiling_fp16", fp16_batch),
+                                             ("served_fp16_workers", "ceiling_fp16", fp16_batch)):
         if not (points := results(folder, served_name)):
             continue
         top[served_name] = max(points, key=lambda point: point["concurrency"])

@@ -176,6 +176,8 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
         assert client_main(["bench", "--server", running.target, "--sweep", concurrency, "--duration", "0.5",
                             "--warmup", "0", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet"]) == 0
         (tmp_path / f"{name}.json").write_text(capsys.readouterr().out)
+    # The --workers run's JSON has the same shape (the bench sums its workers' /metrics): a copy stands in for it.
+    (tmp_path / "served_workers.json").write_text((tmp_path / "served_batched.json").read_text())
     (tmp_path / "ceiling_fp16_compiled_default.json").write_text("")  # a step that failed before writing
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as when run as a script: it imports bench_table
     load_script("gpu_table").main(tmp_path, 2, 128)
@@ -186,6 +188,8 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert "| in-process forward, fp16, batch norms not folded, batch 1 |" in table
     assert "| served batched, c=4 |" in table and "| served nobatch, c=4 |" in table
     assert f"- served_batched c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
+    assert "| served workers, c=4 |" in table
+    assert f"- served_workers c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
     assert "batching on / off at c=4" in table
 
 
