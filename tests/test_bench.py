@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -160,6 +161,25 @@ def test_grpc_floor_times_both_minimal_servers():
     for line in lines:
         empty, image = (float(ms) for ms in re.findall(r"([\d.]+) ms", line))
         assert empty > 0 and image > 0
+
+
+def test_handling_ceiling_serves_the_costless_model_from_every_worker(weights_file):
+    """scripts/handling_ceiling.py: the server with its model replaced, in worker processes too."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "handling_ceiling.py"), "--host", "127.0.0.1",
+                                "--port", str(port), "--metrics-port", "0", "--device", "cpu", "--weights",
+                                str(weights_file[0]), "--workers", "2", "--log-level", "WARNING"])
+    try:
+        answers = []
+        for _ in range(6):  # six connections: the kernel hands them to either worker
+            with Client(f"127.0.0.1:{port}", timeout=5, own_connection=True) as client:
+                wait_for(lambda: serving(client), timeout=120)
+                answers.append(client.classify([np.zeros((48, 64, 3), dtype=np.uint8)], full=True)[0])
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) == 0
+    for answer in answers:
+        np.testing.assert_array_equal(answer.probabilities, np.full(1000, 1e-3, dtype=np.float32))
 
 
 def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, capsys, tmp_path, monkeypatch):

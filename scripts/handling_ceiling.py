@@ -1,0 +1,41 @@
+"""The request-handling ceiling: how many calls a second the server answers when its model costs nothing.
+
+Runs resnet-server (every flag, --workers included) with each replica's input conversion and forward pass
+replaced by ready-made tensors, so all that is left of a call is what the serving path itself costs: gRPC,
+the handler, the queue, the batcher's hand-offs and the answer. Load it with ``resnet-client bench`` and set
+the figure beside ``resnet-server bench-model``'s ceiling for your device: a GPU that computes more images a
+second than one process can hand it needs ``--workers``. Its answers are meaningless (every probability
+0.001): a measuring instrument, never a server.
+
+Usage: python scripts/handling_ceiling.py [resnet-server flags]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import server.runner
+
+MOST_IMAGES = 1024  # more than any batch: --max-batch-size caps them
+_INPUTS = torch.zeros((MOST_IMAGES, 3, 224, 224))
+_PROBABILITIES = torch.full((MOST_IMAGES, 1000), 1e-3)
+
+
+def _prepare(runner, images):
+    return _INPUTS[: len(images)], {}
+
+
+def _forward(runner, inputs, temperatures):
+    return _PROBABILITIES[: len(inputs)], torch.zeros((len(inputs), 1000))
+
+
+# At import, not in main: --workers spawns processes that import this module again (as __mp_main__).
+server.runner.ModelRunner.prepare = _prepare
+server.runner.ModelRunner.__call__ = _forward
+
+if __name__ == "__main__":
+    from server.app import main
+
+    sys.exit(main(sys.argv[1:]))
