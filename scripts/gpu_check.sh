@@ -22,10 +22,12 @@ fp32_batch=64 fp16_batch=128  # the served batch caps; gpu_table.py compares eac
 workers=4  # server processes in the --workers runs
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
 # The GPU box may lack this project and some of its dependencies (the generated code needs grpcio >= 1.85.1
-# and protobuf >= 7.35.1): install wheels carried to it in .whl/gpu (offline), run the project from the checkout.
+# and protobuf >= 7.35.1; health checking and reflection are not there at all): wheels carried to it in
+# .whl/gpu go into a folder of their own, ahead of its own packages; the project runs from the checkout.
 if [ -d .whl/gpu ]; then
-  python -m pip install -q --no-index --find-links .whl/gpu "grpcio>=1.85.1" "grpcio-health-checking>=1.85.1" \
-    "grpcio-reflection>=1.85.1" "protobuf>=7.35.1" nvidia-ml-py 2>&1 | tail -3
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/gpu/*.whl 2>&1 | tail -3
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 command -v resnet-server >/dev/null || resnet-server() { python -c 'import sys; from server.app import main; sys.exit(main())' "$@"; }
