@@ -286,19 +286,26 @@ def plot(points: list[dict], path: str) -> None:
     figure.savefig(path)
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def add_parser(commands) -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="load-test a server (closed or open loop)")
     load = bench.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, help="closed loop: requests in flight (default 1)")
+    load.add_argument("--concurrency", type=_at_least_one, help="closed loop: requests in flight (default 1)")
     load.add_argument("--rate", type=float, help="open loop: requests per second, Poisson arrivals")
     bench.add_argument("--sweep", type=lambda t: [float(x) for x in t.split(",")],
                        help="several concurrencies (or rates with --rate), e.g. 1,4,16,64")
     bench.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="jpeg")
     bench.add_argument("--image", help="send this file instead of a generated image")
     bench.add_argument("--image-size", default="640x480", help="WxH of the generated image")
-    bench.add_argument("--images-per-request", type=int, default=1)
-    bench.add_argument("--processes", type=int, default=1, help="client processes sharing the load")
-    bench.add_argument("--connections", type=int, default=1,
+    bench.add_argument("--images-per-request", type=_at_least_one, default=1)
+    bench.add_argument("--processes", type=_at_least_one, default=1, help="client processes sharing the load")
+    bench.add_argument("--connections", type=_at_least_one, default=1,
                        help="connections per process, its requests spread over them (a --workers server hands "
                             "each connection to one of its workers)")
     bench.add_argument("--duration", type=float, default=10.0, help="measured seconds per point")

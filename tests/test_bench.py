@@ -94,6 +94,14 @@ def test_bench_model_reports_the_ceiling(weights_file, capsys):
     assert (result["compiled"], result["compile_mode"], result["fold_batch_norms"]) == (False, None, True)
 
 
+@pytest.mark.parametrize("flag", ["--connections", "--processes", "--concurrency", "--images-per-request"])
+def test_bench_refuses_counts_below_one(flag, capsys):
+    with pytest.raises(SystemExit) as caught:
+        client_main(["bench", "--server", "127.0.0.1:1", flag, "0"])
+    assert caught.value.code == 2
+    assert f"{flag}: must be 1 or more, got 0" in capsys.readouterr().err
+
+
 def test_bench_model_refuses_a_compile_mode_without_compile(capsys):
     with pytest.raises(SystemExit) as caught:
         server_main(["bench-model", "--compile-mode", "reduce-overhead"])
