@@ -68,9 +68,12 @@ class App:
         self._draining = False
         self._health_update: asyncio.Future | None = None  # the latest change of health; held, so it is not collected
 
-    async def start(self) -> int:
-        """Bind and load: the port answers health checks (NOT_SERVING) while the model loads."""
+    async def start(self, on_bound: Callable[[int], object] | None = None) -> int:
+        """Bind and load: the port answers health checks (NOT_SERVING) while the model loads. ``on_bound``
+        hears the port as soon as it is bound, before the model loads."""
         port = await self.bind()
+        if on_bound is not None:
+            on_bound(port)
         await self.load()
         return port
 
@@ -234,8 +237,7 @@ def model_info(config: ServerConfig, replicas: list[Replica], temperature: float
 
 
 async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then drain within the grace period. ``on_bound`` hears the gRPC port as
-    soon as it is bound, before the model loads."""
+    """Run until SIGTERM or SIGINT, then drain within the grace period (``on_bound``: see App.start)."""
     use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (server.threads)
     metrics = Metrics()
     metrics.registry.register(ProcessCollector(registry=None))  # RSS, CPU, open fds of this process
@@ -246,10 +248,7 @@ async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None =
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        port = await app.bind()
-        if on_bound is not None:
-            on_bound(port)
-        await app.load()
+        await app.start(on_bound)
     except BaseException:
         await app.stop(0)  # close the bound port before the error ends the process
         raise
