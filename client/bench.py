@@ -126,12 +126,14 @@ async def _open_loop(spec: LoadSpec) -> list[tuple[float, str]]:
         clients = [await stack.enter_async_context(
             AsyncClient(spec.target, **spec.connection, own_connection=spec.connections > 1))
             for _ in range(spec.connections)]
+        # Each client's stub and call metadata, worked out once: metadata() reads the TLS files it is given.
+        senders = [(client._stub, client._config.metadata(), client.timeout) for client in clients]
         window = _Window(spec)
 
-        async def one(client: AsyncClient) -> None:
+        async def one(stub, metadata: list[tuple[str, str]], timeout: float) -> None:
             sent = time.monotonic()
             try:
-                await client._stub.Classify(request, timeout=client.timeout, metadata=client._config.metadata())
+                await stub.Classify(request, timeout=timeout, metadata=metadata)
                 code = "OK"
             except Exception as error:  # noqa: BLE001 - every failure is counted
                 code = _code(error)
@@ -142,7 +144,7 @@ async def _open_loop(spec: LoadSpec) -> list[tuple[float, str]]:
         next_at = time.monotonic()
         while next_at < window.stop_at:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            tasks.append(asyncio.ensure_future(one(clients[len(tasks) % len(clients)])))
+            tasks.append(asyncio.ensure_future(one(*senders[len(tasks) % len(senders)])))
             next_at += rng.expovariate(spec.rate)
         await asyncio.gather(*tasks)
     return window.records
