@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The CPU benchmark in one go: the in-process ceiling, then the served sweep, side by side, same weights.
-# Usage: scripts/bench_cpu.sh [OUT_DIR]   (default results/); about 17 minutes on 2 cores.
+# Usage: scripts/bench_cpu.sh [OUT_DIR]   (default results/); about 20 minutes on 2 cores.
 # BENCH_IMAGE_SIZE (WxH, default 640x480) and BENCH_DURATION (seconds per point, default 15) tune it;
 # BENCH_COMPILE=1 measures torch.compile (--compile) in both the ceiling and the server; BENCH_ROUNDS
-# (default 5) alternates the ceiling (batch 1, 8, 16) and served uint8 (c=1, c=16) that many times, so the
-# headline figures are medians of pairs measured seconds apart rather than one pair (this VM's speed
-# drifts 10-40% over minutes), then scripts/latency_pairs.py interleaves c=1 and in-process batch 1 second by
-# second, and scripts/throughput_pairs.py c=16 and the in-process forward pass at batch 8.
+# (default 5) alternates the ceiling (batch 1, 8, 16, and JPEG decode+preprocess) with served uint8 (c=1,
+# c=16) and JPEG (c=16) that many times, so the headline figures are medians of pairs measured seconds
+# apart rather than one pair (this VM's speed drifts 10-40% over minutes), then scripts/latency_pairs.py
+# interleaves c=1 and in-process batch 1 second by second, and scripts/throughput_pairs.py c=16 and the
+# in-process forward pass at batch 8.
 # BENCH_DEVICE (default cpu) and BENCH_TORCH_THREADS (default 0: every core) set the replica layout of
 # both sides, e.g. BENCH_DEVICE=cpu,cpu BENCH_TORCH_THREADS=1 for two single-thread replicas.
 # Talks only to a server it starts on 127.0.0.1 and stops it (by PID) when done.
@@ -28,7 +29,8 @@ ceiling() {  # ceiling BATCH_SIZES INPUT
     --device $device --torch-threads $threads --json "${compile[@]}"
 }
 ceiling 1,4,8,16,32 uint8 > "$out/ceiling_uint8.json"
-ceiling 1,16 jpeg > "$out/ceiling_jpeg.json"
+# The JPEG ceiling is the best forward pass in series with decode+preprocess: the same batch sizes as uint8.
+ceiling 1,4,8,16,32 jpeg > "$out/ceiling_jpeg.json"
 
 serve() {  # serve [extra flags...]: start a server in the background, wait for SERVING
   resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device $device \
@@ -51,10 +53,11 @@ bench() {  # bench NAME ARGS...
 serve
 bench served_uint8 --input uint8 --sweep 1,16
 bench served_jpeg --input jpeg --sweep 1,16
-: > "$out/rounds_ceiling.json"; : > "$out/rounds_served.json"
+: > "$out/rounds_ceiling.json"; : > "$out/rounds_served.json"; : > "$out/rounds_served_jpeg.json"
 for round in $(seq "$rounds"); do  # the server idles while the ceiling runs
-  ceiling 1,8,16 uint8 >> "$out/rounds_ceiling.json"
+  ceiling 1,8,16 jpeg >> "$out/rounds_ceiling.json"  # forward passes, and JPEG decode+preprocess
   bench "round_$round" --input uint8 --sweep 1,16 && cat "$out/round_$round.json" >> "$out/rounds_served.json"
+  bench "round_$round" --input jpeg --concurrency 16 && cat "$out/round_$round.json" >> "$out/rounds_served_jpeg.json"
   rm "$out/round_$round.json"
 done
 # c=1 against the in-process batch-1 latency of one replica (at c=1 the others idle), interleaved window by

@@ -107,6 +107,7 @@ def print_rounds(folder: Path) -> None:
     pairs = ", ".join(f"{point['images_per_s']:.1f}/{ceiling:.1f}" for point, ceiling in zip(c16, best, strict=True))
     print(f"\nAlternating rounds, served uint8 c=16 / in-process forward ceiling: {pairs} images/s; "
           f"ratio median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
+    print_jpeg_rounds(folder, ceilings)
     spreads = [(point["p99_ms"] / point["p50_ms"], in_process_spread(ceiling, point))
                for point, ceiling in zip(c16, ceilings, strict=True)]
     if all(in_process for _, in_process in spreads):
@@ -131,6 +132,19 @@ def print_rounds(folder: Path) -> None:
                   f"{interleaved['compute_minus_in_process_median_ms']:+.1f} ms, the request outside the "
                   f"server's batch {interleaved['outside_compute_median_ms']:.1f} ms; an empty gRPC call "
                   f"(GetModelInfo) round trip {interleaved['empty_call_p50_ms']:.1f} ms")
+
+
+def print_jpeg_rounds(folder: Path, ceilings: list[dict]) -> None:
+    """Served JPEG c=16 over the JPEG ceiling (the best forward pass in series with decode+preprocess), pair
+    by pair; runs before 2026-11-22 11:40 UTC had no JPEG rounds."""
+    if not (folder / "rounds_served_jpeg.json").exists():
+        return
+    served = load(folder, "rounds_served_jpeg")
+    best = [ceiling["ceiling_with_preprocess_images_per_s"] for ceiling in ceilings]
+    ratios = [point["images_per_s"] / ceiling for point, ceiling in zip(served, best, strict=True)]
+    pairs = ", ".join(f"{point['images_per_s']:.1f}/{ceiling:.1f}" for point, ceiling in zip(served, best, strict=True))
+    print(f"Alternating rounds, served JPEG c=16 / in-process ceiling with JPEG decode: {pairs} images/s; "
+          f"ratio median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
 
 
 def print_throughput_pairs(folder: Path) -> None:

@@ -221,6 +221,52 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert "batching on / off at c=4" in table
 
 
+def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsys, tmp_path, monkeypatch):
+    """scripts/bench_table.py on files written as scripts/bench_cpu.sh writes them, by short CPU runs of the
+    same commands: the JPEG ratio is over the JPEG run's own ceiling (the best forward pass in series with
+    decode), and the alternating rounds give the JPEG point its own line."""
+    running = make_server(max_batch_size=2)
+
+    def ceiling(name: str, kind: str, sizes: str) -> dict:
+        assert server_main(["bench-model", "--batch-sizes", sizes, "--duration", "0.2", "--image-size", "64x48",
+                            "--input", kind, "--json"]) == 0
+        (tmp_path / f"{name}.json").write_text(output := capsys.readouterr().out)
+        return json.loads(output)
+
+    def served(name: str, kind: str, sweep: str) -> list[dict]:
+        assert client_main(["bench", "--server", running.target, "--sweep", sweep, "--duration", "0.4",
+                            "--warmup", "0", "--input", kind, "--image-size", "64x48", "--json", "--quiet"]) == 0
+        (tmp_path / f"{name}.json").write_text(output := capsys.readouterr().out)
+        return [json.loads(line) for line in output.splitlines()]
+
+    ceiling("ceiling_uint8", "uint8", "1,2")
+    jpeg = ceiling("ceiling_jpeg", "jpeg", "1,2")
+    served("served_uint8", "uint8", "1,16")
+    jpeg_c16 = served("served_jpeg", "jpeg", "1,16")[-1]
+    served("served_uint8_nobatch", "uint8", "16")
+    rounds = [ceiling("round_ceiling", "jpeg", "1,2") for _ in range(2)]
+    (tmp_path / "rounds_ceiling.json").write_text("".join(json.dumps(one) + "\n" for one in rounds))
+    served("rounds_served", "uint8", "1,16")  # a copy stands in for the second round's uint8 points
+    (tmp_path / "rounds_served.json").write_text((tmp_path / "rounds_served.json").read_text() * 2)
+    jpeg_rounds = [served("round_jpeg", "jpeg", "16")[0] for _ in rounds]
+    (tmp_path / "rounds_served_jpeg.json").write_text("".join(json.dumps(one) + "\n" for one in jpeg_rounds))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    load_script("bench_table").main(tmp_path, "64x48")
+    table = capsys.readouterr().out
+    jpeg_ceiling = jpeg["ceiling_with_preprocess_images_per_s"]
+    assert jpeg_ceiling == pytest.approx(1 / (1 / max(jpeg["forward_images_per_s"].values())
+                                              + 1 / jpeg["preprocess_images_per_s"]))
+    assert f"| in-process ceiling with JPEG decode | {jpeg_ceiling:.1f} |" in table
+    assert f"{jpeg_c16['images_per_s'] / jpeg_ceiling:.2f} x ceiling |" in table
+    ratios = sorted(point["images_per_s"] / ceiling["ceiling_with_preprocess_images_per_s"]
+                    for point, ceiling in zip(jpeg_rounds, rounds, strict=True))
+    pairs = ", ".join(f"{point['images_per_s']:.1f}/{ceiling['ceiling_with_preprocess_images_per_s']:.1f}"
+                      for point, ceiling in zip(jpeg_rounds, rounds, strict=True))
+    assert (f"Alternating rounds, served JPEG c=16 / in-process ceiling with JPEG decode: {pairs} images/s; "
+            f"ratio median {sum(ratios) / 2:.2f} (range {ratios[0]:.2f}-{ratios[1]:.2f})") in table
+    assert "Alternating rounds, served uint8 c=16 / in-process forward ceiling:" in table
+
+
 def test_cpu_split_reads_the_server_threads_and_this_process(weights_file):
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
