@@ -103,10 +103,7 @@ def print_rounds(folder: Path) -> None:
     c16 = [point for point in served if point["concurrency"] == 16]
     c1 = [point for point in served if point["concurrency"] == 1]
     best = [max(ceiling["forward_images_per_s"].values()) for ceiling in ceilings]
-    ratios = [point["images_per_s"] / ceiling for point, ceiling in zip(c16, best, strict=True)]
-    pairs = ", ".join(f"{point['images_per_s']:.1f}/{ceiling:.1f}" for point, ceiling in zip(c16, best, strict=True))
-    print(f"\nAlternating rounds, served uint8 c=16 / in-process forward ceiling: {pairs} images/s; "
-          f"ratio median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
+    print("\n" + rate_pairs_line("served uint8 c=16 / in-process forward ceiling", c16, best))
     print_jpeg_rounds(folder, ceilings)
     spreads = [(point["p99_ms"] / point["p50_ms"], in_process_spread(ceiling, point))
                for point, ceiling in zip(c16, ceilings, strict=True)]
@@ -136,15 +133,22 @@ def print_rounds(folder: Path) -> None:
 
 def print_jpeg_rounds(folder: Path, ceilings: list[dict]) -> None:
     """Served JPEG c=16 over the JPEG ceiling (the best forward pass in series with decode+preprocess), pair
-    by pair; runs before 2026-11-22 11:40 UTC had no JPEG rounds."""
+    by pair; runs before 2026-11-22 11:36 UTC had no JPEG rounds."""
     if not (folder / "rounds_served_jpeg.json").exists():
         return
-    served = load(folder, "rounds_served_jpeg")
     best = [ceiling["ceiling_with_preprocess_images_per_s"] for ceiling in ceilings]
-    ratios = [point["images_per_s"] / ceiling for point, ceiling in zip(served, best, strict=True)]
-    pairs = ", ".join(f"{point['images_per_s']:.1f}/{ceiling:.1f}" for point, ceiling in zip(served, best, strict=True))
-    print(f"Alternating rounds, served JPEG c=16 / in-process ceiling with JPEG decode: {pairs} images/s; "
-          f"ratio median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
+    print(rate_pairs_line("served JPEG c=16 / in-process ceiling with JPEG decode",
+                          load(folder, "rounds_served_jpeg"), best))
+
+
+def rate_pairs_line(what: str, served: list[dict], ceilings: list[float]) -> str:
+    """One line for the rounds' served rates against the ceilings measured beside them: the pairs, then
+    the median ratio and its range."""
+    ratios = [point["images_per_s"] / ceiling for point, ceiling in zip(served, ceilings, strict=True)]
+    pairs = ", ".join(f"{point['images_per_s']:.1f}/{ceiling:.1f}"
+                      for point, ceiling in zip(served, ceilings, strict=True))
+    return (f"Alternating rounds, {what}: {pairs} images/s; "
+            f"ratio median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
 
 
 def print_throughput_pairs(folder: Path) -> None:
