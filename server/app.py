@@ -65,7 +65,12 @@ class App:
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
         self._no_replica = False  # every replica out of rotation: health went NOT_SERVING
+        self._give_up: asyncio.TimerHandle | None = None  # runs out --unhealthy-exit-after seconds after that
         self._draining = False
+        # Set by a signal, or when no replica has come back in time; serve() then drains and exits exit_code.
+        self.stop_requested = asyncio.Event()
+        self.stop_reason = ""
+        self.exit_code = 0
         self._health_update: asyncio.Future | None = None  # the latest change of health; held, so it is not collected
 
     async def start(self, on_bound: Callable[[int], object] | None = None) -> int:
@@ -140,20 +145,40 @@ class App:
                 {"model": MODEL_NAME, "version": MODEL_VERSION, "weights": replica.weights.source,
                  "server_version": __version__})
 
+    def request_stop(self, reason: str, exit_code: int = 0) -> None:
+        """Ask serve() to drain and end the process with ``exit_code``; the first request wins."""
+        if not self.stop_requested.is_set():
+            self.stop_reason, self.exit_code = reason, exit_code
+            self.stop_requested.set()
+
     def _no_replica_left(self) -> None:
         """Every replica is out of rotation: health says NOT_SERVING, so that balancers stop sending work
-        here and an orchestrator's probe can replace the process, unless a replica's probe brings it back first."""
-        if not self._no_replica:
-            log.error("no healthy replica is left; health now reports NOT_SERVING")
-            self._no_replica = True
-            self._change_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        here, and unless a replica's probe brings one back within --unhealthy-exit-after seconds the process
+        drains and exits 1. Its orchestrator then replaces it: a fresh process is what clears a CUDA context
+        that a fault has left unusable, and (with --workers) it moves the connections that a broken worker
+        holds, which health checks on new connections cannot see, onto working processes."""
+        if self._no_replica:
+            return
+        log.error("no healthy replica is left; health now reports NOT_SERVING")
+        self._no_replica = True
+        self._change_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if seconds := self.config.unhealthy_exit_after:
+            self._give_up = asyncio.get_running_loop().call_later(
+                seconds, self.request_stop, f"no replica back in rotation within {seconds:g}s "
+                "(--unhealthy-exit-after)", 1)
 
     def _replica_rejoined(self) -> None:
         """A replica is back in rotation: if health had gone NOT_SERVING for want of one, it is SERVING again."""
         if self._no_replica and not self._draining:
             log.warning("a replica is back in rotation; health reports SERVING again")
             self._no_replica = False
+            self._cancel_give_up()
             self._change_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def _cancel_give_up(self) -> None:
+        if self._give_up is not None:
+            self._give_up.cancel()
+            self._give_up = None
 
     def _change_health(self, status: int) -> None:
         """From a synchronous callback on the loop; each change waits for the one before, so the last wins."""
@@ -177,6 +202,7 @@ class App:
     async def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, answer accepted ones within grace, stop the workers."""
         grace = self.config.grace_period if grace is None else grace
+        self._cancel_give_up()
         await self.begin_drain()
         if self._server is not None:
             await self._server.stop(grace)
@@ -236,26 +262,28 @@ def model_info(config: ServerConfig, replicas: list[Replica], temperature: float
     )
 
 
-async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then drain within the grace period (``on_bound``: see App.start)."""
+async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None = None) -> int:
+    """Run until SIGTERM or SIGINT (exit code 0), or until no replica has been in rotation for
+    --unhealthy-exit-after seconds (1), then drain within the grace period (``on_bound``: see App.start)."""
     use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (server.threads)
     metrics = Metrics()
     metrics.registry.register(ProcessCollector(registry=None))  # RSS, CPU, open fds of this process
     metrics.registry.register(PlatformCollector(registry=None))
     app = App(config, metrics)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, app.request_stop, "signal received")
     try:
         await app.start(on_bound)
     except BaseException:
         await app.stop(0)  # close the bound port before the error ends the process
         raise
-    await stop.wait()
-    log.info("signal received: draining for up to %.1fs", config.grace_period)
+    await app.stop_requested.wait()
+    log.log(logging.ERROR if app.exit_code else logging.INFO, "%s: draining for up to %.1fs", app.stop_reason,
+            config.grace_period)
     await app.stop()
     log.info("stopped")
+    return app.exit_code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -274,14 +302,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(config: ServerConfig, on_bound: Callable[[int], object] | None = None) -> int:
-    """Serve until a signal and drain; 0, or exit 1 at once with the error in one line if start-up fails."""
+    """Serve until stopped and drain; serve()'s exit code, or exit 1 at once with the error in one line if
+    start-up fails."""
     try:
-        asyncio.run(serve(config, on_bound))
+        return asyncio.run(serve(config, on_bound))
     except StartupError as exc:
         worker = f"worker {config.worker}: " if config.workers > 1 else ""
         print(f"resnet-server: error: {worker}{exc}", file=sys.stderr)
         exit_at_once(1)
-    return 0
 
 
 def exit_at_once(code: int) -> NoReturn:

@@ -46,6 +46,7 @@ class ServerConfig:
     torch_threads: int = 0
     grace_period: float = 10.0
     replica_probe_interval: float = 30.0
+    unhealthy_exit_after: float = 300.0  # 0: never
     log_level: str = "INFO"
     log_format: str = "text"
     precision: str = "fp32"
@@ -156,6 +157,9 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("replica-probe-interval", _non_negative_float, "seconds between test batches (one blank image) on a replica "
                                                     "taken out of rotation; it rejoins when one passes (0: it "
                                                     "stays out until the server restarts)"),
+    ("unhealthy-exit-after", _non_negative_float, "seconds with no replica in rotation after which the server "
+                                                  "drains and exits 1, so that its orchestrator (or, with "
+                                                  "--workers, the supervisor's) restarts it (0: never)"),
     ("log-level", str, "DEBUG, INFO, WARNING or ERROR"),
     ("log-format", _log_format, "text (readable lines) or json (one object per line, for log pipelines)"),
     ("tls-cert", str, "server certificate chain (PEM); with --tls-key turns TLS on"),

@@ -45,6 +45,7 @@ def test_compose_file_is_valid(files):
     config = json.loads(done.stdout)
     server = config["services"]["server"]
     assert "ports" not in server  # no fixed host port, so --scale works
+    assert server["restart"] == "unless-stopped"  # a server that gives up (--unhealthy-exit-after) comes back
     assert config["services"]["prometheus"]["depends_on"]["server"]["condition"] == "service_healthy"
     has_gpu = "deploy" in server and server["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
     assert has_gpu == (len(files) == 1)

@@ -1,9 +1,11 @@
-"""Health transitions, and SIGTERM with requests in flight: every one answered, exit 0."""
+"""Health transitions; SIGTERM with requests in flight: every one answered, exit 0; and exit 1 when no replica
+comes back into rotation in time."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -12,8 +14,19 @@ import threading
 import grpc
 import pytest
 
+import server.app
 from client import AsyncClient, ClassifierError, Client
-from tests.helpers import ServerThread, base_config, encode, free_port, random_rgb, scraped_value, wait_for
+from tests.helpers import (
+    ServerThread,
+    base_config,
+    device_fell_off,
+    encode,
+    free_port,
+    random_rgb,
+    scraped_value,
+    serving,
+    wait_for,
+)
 
 IMAGE = encode(random_rgb(21))
 
@@ -66,6 +79,37 @@ def test_sigterm_answers_every_accepted_request_then_exits_zero(weights_file):
             process.kill()
     assert len(results) == 6
     assert all(isinstance(result, list) and result[0].top_k for result in results), results
+
+
+def test_the_server_drains_and_exits_1_when_no_replica_comes_back_in_time(weights_file, monkeypatch):
+    class BrokenOnceLoaded(server.app.App):
+        async def load(self) -> None:
+            await super().load()
+            self.core.router.replicas[0].batcher._compute = device_fell_off  # every batch and probe fails
+
+    monkeypatch.setattr(server.app, "App", BrokenOnceLoaded)
+    config = base_config(str(weights_file[0]), replica_probe_interval=0.05, unhealthy_exit_after=0.3)
+    ports: queue.Queue[int] = queue.Queue()
+    codes: list[grpc.StatusCode] = []
+    returned = threading.Event()
+
+    def call_until_unavailable() -> None:
+        with Client(f"127.0.0.1:{ports.get(timeout=60)}", timeout=30) as client:
+            wait_for(lambda: serving(client))
+            while not codes or codes[-1] != grpc.StatusCode.UNAVAILABLE:
+                with pytest.raises(ClassifierError) as caught:
+                    client.classify([IMAGE])
+                codes.append(caught.value.code)
+        if not returned.wait(30):  # bounded: a server that does not stop by itself is stopped (and returns 0)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    caller = threading.Thread(target=call_until_unavailable, daemon=True)
+    caller.start()
+    code = server.app.run(config, on_bound=ports.put)  # serve() on this (the main) thread, signals and all
+    returned.set()
+    caller.join(30)
+    assert code == 1
+    assert codes[:3] == [grpc.StatusCode.INTERNAL] * 3 and codes[3:] == [grpc.StatusCode.UNAVAILABLE]
 
 
 def _port_from_log(process: subprocess.Popen) -> int:

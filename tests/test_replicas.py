@@ -176,6 +176,32 @@ def test_health_is_serving_again_when_the_last_replica_rejoins(make_server):
     assert result.device == "cpu"
 
 
+def test_no_replica_back_within_unhealthy_exit_after_stops_the_server_with_exit_code_1(make_server):
+    running = make_server(replica_probe_interval=0.05, unhealthy_exit_after=0.5)
+    replica = running.app.core.router.replicas[0]
+    break_until_evicted(running, replica)
+    wait_for(running.app.stop_requested.is_set)
+    assert running.app.exit_code == 1
+    assert "--unhealthy-exit-after" in running.app.stop_reason
+    assert running.sample("resnet_replica_probes_total", device="cpu", result="failed") >= 1
+    with Client(running.target) as client:
+        assert client.health() == "NOT_SERVING"
+
+
+def test_a_replica_back_in_rotation_in_time_keeps_the_server_running(make_server):
+    running = make_server(replica_probe_interval=0.05, unhealthy_exit_after=600)
+    replica = running.app.core.router.replicas[0]
+    break_until_evicted(running, replica)
+    with Client(running.target) as client:
+        wait_for(lambda: client.health() == "NOT_SERVING")
+        give_up = running.app._give_up
+        assert give_up is not None and not give_up.cancelled()
+        replica.batcher._compute = replica.runner
+        wait_for(lambda: client.health() == "SERVING")
+    assert give_up.cancelled()
+    assert not running.app.stop_requested.is_set()
+
+
 def test_without_probes_an_evicted_replica_stays_out(make_server):
     running = make_server(devices=("cpu", "cpu"), replica_probe_interval=0)
     broken = running.app.core.router.replicas[0]
