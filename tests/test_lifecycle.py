@@ -16,6 +16,7 @@ import pytest
 
 import server.app
 from client import AsyncClient, ClassifierError, Client
+from server.replicas import FAILURES_BEFORE_EVICTION
 from tests.helpers import (
     ServerThread,
     base_config,
@@ -109,7 +110,7 @@ def test_the_server_drains_and_exits_1_when_no_replica_comes_back_in_time(weight
     returned.set()
     caller.join(30)
     assert code == 1
-    assert codes[:3] == [grpc.StatusCode.INTERNAL] * 3 and codes[3:] == [grpc.StatusCode.UNAVAILABLE]
+    assert codes == [grpc.StatusCode.INTERNAL] * FAILURES_BEFORE_EVICTION + [grpc.StatusCode.UNAVAILABLE]
 
 
 def _port_from_log(process: subprocess.Popen) -> int:
