@@ -73,19 +73,33 @@ class App:
         self.exit_code = 0
         self._health_update: asyncio.Future | None = None  # the latest change of health; held, so it is not collected
 
-    async def start(self, on_bound: Callable[[int], object] | None = None) -> int:
+    async def start(self, on_bound: Callable[[int], object] | None = None, load_first: bool = False) -> int:
         """Bind and load: the port answers health checks (NOT_SERVING) while the model loads. ``on_bound``
-        hears the port as soon as it is bound, before the model loads."""
+        hears the port as soon as it is bound. With ``load_first`` (a worker replacing one that ended, on a
+        port its siblings serve) it loads before it binds, so the kernel hands it no connection it cannot
+        answer yet."""
+        if load_first:
+            await self.load()
         port = await self.bind()
         if on_bound is not None:
             on_bound(port)
-        await self.load()
+        if not load_first:
+            await self.load()
         return port
 
-    async def bind(self) -> int:
-        """Start gRPC with health NOT_SERVING; classification answers UNAVAILABLE until load() is done."""
+    def log_serving(self) -> None:
+        """The line that says the server is up (scripts and tests wait for it)."""
         config = self.config
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        worker = f"; worker {config.worker} of {config.workers}" if config.workers > 1 else ""
+        log.info("serving %s on %s:%d (devices %s%s)", MODEL_NAME, config.host, self.port,
+                 ", ".join(replica.name for replica in self.core.router.replicas), worker)
+
+    async def bind(self) -> int:
+        """Start gRPC, with health NOT_SERVING unless the model is loaded already; until load() is done,
+        classification answers UNAVAILABLE."""
+        config = self.config
+        if self.core is None:
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         limit = config.max_message_mb * 1024 * 1024
         interceptors = [TokenAuthInterceptor(self.tokens, config.auth_health)] if self.tokens else []
         self._server = grpc.aio.server(interceptors=interceptors, options=[
@@ -135,9 +149,6 @@ class App:
             config.max_images_per_request, info.batching.max_batch_size, config.max_batch_delay_ms,
             list(info.devices)))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        worker = f"; worker {config.worker} of {config.workers}" if config.workers > 1 else ""
-        log.info("serving %s on %s:%d (devices %s%s)", MODEL_NAME, config.host, self.port, ", ".join(info.devices),
-                 worker)
 
     def _record_model_info(self, replicas: list[Replica]) -> None:
         for replica in replicas:
@@ -262,9 +273,11 @@ def model_info(config: ServerConfig, replicas: list[Replica], temperature: float
     )
 
 
-async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None = None) -> int:
+async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None = None,
+                on_serving: Callable[[], object] | None = None, load_first: bool = False) -> int:
     """Run until SIGTERM or SIGINT (exit code 0), or until no replica has been in rotation for
-    --unhealthy-exit-after seconds (1), then drain within the grace period (``on_bound``: see App.start)."""
+    --unhealthy-exit-after seconds (1), then drain within the grace period. ``on_bound`` and ``load_first``: see
+    App.start; ``on_serving`` hears when health says SERVING."""
     use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (server.threads)
     metrics = Metrics()
     metrics.registry.register(ProcessCollector(registry=None))  # RSS, CPU, open fds of this process
@@ -274,10 +287,13 @@ async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None =
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, app.request_stop, "signal received")
     try:
-        await app.start(on_bound)
+        await app.start(on_bound, load_first)
     except BaseException:
         await app.stop(0)  # close the bound port before the error ends the process
         raise
+    if on_serving is not None:
+        on_serving()  # before the log line: once that is out, a supervisor knows this worker has served
+    app.log_serving()
     await app.stop_requested.wait()
     log.log(logging.ERROR if app.exit_code else logging.INFO, "%s: draining for up to %.1fs", app.stop_reason,
             config.grace_period)
@@ -301,11 +317,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_workers(config) if config.workers > 1 else run(config)
 
 
-def run(config: ServerConfig, on_bound: Callable[[int], object] | None = None) -> int:
+def run(config: ServerConfig, on_bound: Callable[[int], object] | None = None,
+        on_serving: Callable[[], object] | None = None, load_first: bool = False) -> int:
     """Serve until stopped and drain; serve()'s exit code, or exit 1 at once with the error in one line if
     start-up fails."""
     try:
-        return asyncio.run(serve(config, on_bound))
+        return asyncio.run(serve(config, on_bound, on_serving, load_first))
     except StartupError as exc:
         worker = f"worker {config.worker}: " if config.workers > 1 else ""
         print(f"resnet-server: error: {worker}{exc}", file=sys.stderr)

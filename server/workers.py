@@ -10,8 +10,11 @@ connections (several clients, or ``resnet-client bench --connections``).
 
 Worker ``i`` serves ``/metrics`` on ``--metrics-port + i``. Workers are spawned, not forked, so none inherits
 CUDA state; the first binds (and picks the port, for ``--port 0``) before the others start, and all load at
-the same time. The supervisor forwards SIGTERM/SIGINT (each worker drains within ``--grace-period``) and, if
-a worker ends on its own, stops the rest and exits 1, so an orchestrator restarts the set as a whole.
+the same time. The supervisor forwards SIGTERM/SIGINT (each worker drains within ``--grace-period``). A
+worker that ends on its own after it served (a crash, the kernel's OOM killer, or ``--unhealthy-exit-after``)
+is replaced by a fresh process with the same index and ports while the others keep serving; its clients'
+connections break and reconnect to the live workers. One that ends before it served (it cannot bind or load,
+and a new one would fail the same way) makes the supervisor stop the rest and exit 1.
 """
 
 from __future__ import annotations
@@ -39,59 +42,104 @@ def worker_config(config: ServerConfig, index: int, port: int) -> ServerConfig:
         torch_threads=config.torch_threads or max(1, len(os.sched_getaffinity(0)) // config.workers))
 
 
+@dataclasses.dataclass
+class _Worker:
+    """One worker process and the receiving end of its reports: ("bound", port), then ("serving", 0)."""
+
+    index: int
+    process: BaseProcess
+    reports: Connection | None  # None once the worker has closed its end (it has ended)
+    port: int = 0
+    serving: bool = False
+
+    def read_reports(self) -> None:
+        """Take every report waiting; at end-of-file, stop listening (the worker has ended)."""
+        try:
+            while self.reports is not None and self.reports.poll():
+                kind, value = self.reports.recv()
+                self.serving |= kind == "serving"
+                self.port = value if kind == "bound" else self.port
+        except EOFError:
+            self.reports.close()
+            self.reports = None
+
+
 def run_workers(config: ServerConfig) -> int:
-    """Start ``config.workers`` workers and supervise them until a signal or a worker's own end; the exit code:
-    0 once every worker drained and exited 0 after a signal, 1 otherwise."""
+    """Start ``config.workers`` workers and supervise them until a signal, or until a worker ends before it
+    served; the exit code: 0 once every worker drained and exited 0 after a signal, 1 otherwise."""
     stop_signal = _SignalPipe()
-    workers: list[BaseProcess] = []
+    workers: dict[int, _Worker] = {}
     try:
         a_worker_failed = _start_and_supervise(config, stop_signal, workers)
     finally:
-        all_exited_cleanly = _stop_all(workers, config.grace_period)
+        all_exited_cleanly = _stop_all([worker.process for worker in workers.values()], config.grace_period)
         stop_signal.close()
     return 1 if a_worker_failed or not all_exited_cleanly else 0
 
 
-def _start_and_supervise(config: ServerConfig, stop_signal: _SignalPipe, workers: list[BaseProcess]) -> bool:
-    """Start the workers into ``workers``; return False when a signal comes, True when a worker ends by itself."""
-    receiver, sender = _spawn.Pipe(duplex=False)
-    workers.append(_start(config, 0, config.port, sender))
-    sender.close()  # the worker holds the only sending end now: if it ends before binding, ours reads end-of-file
-    if stop_signal.reader in wait([receiver, workers[0].sentinel, stop_signal.reader]):
-        return False
-    try:
-        port = receiver.recv()
-    except EOFError:  # worker 0 ended before binding; its own error is already on stderr
-        return _ended(workers[0])
-    workers += [_start(config, index, port, None) for index in range(1, config.workers)]
-    ready = wait([stop_signal.reader, *(worker.sentinel for worker in workers)])
-    if stop_signal.reader in ready:
-        log.info("signal received: stopping %d workers", len(workers))
-        return False
-    return _ended(next(worker for worker in workers if worker.sentinel in ready))
+def _start_and_supervise(config: ServerConfig, stop_signal: _SignalPipe, workers: dict[int, _Worker]) -> bool:
+    """Start the workers into ``workers`` (worker 0 first: it picks the port for --port 0) and keep them
+    running; return False when a signal comes, True when a worker ends before serving."""
+    workers[0] = first = _start(config, 0, config.port)
+    while not first.port:
+        ready = wait([stop_signal.reader, first.process.sentinel, *([first.reports] if first.reports else [])])
+        if stop_signal.reader in ready:
+            return False
+        first.read_reports()
+        if not first.port and first.process.sentinel in ready:  # its own error is already on stderr
+            return _ended_before_serving(first)
+    workers.update((index, _start(config, index, first.port)) for index in range(1, config.workers))
+    return _supervise(config, first.port, stop_signal, workers)
 
 
-def _ended(worker: BaseProcess) -> bool:
-    worker.join()
-    log.error("%s (pid %d) ended with code %s; stopping the others", worker.name, worker.pid, worker.exitcode)
+def _supervise(config: ServerConfig, port: int, stop_signal: _SignalPipe, workers: dict[int, _Worker]) -> bool:
+    """Replace every worker that ends after it served (a crash, or --unhealthy-exit-after), so the others keep
+    serving meanwhile; a worker that ends before serving (it cannot load, and a new one would not either) ends
+    the set. False when a signal comes, True in that case."""
+    while True:
+        listening = [worker.reports for worker in workers.values() if worker.reports is not None]
+        ready = wait([stop_signal.reader, *listening, *(worker.process.sentinel for worker in workers.values())])
+        if stop_signal.reader in ready:
+            log.info("signal received: stopping %d workers", len(workers))
+            return False
+        for worker in list(workers.values()):
+            worker.read_reports()
+            if worker.process.sentinel not in ready:
+                continue
+            if not worker.serving:
+                return _ended_before_serving(worker)
+            worker.process.join()
+            log.error("%s (pid %d) ended with code %s after serving; starting a new one", worker.process.name,
+                      worker.process.pid, worker.process.exitcode)
+            workers[worker.index] = _start(config, worker.index, port, load_first=True)
+
+
+def _ended_before_serving(worker: _Worker) -> bool:
+    worker.process.join()
+    log.error("%s (pid %d) ended with code %s before serving; stopping the others", worker.process.name,
+              worker.process.pid, worker.process.exitcode)
     return True
 
 
-def _start(config: ServerConfig, index: int, port: int, report_port: Connection | None) -> BaseProcess:
-    process = _spawn.Process(target=_worker_main, args=(worker_config(config, index, port), report_port),
+def _start(config: ServerConfig, index: int, port: int, load_first: bool = False) -> _Worker:
+    receiver, sender = _spawn.Pipe(duplex=False)
+    process = _spawn.Process(target=_worker_main, args=(worker_config(config, index, port), sender, load_first),
                              name=f"resnet-worker-{index}")
     process.start()
+    sender.close()  # the worker holds the only sending end now: when it ends, ours reads end-of-file
     log.info("started worker %d of %d (pid %d)", index, config.workers, process.pid)
-    return process
+    return _Worker(index, process, receiver)
 
 
-def _worker_main(config: ServerConfig, report_port: Connection | None) -> None:
-    """A worker process: a whole server (server.app.run); worker 0 reports the port it bound."""
+def _worker_main(config: ServerConfig, reports: Connection, load_first: bool) -> None:
+    """A worker process: a whole server (server.app.run) that reports its port once bound, then that it serves.
+    A replacement loads before it binds (``load_first``): until then its siblings take every new connection."""
     from .app import run
     from .logs import configure_logging
 
     configure_logging(config.log_level, config.log_format)
-    raise SystemExit(run(config, on_bound=report_port.send if report_port else None))
+    raise SystemExit(run(config, on_bound=lambda port: reports.send(("bound", port)),
+                         on_serving=lambda: reports.send(("serving", 0)), load_first=load_first))
 
 
 def _stop_all(workers: list[BaseProcess], grace: float) -> bool:
