@@ -109,6 +109,7 @@ class App:
             # The port is shared only among this server's own workers. gRPC allows SO_REUSEPORT by default, so
             # a second server started on a port already in use would otherwise take half its connections.
             ("grpc.so_reuseport", int(config.workers > 1)),
+            *_connection_age_options(config),
         ])
         pb_grpc.add_ClassifierServicer_to_server(self.classifier, self._server)
         oip_grpc.add_GRPCInferenceServiceServicer_to_server(self.inference, self._server)
@@ -223,6 +224,16 @@ class App:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+
+
+def _connection_age_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """GOAWAY after --max-connection-age (gRPC adds +-10% jitter, so clients do not reconnect in step), calls in
+    flight then having --grace-period to finish. A client's connection otherwise stays on the process (or, with
+    --workers, the worker) it first reached, however many have been added since."""
+    if not config.max_connection_age:
+        return []
+    return [("grpc.max_connection_age_ms", round(config.max_connection_age * 1000)),
+            ("grpc.max_connection_age_grace_ms", round(config.grace_period * 1000))]
 
 
 def in_own_thread(name: str, function: Callable[..., T], *args: object) -> asyncio.Future[T]:

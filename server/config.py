@@ -42,6 +42,7 @@ class ServerConfig:
     max_pixels: int = 40_000_000
     max_message_mb: int = 64
     max_concurrent_streams: int = 128
+    max_connection_age: float = 0.0  # 0: connections live as long as their clients keep them
     preprocess_threads: int = 2
     torch_threads: int = 0
     grace_period: float = 10.0
@@ -149,6 +150,9 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("max-pixels", _positive_int, "most pixels (H*W) in one image; guards against decompression bombs"),
     ("max-message-mb", _positive_int, "largest gRPC message received or sent, in MiB"),
     ("max-concurrent-streams", _positive_int, "most concurrent RPCs per HTTP/2 connection"),
+    ("max-connection-age", _non_negative_float, "seconds after which the server asks a client to reconnect "
+                                                "(HTTP/2 GOAWAY; calls in flight get --grace-period), so that "
+                                                "clients rebalance over servers and workers added since (0: never)"),
     ("preprocess-threads", _positive_int, "threads that decode and preprocess images (one torch thread each)"),
     ("torch-threads", _non_negative_int, "torch threads of each replica's forward pass (0: every core)"),
     ("workers", _positive_int, "server processes sharing the gRPC port (SO_REUSEPORT), for more cores than one "

@@ -28,6 +28,8 @@ def test_env_twins_and_flags_win():
     assert parse_config([], env={"RESNET_SERVER_WORKERS": "4"}).workers == 4
     assert parse_config([], env={}).unhealthy_exit_after == 300.0
     assert parse_config([], env={"RESNET_SERVER_UNHEALTHY_EXIT_AFTER": "0"}).unhealthy_exit_after == 0.0
+    assert parse_config([], env={}).max_connection_age == 0.0
+    assert parse_config(["--max-connection-age", "60"], env={}).max_connection_age == 60.0
 
 
 def test_a_boolean_flag_alone_means_true():
@@ -57,7 +59,8 @@ def test_decode_on_device_is_auto_true_or_false():
                                   ["--port", "x"], ["--compile", "maybe"],
                                   ["--decode-on-device", "gpu"], ["--compile", "--compile-mode", "fast"],
                                   ["--replica-probe-interval", "-1"], ["--replica-probe-interval", "inf"],
-                                  ["--unhealthy-exit-after", "-5"], ["--workers", "0"]])
+                                  ["--unhealthy-exit-after", "-5"],
+                                  ["--max-connection-age", "nan"], ["--workers", "0"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as caught:
         parse_config(argv, env={})

@@ -1,9 +1,10 @@
-"""Health transitions; SIGTERM with requests in flight: every one answered, exit 0; and exit 1 when no replica
-comes back into rotation in time."""
+"""Health transitions; SIGTERM with requests in flight: every one answered, exit 0; exit 1 when no replica
+comes back into rotation in time; and connections closed at --max-connection-age."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import queue
 import signal
@@ -16,6 +17,8 @@ import pytest
 
 import server.app
 from client import AsyncClient, ClassifierError, Client
+from client.api import classifier_pb2 as pb
+from client.api import classifier_pb2_grpc as pb_grpc
 from server.replicas import FAILURES_BEFORE_EVICTION
 from tests.helpers import (
     ServerThread,
@@ -111,6 +114,37 @@ def test_the_server_drains_and_exits_1_when_no_replica_comes_back_in_time(weight
     caller.join(30)
     assert code == 1
     assert codes == [grpc.StatusCode.INTERNAL] * FAILURES_BEFORE_EVICTION + [grpc.StatusCode.UNAVAILABLE]
+
+
+def test_a_connection_past_max_connection_age_is_closed_once_its_call_is_answered(make_server):
+    # A lone image waits a second for a fuller batch: each call is still in flight when the server's
+    # GOAWAY comes (at 0.3 s, +-10%), and is answered within the grace period all the same.
+    running = make_server(max_connection_age=0.3, max_batch_delay_ms=1000.0)
+    states: list[grpc.ChannelConnectivity] = []
+    changed = threading.Condition()
+
+    def record(state: grpc.ChannelConnectivity) -> None:
+        with changed:
+            states.append(state)
+            changed.notify_all()
+
+    def closed_since(start: int) -> bool:
+        seen = states[start:]
+        ready = grpc.ChannelConnectivity.READY
+        return ready in seen and grpc.ChannelConnectivity.IDLE in seen[seen.index(ready):]
+
+    request = pb.ClassifyRequest(images=[pb.Image(encoded=IMAGE)], top_k=1)
+    with grpc.insecure_channel(running.target) as channel:
+        channel.subscribe(record)
+        stub = pb_grpc.ClassifierStub(channel)
+        for _ in range(2):  # each time a new connection: the call on it answered, then the connection closed
+            with changed:
+                start = len(states)
+            (result,) = stub.Classify(request, timeout=30).results
+            assert result.queue_ms >= 900 and result.top_k
+            with changed:
+                assert changed.wait_for(functools.partial(closed_since, start), timeout=30), states
+        channel.unsubscribe(record)
 
 
 def _port_from_log(process: subprocess.Popen) -> int:
