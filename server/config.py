@@ -163,7 +163,7 @@ _FLAGS: list[tuple[str, object, str]] = [
                                                     "stays out until the server restarts)"),
     ("unhealthy-exit-after", _non_negative_float, "seconds with no replica in rotation after which the server "
                                                   "drains and exits 1, so that its orchestrator (or, with "
-                                                  "--workers, the supervisor's) restarts it (0: never)"),
+                                                  "--workers, the supervisor) replaces it (0: never)"),
     ("log-level", str, "DEBUG, INFO, WARNING or ERROR"),
     ("log-format", _log_format, "text (readable lines) or json (one object per line, for log pipelines)"),
     ("tls-cert", str, "server certificate chain (PEM); with --tls-key turns TLS on"),
