@@ -127,7 +127,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(make_server, 
         wait_for(lambda: evaluated_rules(port), timeout=30)
         rules = evaluated_rules(port)
         assert set(rules) == {"ResnetServerDown", "ResnetNoReplicaInRotation", "ResnetReplicaOutOfRotation",
-                              "ResnetRequestsFailing", "ResnetSlowRequests"}
+                              "ResnetRequestsFailing", "ResnetSlowRequests", "ResnetServerRestarting"}
         for name, rule in rules.items():
             assert (rule["health"], rule["state"]) == ("ok", "inactive"), (name, rule)
         # A replica taken out of rotation: both replica alerts match the real series (pending, for their `for:`).
