@@ -12,6 +12,13 @@ import grpc
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_TARGET = "localhost:50051"
 DEFAULT_ATTEMPTS = 3
+# How soon a lost connection is tried again: 0.1 s, then growing (x1.6, with jitter) up to 5 s, where gRPC's
+# defaults are 1 s and 120 s; meanwhile round_robin fails calls at once. When a --workers server's worker dies,
+# the reconnect can land on its listener before that closes and be reset: with the defaults a closed loop then
+# failed for about a second (README, Devices: figures). And 120 s would keep a client away from a server that
+# is back for up to two minutes.
+RECONNECT_BACKOFF = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 5000)]
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,7 @@ class ChannelConfig:
             # requests, so that a many-image call is retried too.
             ("grpc.per_rpc_retry_buffer_size", MAX_MESSAGE_BYTES),
             *([("grpc.use_local_subchannel_pool", 1)] if self.own_connection else []),
+            *RECONNECT_BACKOFF,
         ]
 
     def service_config(self) -> dict:

@@ -1,5 +1,6 @@
 """Health transitions; SIGTERM with requests in flight: every one answered, exit 0; exit 1 when no replica
-comes back into rotation in time; and connections closed at --max-connection-age."""
+comes back into rotation in time; connections closed at --max-connection-age; and a client reconnecting to a
+server back on its port."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import server.app
 from client import AsyncClient, ClassifierError, Client
 from client.api import classifier_pb2 as pb
 from client.api import classifier_pb2_grpc as pb_grpc
+from client.channel import ChannelConfig
 from server.replicas import FAILURES_BEFORE_EVICTION
 from tests.helpers import (
     ServerThread,
@@ -145,6 +147,24 @@ def test_a_connection_past_max_connection_age_is_closed_once_its_call_is_answere
             with changed:
                 assert changed.wait_for(functools.partial(closed_since, start), timeout=30), states
         channel.unsubscribe(record)
+
+
+def test_a_client_gets_through_again_once_a_stopped_server_is_back_on_its_port(weights_file):
+    port = free_port()
+    first = ServerThread(base_config(str(weights_file[0]), port=port)).start()
+    with Client(f"127.0.0.1:{port}", timeout=10, attempts=1) as client:
+        assert client.classify([IMAGE])[0].top_k
+        first.stop(grace=1.0)
+        with pytest.raises(ClassifierError) as caught:
+            client.classify([IMAGE])
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+        second = ServerThread(base_config(str(weights_file[0]), port=port)).start()
+        try:
+            wait_for(lambda: serving(client), timeout=30)  # the same channel: its reconnect backoff (0.1 s to 5 s)
+            assert client.classify([IMAGE])[0].top_k
+        finally:
+            second.stop(grace=1.0)
+    assert ("grpc.max_reconnect_backoff_ms", 5000) in ChannelConfig().options()
 
 
 def _port_from_log(process: subprocess.Popen) -> int:
