@@ -16,7 +16,6 @@ from typing import NoReturn, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import PlatformCollector, ProcessCollector
 
 from client.api import classifier_pb2 as pb
 from client.api import classifier_pb2_grpc as pb_grpc
@@ -290,10 +289,7 @@ async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None =
     --unhealthy-exit-after seconds (1), then drain within the grace period. ``on_bound`` and ``load_first``: see
     App.start; ``on_serving`` hears when health says SERVING."""
     use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (server.threads)
-    metrics = Metrics()
-    metrics.registry.register(ProcessCollector(registry=None))  # RSS, CPU, open fds of this process
-    metrics.registry.register(PlatformCollector(registry=None))
-    app = App(config, metrics)
+    app = App(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, app.request_stop, "signal received")

@@ -7,7 +7,7 @@ builds its own :class:`CollectorRegistry`, so tests read fresh samples with ``ge
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, PlatformCollector, ProcessCollector
 from prometheus_client import start_http_server as _start_http_server
 
 # 0.5 ms to 10 s: a GPU batch takes a few ms, a CPU batch or a queued burst up to seconds.
@@ -19,8 +19,11 @@ PREFIX = "resnet_"
 class Metrics:
     """All of the server's series, in one registry."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        # The process's RSS, CPU, open fds and start time (which the restart alert and panel count), and Python's.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         by_device = {"labelnames": ["device"], "registry": self.registry}
         by_code = {"labelnames": ["device", "code"], "registry": self.registry}
         self.request_latency = Histogram(
