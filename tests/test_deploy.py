@@ -40,12 +40,15 @@ def dashboard_queries() -> list[str]:
 @pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"]])
 def test_compose_file_is_valid(files):
     args = [*compose_binary(), *sum((["-f", name] for name in files), []), "config", "--format", "json"]
-    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    defaults = {name: value for name, value in os.environ.items() if not name.startswith("RESNET_SERVER_")}
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=60, env=defaults)
     assert done.returncode == 0, done.stderr
     config = json.loads(done.stdout)
     server = config["services"]["server"]
     assert "ports" not in server  # no fixed host port, so --scale works
     assert server["restart"] == "unless-stopped"  # a server that gives up (--unhealthy-exit-after) comes back
+    assert server["environment"]["RESNET_SERVER_UNHEALTHY_EXIT_AFTER"] == "300"
+    assert server["environment"]["RESNET_SERVER_MAX_CONNECTION_AGE"] == "0"
     assert config["services"]["prometheus"]["depends_on"]["server"]["condition"] == "service_healthy"
     has_gpu = "deploy" in server and server["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
     assert has_gpu == (len(files) == 1)
