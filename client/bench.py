@@ -171,7 +171,7 @@ _SAMPLE = re.compile(r'^(resnet_\w+)\{([^}]*)\} ([-+\deE.naif]+)$')
 
 def scrape(urls: str | None) -> dict[tuple[str, str], float]:
     """{(series, device): value} for the sums and counts the server view needs, summed over a comma-separated
-    list of URLs (a --workers server's workers, one /metrics each); {} without one."""
+    list of URLs (several servers) and over the other labels (a --workers server's ``worker``); {} without one."""
     values: Counter[tuple[str, str]] = Counter()
     for url in (urls or "").split(","):
         if url.strip():
@@ -191,7 +191,8 @@ def _scrape_one(url: str) -> dict[tuple[str, str], float]:
         if match and match.group(1).endswith(("_sum", "_count")):
             device = re.search(r'device="([^"]*)"', match.group(2))
             if device:
-                values[(match.group(1), device.group(1))] = float(match.group(3))
+                key = (match.group(1), device.group(1))
+                values[key] = values.get(key, 0.0) + float(match.group(3))
     return values
 
 
@@ -312,7 +313,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
                             "each connection to one of its workers)")
     bench.add_argument("--duration", type=float, default=10.0, help="measured seconds per point")
     bench.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each point")
-    bench.add_argument("--metrics", help="server's /metrics URL, or a comma-separated list (a --workers server's: "
+    bench.add_argument("--metrics", help="server's /metrics URL, or a comma-separated list (several servers: "
                                          "summed) (default http://HOST:8000/metrics)")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", help="write throughput and latency against load to this PNG")

@@ -38,7 +38,6 @@ serve() {  # serve NAME WORKERS [FLAGS...]: a server on cuda:0, its log in OUT_D
   local log="$out/$1.server.log" count=$2
   resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device cuda:0 --weights random \
     --workers "$count" "${@:3}" 2> "$log" & server_pid=$!
-  metrics_urls=$(seq -s, -f "http://127.0.0.1:%g/metrics" $metrics $((metrics + count - 1)))
   for _ in $(seq 240); do  # every worker SERVING (one health call reaches only one of them)
     [ "$(grep -c 'serving resnet18' "$log")" -ge "$count" ] && return 0
     kill -0 "$server_pid" 2>/dev/null || { tail -3 "$log"; return 1; }
@@ -48,7 +47,7 @@ serve() {  # serve NAME WORKERS [FLAGS...]: a server on cuda:0, its log in OUT_D
 stop() { kill -TERM "$server_pid"; wait "$server_pid"; }
 trap 'kill -TERM "${server_pid:-}" 2>/dev/null || true' EXIT
 bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise
-  resnet-client bench --server 127.0.0.1:$port --metrics "$metrics_urls" --input uint8 \
+  resnet-client bench --server 127.0.0.1:$port --metrics "http://127.0.0.1:$metrics/metrics" --input uint8 \
     --image-size 224x224 --duration 15 --warmup 3 --processes 8 --quiet --json "${@:2}" > "$out/$1.json"
 }
 checks() {

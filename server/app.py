@@ -123,11 +123,7 @@ class App:
             raise StartupError(f"cannot listen on {address}: the port is in use, or the address is not "
                                "this machine's") from None
         await self._server.start()
-        try:
-            self._metrics_http = serve_metrics(self.metrics, config.metrics_host, config.metrics_port)
-        except OSError as exc:
-            raise StartupError(f"cannot serve /metrics on {config.metrics_host}:{config.metrics_port}: "
-                               f"{exc.strerror}") from None
+        self._metrics_http = serve_metrics(self.metrics, config.metrics_host, config.metrics_port)
         return self.port
 
     async def load(self) -> None:

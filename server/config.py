@@ -156,7 +156,7 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("preprocess-threads", _positive_int, "threads that decode and preprocess images (one torch thread each)"),
     ("torch-threads", _non_negative_int, "torch threads of each replica's forward pass (0: every core)"),
     ("workers", _positive_int, "server processes sharing the gRPC port (SO_REUSEPORT), for more cores than one "
-                               "event loop's; worker i serves /metrics on --metrics-port + i"),
+                               "event loop's; --metrics-port serves all workers' metrics, labelled worker"),
     ("grace-period", _non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
     ("replica-probe-interval", _non_negative_float, "seconds between test batches (one blank image) on a replica "
                                                     "taken out of rotation; it rejoins when one passes (0: it "

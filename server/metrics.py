@@ -10,6 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, PlatformCollector, ProcessCollector
 from prometheus_client import start_http_server as _start_http_server
 
+from .errors import StartupError
+
 # 0.5 ms to 10 s: a GPU batch takes a few ms, a CPU batch or a queued burst up to seconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -63,7 +65,13 @@ class Metrics:
 
 def serve_metrics(metrics: Metrics, host: str, port: int):
     """Expose /metrics over HTTP in a daemon thread; returns the HTTP server (None when port is 0)."""
-    if not port:
-        return None
-    httpd, _thread = _start_http_server(port, addr=host, registry=metrics.registry)
+    return serve_registry(metrics.registry, host, port) if port else None
+
+
+def serve_registry(registry: CollectorRegistry, host: str, port: int):
+    """Serve ``registry`` on ``host:port``/metrics from a daemon thread; the HTTP server."""
+    try:
+        httpd, _thread = _start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise StartupError(f"cannot serve /metrics on {host}:{port}: {exc.strerror}") from None
     return httpd

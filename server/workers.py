@@ -8,7 +8,8 @@ binding the same port with SO_REUSEPORT, so the kernel spreads incoming connecti
 not calls: a client with one channel stays on one worker, so N workers need clients with several
 connections (several clients, or ``resnet-client bench --connections``).
 
-Worker ``i`` serves ``/metrics`` on ``--metrics-port + i``. Workers are spawned, not forked, so none inherits
+The supervisor serves ``/metrics`` on ``--metrics-port``: its workers' metrics, each sample labelled
+``worker`` (``server.worker_metrics``). Workers are spawned, not forked, so none inherits
 CUDA state; the first binds (and picks the port, for ``--port 0``) before the others start, and all load at
 the same time. The supervisor forwards SIGTERM/SIGINT (each worker drains within ``--grace-period``). A
 worker that ends on its own after it served (a crash, the kernel's OOM killer, or ``--unhealthy-exit-after``)
@@ -25,20 +26,24 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from .config import ServerConfig
+from .errors import StartupError
+from .worker_metrics import WORKER_METRICS_HOST, serve_worker_metrics, worker_metrics_port
 
 log = logging.getLogger("server.workers")
 _spawn = multiprocessing.get_context("spawn")
 
 
 def worker_config(config: ServerConfig, index: int, port: int) -> ServerConfig:
-    """Worker ``index``'s configuration: the shared port, its own metrics port, and its share of the cores."""
+    """Worker ``index``'s configuration: the shared port, its own metrics port on loopback (the supervisor
+    serves them merged), and its share of the cores."""
     return dataclasses.replace(
         config, port=port, worker=index,
-        metrics_port=config.metrics_port + index if config.metrics_port else 0,
+        metrics_host=WORKER_METRICS_HOST, metrics_port=worker_metrics_port(config.metrics_port, index),
         torch_threads=config.torch_threads or max(1, len(os.sched_getaffinity(0)) // config.workers))
 
 
@@ -67,6 +72,11 @@ class _Worker:
 def run_workers(config: ServerConfig) -> int:
     """Start ``config.workers`` workers and supervise them until a signal, or until a worker ends before it
     served; the exit code: 0 once every worker drained and exited 0 after a signal, 1 otherwise."""
+    try:  # the workers' metrics, merged, on --metrics-port; bound first, so a port taken fails at once
+        metrics_http = serve_worker_metrics(config.metrics_host, config.metrics_port, config.workers)
+    except StartupError as exc:
+        print(f"resnet-server: error: {exc}", file=sys.stderr)
+        return 1
     stop_signal = _SignalPipe()
     workers: dict[int, _Worker] = {}
     try:
@@ -74,6 +84,9 @@ def run_workers(config: ServerConfig) -> int:
     finally:
         all_exited_cleanly = _stop_all([worker.process for worker in workers.values()], config.grace_period)
         stop_signal.close()
+        if metrics_http is not None:
+            metrics_http.shutdown()
+            metrics_http.server_close()
     return 1 if a_worker_failed or not all_exited_cleanly else 0
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
+import shutil
 import socket
 import threading
 import urllib.request
@@ -11,6 +13,7 @@ from dataclasses import replace
 
 import grpc
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
@@ -23,6 +26,9 @@ from server.config import ServerConfig
 from server.metrics import Metrics
 
 TEST_SEED = 1234
+IN_CI = bool(os.environ.get("CI"))  # where CI runs, a missing tool fails its tests instead of skipping them
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None and not IN_CI,
+                                    reason="promtool/prometheus (Debian package prometheus) not installed")
 
 
 def base_config(weights: str, **overrides) -> ServerConfig:

@@ -9,19 +9,13 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from client import Client
-from tests.helpers import break_until_evicted, encode, free_port, random_rgb, wait_for
-
-ROOT = Path(__file__).resolve().parent.parent
-IN_CI = bool(os.environ.get("CI"))
-needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None and not IN_CI,
-                                    reason="promtool/prometheus (Debian package prometheus) not installed")
+from tests.helpers import IN_CI, break_until_evicted, encode, free_port, needs_promtool, random_rgb, wait_for
+from tests.prom import ALERT_RULES, ROOT, Prometheus
 
 
 def compose_binary() -> list[str] | None:
@@ -70,43 +64,11 @@ def test_alert_rules_are_valid_and_pass_their_unit_tests():
         assert "SUCCESS" in done.stdout
 
 
-def prometheus_api(port: int, path: str, **params) -> dict:
-    url = f"http://127.0.0.1:{port}/api/v1/{path}?" + urllib.parse.urlencode(params)
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.loads(response.read())
-
-
-def prometheus_query(port: int, expr: str) -> dict:
-    return prometheus_api(port, "query", query=expr)
-
-
-def evaluated_rules(port: int) -> dict[str, dict]:
-    """The loaded alerting rules by name, once every one has been evaluated at least once."""
-    groups = prometheus_api(port, "rules")["data"]["groups"]
-    rules = {rule["name"]: rule for group in groups for rule in group["rules"]}
-    evaluated = all(not rule["lastEvaluation"].startswith("0001") for rule in rules.values())
-    return rules if rules and evaluated else {}
-
-
-def rule_state(port: int, name: str) -> str:
-    return evaluated_rules(port).get(name, {}).get("state", "")
-
-
 @needs_promtool
 @pytest.mark.slow
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(make_server, tmp_path):
     running = make_server(metrics_port=free_port())
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"rule_files: ['{ROOT / 'deploy/prometheus/alerts.yml'}']\n"
-        "scrape_configs:\n  - job_name: resnet-server\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{running.app.config.metrics_port}']}}]\n")
-    port = free_port()
-    prometheus = subprocess.Popen(
-        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with Prometheus(f"127.0.0.1:{running.app.config.metrics_port}", tmp_path) as prometheus:
         image = encode(random_rgb(3))
         with Client(running.target) as client:
             deadline = time.monotonic() + 60
@@ -114,31 +76,26 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(make_server, 
             while time.monotonic() < deadline:
                 client.classify([image])
                 try:
-                    up = prometheus_query(port, 'count_over_time(resnet_requests_total{code="OK"}[1m])')
+                    up = prometheus.query('count_over_time(resnet_requests_total{code="OK"}[1m])')
                 except OSError:
                     continue
-                if up["data"]["result"] and float(up["data"]["result"][0]["value"][1]) >= 4:
+                if up and float(up[0]["value"][1]) >= 4:
                     break
             client.classify([image])
-        wait_for(lambda: prometheus_query(port, "up")["data"]["result"], timeout=30)
+        wait_for(lambda: prometheus.query("up"), timeout=30)
         for expr in dashboard_queries():
-            answer = prometheus_query(port, expr)
-            assert answer["status"] == "success", (expr, answer)
+            result = prometheus.query(expr)
             if "resnet_gpu_" not in expr:  # GPU gauges exist only on CUDA replicas
-                assert answer["data"]["result"], f"no data for {expr}"
+                assert result, f"no data for {expr}"
         # The alerting rules load and evaluate against the real series, and a healthy server fires none.
-        wait_for(lambda: evaluated_rules(port), timeout=30)
-        rules = evaluated_rules(port)
-        assert set(rules) == {"ResnetServerDown", "ResnetNoReplicaInRotation", "ResnetReplicaOutOfRotation",
-                              "ResnetRequestsFailing", "ResnetSlowRequests", "ResnetServerRestarting"}
+        wait_for(prometheus.evaluated_rules, timeout=30)
+        rules = prometheus.evaluated_rules()
+        assert set(rules) == ALERT_RULES
         for name, rule in rules.items():
             assert (rule["health"], rule["state"]) == ("ok", "inactive"), (name, rule)
         # A replica taken out of rotation: both replica alerts match the real series (pending, for their `for:`).
         break_until_evicted(running, running.app.core.router.replicas[0])
-        wait_for(lambda: rule_state(port, "ResnetNoReplicaInRotation") == "pending", timeout=30)
-        wait_for(lambda: rule_state(port, "ResnetReplicaOutOfRotation") == "pending", timeout=30)
-        (alert,) = evaluated_rules(port)["ResnetReplicaOutOfRotation"]["alerts"]
+        wait_for(lambda: prometheus.rule_state("ResnetNoReplicaInRotation") == "pending", timeout=30)
+        wait_for(lambda: prometheus.rule_state("ResnetReplicaOutOfRotation") == "pending", timeout=30)
+        (alert,) = prometheus.evaluated_rules()["ResnetReplicaOutOfRotation"]["alerts"]
         assert alert["labels"]["device"] == "cpu" and alert["labels"]["severity"] == "warning"
-    finally:
-        prometheus.terminate()
-        prometheus.wait(30)

@@ -1,10 +1,12 @@
 """--workers: several server processes on one port, each answering its own connections; the supervisor's
-signals and exit codes; and a lone server refusing a port that is already taken."""
+signals, exit codes and merged /metrics (a real Prometheus scraping it); and a lone server refusing a port
+that is already taken."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,11 +19,28 @@ from client.api import classifier_pb2 as pb
 from client.bench import LoadSpec, _closed_loop, scrape
 from server.config import ServerConfig
 from server.errors import StartupError
+from server.metrics import Metrics, serve_metrics
+from server.worker_metrics import serve_worker_metrics, worker_metrics_port
 from server.workers import worker_config
-from tests.helpers import ServerThread, base_config, encode, free_port, random_rgb, scraped_value
+from tests.helpers import (
+    ServerThread,
+    base_config,
+    encode,
+    free_port,
+    needs_promtool,
+    random_rgb,
+    scraped_value,
+    wait_for,
+)
+from tests.helpers import scrape as scrape_port
+from tests.prom import ALERT_RULES, Prometheus
 
 IMAGE = encode(random_rgb(31))
-METRICS = 'resnet_requests_total{code="OK",device="cpu"}'
+
+
+def served_by(worker: int) -> str:
+    """The sample of worker ``worker``'s answered requests on the supervisor's merged /metrics."""
+    return f'resnet_requests_total{{code="OK",device="cpu",worker="{worker}"}}'
 
 
 class Workers:
@@ -85,8 +104,9 @@ def _gone(pid: int) -> bool:
     return False
 
 
+@needs_promtool
 @pytest.mark.slow
-def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, reference):
+def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, reference, tmp_path):
     workers = Workers(str(weights_file[0]))
     try:
         port, pids = workers.serving()
@@ -99,18 +119,31 @@ def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, 
         for probabilities in answers:
             np.testing.assert_allclose(probabilities, expected, atol=1e-5)
         # The bench's closed loop over sixteen connections of one process reaches both workers, and the
-        # workers' /metrics, summed, count every image it sent (its window records the calls that ended inside
-        # it: all but the sixteen or fewer still in flight as it closed).
-        urls = ",".join(f"http://127.0.0.1:{workers.metrics_port + i}/metrics" for i in range(2))
+        # supervisor's /metrics, both workers' samples labelled by worker, counts every image it sent (its
+        # window records the calls that ended inside it: all but the sixteen or fewer still in flight as it closed).
+        url = f"http://127.0.0.1:{workers.metrics_port}/metrics"
         request = pb.ClassifyRequest(images=[pb.Image(encoded=IMAGE)], top_k=1).SerializeToString()
-        before = scrape(urls)
+        before = scrape(url)
         records = _closed_loop(LoadSpec(target, request, 16, None, 0.0, 1.0, {"timeout": 30}, connections=16))
-        after = scrape(urls)
-        served = [scraped_value(workers.metrics_port + i, METRICS) for i in range(2)]
+        after = scrape(url)
+        served = [scraped_value(workers.metrics_port, served_by(i)) for i in range(2)]
         assert all(count > 0 for count in served), served
+        assert [scraped_value(workers.metrics_port, f'resnet_worker_up{{worker="{i}"}}') for i in range(2)] == [1, 1]
         computed = after[("resnet_batch_size_sum", "cpu")] - before[("resnet_batch_size_sum", "cpu")]
         assert computed == sum(served) - 6
         assert len(records) <= computed <= len(records) + 16
+        # A real Prometheus scraping the one metrics port sees both workers, counts the same requests, and
+        # evaluates every alerting rule against their series, none firing.
+        with Prometheus(f"127.0.0.1:{workers.metrics_port}", tmp_path) as prometheus:
+            wait_for(prometheus.started, timeout=30)
+            counted = 'sum by (worker) (resnet_requests_total{code="OK"})'
+            wait_for(lambda: {int(r["metric"]["worker"]): float(r["value"][1]) for r in prometheus.query(counted)}
+                     == dict(enumerate(served)), timeout=30)
+            assert [float(r["value"][1]) for r in prometheus.query("sum(resnet_worker_up)")] == [2]
+            wait_for(prometheus.evaluated_rules, timeout=30)
+            rules = prometheus.evaluated_rules()
+            assert set(rules) == ALERT_RULES
+            assert all((rule["health"], rule["state"]) == ("ok", "inactive") for rule in rules.values()), rules
         workers.process.send_signal(signal.SIGTERM)
         assert workers.process.wait(timeout=60) == 0
         assert all(_gone(pid) for pid in pids)
@@ -135,12 +168,12 @@ def test_a_worker_that_dies_after_serving_is_replaced_while_the_other_keeps_serv
         same_port, pids_now = workers.serving(3)
         assert answered > 0
         assert same_port == port and pids_now[:2] == pids and pids_now[2] not in pids
-        # The replacement serves on the shared port, and /metrics on worker 1's port again (sixteen connections
-        # miss it with odds of 2^-16).
+        # The replacement serves on the shared port, and its metrics are in the supervisor's again, as worker
+        # 1's (sixteen connections miss it with odds of 2^-16).
         for _ in range(16):
             with Client(f"127.0.0.1:{port}", timeout=30, own_connection=True) as client:
                 client.classify([IMAGE])
-        assert scraped_value(workers.metrics_port + 1, METRICS) > 0
+        assert scraped_value(workers.metrics_port, served_by(1)) > 0
         workers.process.send_signal(signal.SIGTERM)
         assert workers.process.wait(timeout=60) == 0
         assert all(_gone(pid) for pid in pids_now)
@@ -162,11 +195,12 @@ def test_a_worker_that_cannot_start_ends_the_set_with_its_error(flags, error, bi
     assert ("started worker 1" in done.stderr) == binds
 
 
-def test_each_worker_gets_the_shared_port_its_own_metrics_port_and_a_share_of_the_cores():
+def test_each_worker_gets_the_shared_port_a_loopback_metrics_port_after_the_supervisors_and_a_share_of_the_cores():
     config = ServerConfig(workers=2, metrics_port=9000)
     cores = len(os.sched_getaffinity(0))
-    assert [(c.port, c.worker, c.metrics_port) for c in (worker_config(config, i, 6000) for i in range(2))] == \
-        [(6000, 0, 9000), (6000, 1, 9001)]
+    assert [(c.port, c.worker, c.metrics_host, c.metrics_port)
+            for c in (worker_config(config, i, 6000) for i in range(2))] == \
+        [(6000, 0, "127.0.0.1", 9001), (6000, 1, "127.0.0.1", 9002)]
     assert worker_config(config, 1, 6000).torch_threads == max(1, cores // 2)
     assert worker_config(ServerConfig(workers=2, torch_threads=3), 1, 6000).torch_threads == 3
     assert worker_config(ServerConfig(workers=2, metrics_port=0), 1, 6000).metrics_port == 0  # off stays off
@@ -179,3 +213,43 @@ def test_a_lone_server_refuses_a_port_that_is_already_taken(server, weights_file
     taken.stop(grace=0)
     with Client(server.target, timeout=30) as client:  # the server holding it is untouched
         assert client.classify([IMAGE])[0].top_k
+
+
+@needs_promtool
+def test_the_supervisors_metrics_merge_its_workers_labelled_and_mark_one_that_does_not_answer():
+    supervisor_port = free_port()
+    worker_0 = Metrics()
+    worker_0.requests.labels("cpu", "OK").inc(3)
+    worker_0.compute.labels("cpu").observe(0.2)
+    worker_0_http = serve_metrics(worker_0, "127.0.0.1", worker_metrics_port(supervisor_port, 0))
+    supervisor_http = serve_worker_metrics("127.0.0.1", supervisor_port, 2)  # worker 1 has no endpoint
+    try:
+        text = scrape_port(supervisor_port)
+        assert scraped_value(supervisor_port, 'resnet_worker_up{worker="0"}') == 1
+        assert scraped_value(supervisor_port, 'resnet_worker_up{worker="1"}') == 0
+        assert scraped_value(supervisor_port, served_by(0)) == 3
+        bucket = 'resnet_batch_compute_seconds_bucket{device="cpu",le="0.25",worker="0"}'
+        assert scraped_value(supervisor_port, bucket) == 1
+        assert scraped_value(supervisor_port, 'process_start_time_seconds{worker="0"}') > 0
+        assert [line for line in text.splitlines() if 'worker="1"' in line] == ['resnet_worker_up{worker="1"} 0.0']
+        # One HELP and TYPE per family, whatever the number of workers: Prometheus's own linter accepts it.
+        checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    finally:
+        for http in (supervisor_http, worker_0_http):
+            http.shutdown()
+            http.server_close()
+
+
+def test_workers_refuse_a_metrics_port_already_taken_before_starting_any(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "server", "--workers", "2", "--host", "127.0.0.1", "--port", "0",
+             "--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--device", "cpu", "--weights", "random"],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1
+    assert f"resnet-server: error: cannot serve /metrics on 127.0.0.1:{port}: Address already in use" in done.stderr
+    assert "started worker" not in done.stderr

@@ -1,0 +1,76 @@
+"""The ``--workers`` supervisor's ``/metrics``: every worker's metrics in one scrape, each sample labelled
+``worker``, so one scrape target per server (a container's port 8000, a pod's metrics port) sees all of its
+processes whatever ``--workers`` is.
+
+Worker ``i`` serves its own ``/metrics`` on 127.0.0.1, port ``--metrics-port + 1 + i``; at every scrape of the
+supervisor's endpoint this collector reads them all at once and merges their families. A worker that does
+not answer (being replaced, or still starting) is left out of that scrape, and ``resnet_worker_up`` says so.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from .metrics import PREFIX, serve_registry
+
+WORKER_METRICS_HOST = "127.0.0.1"  # the supervisor's endpoint is the public one
+SCRAPE_TIMEOUT = 5.0  # seconds per worker, below Prometheus's default scrape timeout (10 s)
+
+
+def worker_metrics_port(metrics_port: int, index: int) -> int:
+    """Worker ``index``'s own /metrics port: the ports after the supervisor's (0, off, stays off)."""
+    return metrics_port + 1 + index if metrics_port else 0
+
+
+class WorkersCollector(Collector):
+    """Collects the workers' /metrics, read at scrape time, as one set of families with a ``worker`` label."""
+
+    def __init__(self, metrics_port: int, workers: int) -> None:
+        self._urls = [f"http://{WORKER_METRICS_HOST}:{worker_metrics_port(metrics_port, index)}/metrics"
+                      for index in range(workers)]
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="worker-metrics")
+
+    def collect(self):
+        up = GaugeMetricFamily(PREFIX + "worker_up", "1 if the worker answered this scrape of the supervisor's "
+                               "/metrics, else 0 (being replaced, or still starting)", labels=["worker"])
+        merged: dict[str, Metric] = {}
+        for index, text in enumerate(self._pool.map(_read, self._urls)):
+            up.add_metric([str(index)], 0 if text is None else 1)
+            for family in text_string_to_metric_families(text or ""):
+                _merge(merged, family, str(index))
+        yield up
+        yield from merged.values()
+
+
+def _merge(merged: dict[str, Metric], family: Metric, worker: str) -> None:
+    """Add ``family``'s samples, labelled with their worker, to the family of the same name in ``merged``.
+    The text format's ``_created`` samples are left out: the parser turns them into families of their own."""
+    if family.name.endswith("_created"):
+        return
+    into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
+    into.samples += [sample._replace(labels={**sample.labels, "worker": worker})
+                     for sample in family.samples if not sample.name.endswith("_created")]
+
+
+def _read(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT) as response:
+            return response.read().decode()
+    except OSError:
+        return None
+
+
+def serve_worker_metrics(host: str, metrics_port: int, workers: int):
+    """The supervisor's /metrics on ``host:metrics_port`` (None when the port is 0); raises OSError if it
+    cannot bind."""
+    if not metrics_port:
+        return None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkersCollector(metrics_port, workers))
+    return serve_registry(registry, host, metrics_port)
