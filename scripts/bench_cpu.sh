@@ -9,7 +9,8 @@
 # interleaves c=1 and in-process batch 1 second by second, and scripts/throughput_pairs.py c=16 and the
 # in-process forward pass at batch 8.
 # BENCH_DEVICE (default cpu) and BENCH_TORCH_THREADS (default 0: every core) set the replica layout of
-# both sides, e.g. BENCH_DEVICE=cpu,cpu BENCH_TORCH_THREADS=1 for two single-thread replicas.
+# both sides, e.g. BENCH_DEVICE=cpu,cpu BENCH_TORCH_THREADS=1 for two single-thread replicas;
+# BENCH_PRECISION (default fp32) the precision of both (bf16: AMX on recent Xeons).
 # Talks only to a server it starts on 127.0.0.1 and stops it (by PID) when done.
 set -euo pipefail
 out=${1:-results}
@@ -21,12 +22,13 @@ size=${BENCH_IMAGE_SIZE:-640x480}
 rounds=${BENCH_ROUNDS:-5}
 device=${BENCH_DEVICE:-cpu}
 threads=${BENCH_TORCH_THREADS:-0}
+precision=${BENCH_PRECISION:-fp32}
 compile=()
 [ "${BENCH_COMPILE:-0}" = 1 ] && compile=(--compile)
 
 ceiling() {  # ceiling BATCH_SIZES INPUT
   resnet-server bench-model --weights random --batch-sizes "$1" --input "$2" --image-size $size --duration 8 \
-    --device $device --torch-threads $threads --json "${compile[@]}"
+    --device $device --torch-threads $threads --precision $precision --json "${compile[@]}"
 }
 ceiling 1,4,8,16,32 uint8 > "$out/ceiling_uint8.json"
 # The JPEG ceiling is the best forward pass in series with decode+preprocess: the same batch sizes as uint8.
@@ -34,7 +36,7 @@ ceiling 1,4,8,16,32 jpeg > "$out/ceiling_jpeg.json"
 
 serve() {  # serve [extra flags...]: start a server in the background, wait for SERVING
   resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device $device \
-    --torch-threads $threads --weights random --log-level WARNING "${compile[@]}" "$@" &
+    --torch-threads $threads --precision $precision --weights random --log-level WARNING "${compile[@]}" "$@" &
   server_pid=$!
   for _ in $(seq 400); do  # --compile compiles every batch size before SERVING
     resnet-client health --server 127.0.0.1:$port --timeout 1 >/dev/null 2>&1 && return 0
@@ -63,10 +65,10 @@ done
 # c=1 against the in-process batch-1 latency of one replica (at c=1 the others idle), interleaved window by
 # window (immune to the drift above).
 python3 scripts/latency_pairs.py --server 127.0.0.1:$port --image-size $size --device "${device%%,*}" \
-  --torch-threads $threads "${compile[@]}" > "$out/latency_pairs.json"
+  --torch-threads $threads --precision $precision "${compile[@]}" > "$out/latency_pairs.json"
 # c=16 against the in-process forward pass at the server's batch size, interleaved the same way.
 python3 scripts/throughput_pairs.py --server 127.0.0.1:$port --image-size $size --device $device \
-  --torch-threads $threads "${compile[@]}" > "$out/throughput_pairs.json"
+  --torch-threads $threads --precision $precision "${compile[@]}" > "$out/throughput_pairs.json"
 # Where the two cores go at c=16: the server's forward team, its other threads, the client (this machine's tax).
 python3 scripts/cpu_split.py --server 127.0.0.1:$port --server-pid "$server_pid" --image-size $size \
   > "$out/cpu_split.json"

@@ -34,7 +34,8 @@ def main(folder: Path, size: str) -> None:
               for name in ("served_uint8", "served_jpeg", "served_uint8_nobatch")}
     compiled = " with --compile" if uint8.get("compiled") else ""
     print(f"Measured {time.strftime('%Y-%m-%d')} on {platform.node()} ({platform.processor() or platform.machine()}, "
-          f"device {uint8.get('device', 'cpu')}, torch threads {uint8['torch_threads']}), "
+          f"device {uint8.get('device', 'cpu')}, {uint8.get('precision', 'fp32')}, "
+          f"torch threads {uint8['torch_threads']}), "
           f"scripts/bench_cpu.sh{compiled}, {size} images, "
           "seeded random weights.\n")
     print("| what | images/s | p50 ms | p99 ms | mean batch | ratio |")

@@ -253,6 +253,7 @@ def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsy
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     load_script("bench_table").main(tmp_path, "64x48")
     table = capsys.readouterr().out
+    assert "device cpu, fp32, torch threads" in table.splitlines()[0]
     jpeg_ceiling = jpeg["ceiling_with_preprocess_images_per_s"]
     assert jpeg_ceiling == pytest.approx(1 / (1 / max(jpeg["forward_images_per_s"].values())
                                               + 1 / jpeg["preprocess_images_per_s"]))
