@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .errors import StartupError
@@ -51,3 +53,13 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         return tensor
     staged = tensor if tensor.is_pinned() else tensor.pin_memory()
     return staged.to(device, non_blocking=True)
+
+
+def cpu_has_amx_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the CPU lists the ``amx_bf16`` flag (Xeons from Sapphire Rapids on; Linux only), on which
+    oneDNN runs bf16 convolutions in AMX tiles: ResNet18 about 3x faster than fp32 (README, Performance)."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and "amx_bf16" in line.split() for line in lines)

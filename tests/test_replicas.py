@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ import torch
 
 from client import AsyncClient, ClassifierError, Client
 from server.config import ServerConfig
+from server.devices import cpu_has_amx_bf16
 from server.replicas import FAILURES_BEFORE_EVICTION, max_batch_size
 from server.runner import ModelRunner, _split, cuda_graph_state_for_this_thread, warm_up_sizes
 from tests.helpers import (
@@ -349,3 +351,21 @@ def test_every_worker_thread_gets_its_own_cuda_graph_state():
     assert hasattr(seen["lock"], "acquire")
     cuda_graph_state_for_this_thread()  # the importing thread keeps what it has
     assert cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers") is main_state
+
+
+@pytest.mark.parametrize("flags, expected", [("fpu avx512f amx_bf16 amx_tile", True), ("fpu avx512f amx_tile", False)])
+def test_amx_is_read_from_the_cpu_flags(tmp_path, flags, expected):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: amx_bf16 in a name is not a flag\nflags\t\t: {flags}\n")
+    assert cpu_has_amx_bf16(cpuinfo) is expected
+    assert cpu_has_amx_bf16(tmp_path / "absent") is False
+
+
+def test_an_fp32_cpu_replica_on_an_amx_cpu_logs_the_bf16_hint(make_server, caplog):
+    caplog.set_level(logging.INFO, logger="server.replicas")
+    make_server()
+    hints = [record for record in caplog.records if "--precision bf16" in record.getMessage()]
+    assert len(hints) == (1 if cpu_has_amx_bf16() else 0)  # this machine's own /proc/cpuinfo decides
+    caplog.clear()
+    make_server(precision="bf16")
+    assert not [record for record in caplog.records if "--precision bf16" in record.getMessage()]
