@@ -16,7 +16,6 @@ import torch
 
 from .batcher import Batcher
 from .config import ServerConfig
-from .devices import cpu_has_amx_bf16
 from .errors import StartupError, Unavailable
 from .metrics import Metrics
 from .model import LoadedWeights, build_model, load_weights
@@ -114,9 +113,6 @@ def load_replica(name: str, device: torch.device, config: ServerConfig, metrics:
     log.info("replica %s ready on %s in %.2fs (weights %s)", name, device, elapsed, weights.source)
     if weights.warning:
         log.warning("%s", weights.warning)
-    if device.type == "cpu" and config.precision == "fp32" and cpu_has_amx_bf16():
-        log.info("replica %s: this CPU has AMX (amx_bf16): --precision bf16 runs the model about 3x faster "
-                 "than fp32 here, with logits within about 0.5%% of fp32's range (README, Performance)", name)
     decode_on_device = config.decode_on_device == "true" or (
         config.decode_on_device == "auto" and device.type == "cuda")
     return Replica(name, device, runner, batcher, weights, decode_on_device)
