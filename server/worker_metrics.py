@@ -67,7 +67,7 @@ def _read(url: str) -> str | None:
 
 
 def serve_worker_metrics(host: str, metrics_port: int, workers: int):
-    """The supervisor's /metrics on ``host:metrics_port`` (None when the port is 0); raises OSError if it
+    """The supervisor's /metrics on ``host:metrics_port`` (None when the port is 0); raises StartupError if it
     cannot bind."""
     if not metrics_port:
         return None
