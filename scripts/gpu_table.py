@@ -92,7 +92,9 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
 
 def main(folder: Path, fp32_batch: int, fp16_batch: int) -> None:
     device = (folder / "nvidia-smi.txt").read_text().splitlines() if (folder / "nvidia-smi.txt").exists() else []
-    gpu = next((line.strip() for line in device if "NVIDIA" in line and "Driver" not in line), "GPU")
+    # The name from the device row of nvidia-smi's table: "|   0  NVIDIA H100 80GB HBM3   On  |   ...".
+    rows = (line.split("|")[1].split() for line in device if "NVIDIA" in line and "Driver" not in line)
+    gpu = next((" ".join(cells[1:-1]) for cells in rows if len(cells) > 2), "GPU")
     print(f"Measured {time.strftime('%Y-%m-%d')} with scripts/gpu_check.sh on {gpu}; uint8 224x224 unless "
           "named, seeded random weights.\n")
     print("| what | images/s | p50 ms | p99 ms | mean batch | errors |")

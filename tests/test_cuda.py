@@ -57,7 +57,7 @@ def test_cuda_answers_match_the_cpu_reference(make_server, reference, precision,
     running = make_server(devices=("cuda:0",), precision=precision)
     float_input = reference.input_from_array(PIXELS[2]).numpy()
     with Client(running.target) as client:
-        results = client.classify([PIXELS[0], PIXELS[1], float_input], full=True)
+        results = client.classify([PIXELS[0], PIXELS[1], float_input], full=True, logits=True)
     expected = [reference.input_from_array(PIXELS[0]), reference.input_from_array(PIXELS[1]),
                 torch.from_numpy(float_input)]
     for result, model_input in zip(results, expected, strict=True):
@@ -83,9 +83,9 @@ def test_compiled_cuda_batches_are_padded_and_match_the_cpu_reference(make_serve
     running = make_server(devices=("cuda:0",), compile=True, compile_mode=compile_mode, max_batch_size=4)
     assert running.app.core.router.replicas[0].runner.compiled_sizes == [1, 2, 4]
     with Client(running.target) as client:
-        first = client.classify(PIXELS, full=True)  # one batch of 3, padded up to the graph of 4
-        second = client.classify(PIXELS[:1], full=True)  # the graph of 1 (CUDA graphs reuse their memory)
-        third = client.classify(PIXELS[1:], full=True)  # padded to 2
+        first = client.classify(PIXELS, full=True, logits=True)  # one batch of 3, padded up to the graph of 4
+        second = client.classify(PIXELS[:1], full=True, logits=True)  # the graph of 1 (CUDA graphs reuse their memory)
+        third = client.classify(PIXELS[1:], full=True, logits=True)  # padded to 2
     assert running.sample("resnet_batch_size_count", device="cuda:0") == 3
     for result, pixels in zip([*first, *second, *third], [*PIXELS, PIXELS[0], *PIXELS[1:]], strict=True):
         want = reference.logits(reference.input_from_array(pixels).unsqueeze(0))[0].numpy()
