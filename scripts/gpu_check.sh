@@ -39,12 +39,100 @@ serve() {  # serve NAME WORKERS [FLAGS...]: a server on cuda:0, its log in OUT_D
   resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device cuda:0 --weights random \
     --workers "$count" "${@:3}" 2> "$log" & server_pid=$!
   for _ in $(seq 240); do  # every worker SERVING (one health call reaches only one of them)
-    [ "$(grep -c 'serving resnet18' "$log")" -ge "$count" ] && return 0
+    local serving; serving=$(grep -c 'serving resnet18' "$log" 2>/dev/null)
+    [ "${serving:-0}" -ge "$count" ] && return 0
     kill -0 "$server_pid" 2>/dev/null || { tail -3 "$log"; return 1; }
     sleep 0.5
   done; return 1
 }
 stop() { kill -TERM "$server_pid"; wait "$server_pid"; }
+
+trap 'kill -TERM "${server_pid:-}" 2>/dev/null || true' EXIT
+bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise
+  resnet-client bench --server 127.0.0.1:$port --metrics "http://127.0.0.1:$metrics/metrics" --input uint8 \
+    --image-size 224x224 --duration 15 --warmup 3 --processes 8 --quiet --json "${@:2}" > "$out/$1.json"
+}
+checks() {
+  # Only the modules with CUDA tests: the others import test-only packages the GPU box may not have.
+  python -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_raw_batch.py tests/test_device_decode.py \
+    tests/test_replicas.py 2>&1 | tee "$out/cuda_tests.txt"
+  python scripts/precision_check.py --device cuda:0 --json "$out/precision.json" | tee "$out/precision.txt"
+  python scripts/decode_check.py --device cuda:0 --json "$out/decode.json" | tee "$out/decode.txt"
+}
+ceilings() {
+  for precision in fp32 fp16 bf16; do
+    resnet-server bench-model --device cuda:0 --precision $precision --batch-sizes 1,8,32,64,128 \
+      --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_$precision.json"
+  done
+  # What folding batch norms into the convolutions saves: the same eager fp16 model with them left in.
+  resnet-server bench-model --device cuda:0 --precision fp16 --fold-batch-norms false --batch-sizes 1,8,32,128 \
+    --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_fp16_unfolded.json"
+  for mode in default reduce-overhead; do  # the compiled graphs, launched kernel by kernel or replayed as CUDA graphs
+    resnet-server bench-model --device cuda:0 --precision fp16 --compile --compile-mode $mode --batch-sizes 1,8,64,128 \
+      --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_fp16_compiled_$mode.json"
+  done
+}
+served() {
+  # One server process, then $workers sharing the port (one event loop's CPU caps one process's calls a second;
+  # bench --connections spreads each client process over them), then sixteen images a call on one process.
+  # Each server is stopped whatever its benches did (a bench with errors exits non-zero but keeps its JSON).
+  if serve batched 1 --max-batch-size $fp32_batch; then
+    bench served_batched --sweep 1,16,64,256
+    bench served_16_per_request --concurrency 16 --images-per-request 16  # 256 images: the queue's default cap
+    stop
+  fi
+  # The GIL handed to the replica's worker sooner while the event loop is busy (python's default is 5 ms).
+  if serve switch 1 --max-batch-size $fp32_batch --switch-interval-ms 0.5; then
+    bench served_switch_interval_0.5ms --sweep 16,64,256; stop
+  fi
+  if serve nobatch 1 --max-batch-size 1; then bench served_nobatch --concurrency 256; stop; fi
+  if serve workers $workers --max-batch-size $fp32_batch; then
+    bench served_workers --concurrency 256 --connections 4; stop
+  fi
+  if serve fp16 1 --max-batch-size $fp16_batch --precision fp16; then bench served_fp16 --sweep 64,256; stop; fi
+  if serve fp16_workers $workers --max-batch-size $fp16_batch --precision fp16; then
+    bench served_fp16_workers --concurrency 256 --connections 4; stop
+  fi
+  for where in true false; do
+    if serve jpeg_$where 1 --max-batch-size $fp32_batch --decode-on-device $where; then
+      bench served_jpeg_decode_on_device_$where --input jpeg --image-size 640x480 --concurrency 256; stop
+    fi
+  done
+}
+for part in "${parts[@]}"; do
+  case $part in checks|ceilings|served) ;; *) echo "unknown part $part (checks, ceilings or served)" >&2; exit 2 ;; esac
+done
+mkdir -p "$out"
+port=50161 metrics=8161
+fp32_batch=64 fp16_batch=128  # the served batch caps; gpu_table.py compares each with the in-process forward at it
+workers=4  # server processes in the --workers runs
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
+# The GPU box may lack this project and some of its dependencies (the generated code needs grpcio >= 1.85.1
+# and protobuf >= 7.35.1; health checking and reflection are not there at all): wheels carried to it in
+# .whl/gpu go into a folder of their own, ahead of its own packages; the project runs from the checkout.
+if [ -d .whl/gpu ]; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/gpu/*.whl 2>&1 | tail -3
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+command -v resnet-server >/dev/null || resnet-server() { python -c 'import sys; from server.app import main; sys.exit(main())' "$@"; }
+command -v resnet-client >/dev/null || resnet-client() { python -c 'import sys; from client.cli import main; sys.exit(main())' "$@"; }
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+
+serve() {  # serve NAME WORKERS [FLAGS...]: a server on cuda:0, its log in OUT_DIR/NAME.server.log
+  local log="$out/$1.server.log" count=$2
+  resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device cuda:0 --weights random \
+    --workers "$count" "${@:3}" 2> "$log" & server_pid=$!
+  for _ in $(seq 240); do  # every worker SERVING (one health call reaches only one of them)
+    local serving; serving=$(grep -c 'serving resnet18' "$log" 2>/dev/null)
+    [ "${serving:-0}" -ge "$count" ] && return 0
+    kill -0 "$server_pid" 2>/dev/null || { tail -3 "$log"; return 1; }
+    sleep 0.5
+  done; return 1
+}
+stop() { kill -TERM "$server_pid"; wait "$server_pid"; }
+
 trap 'kill -TERM "${server_pid:-}" 2>/dev/null || true' EXIT
 bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise
   resnet-client bench --server 127.0.0.1:$port --metrics "http://127.0.0.1:$metrics/metrics" --input uint8 \

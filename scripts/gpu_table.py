@@ -39,7 +39,8 @@ def ceiling_label(ceiling: dict) -> str:
 
 def served_rows(folder: Path) -> list[str]:
     rows = []
-    for name in ("served_batched", "served_16_per_request", "served_workers", "served_nobatch", "served_fp16",
+    for name in ("served_batched", "served_switch_interval_0.5ms", "served_16_per_request", "served_workers",
+                  "served_nobatch", "served_fp16",
                  "served_fp16_workers", "served_jpeg_decode_on_device_true", "served_jpeg_decode_on_device_false"):
         for point in results(folder, name):
             view = next(iter(point["server"].values()), {})

@@ -293,6 +293,7 @@ async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None =
     --unhealthy-exit-after seconds (1), then drain within the grace period. ``on_bound`` and ``load_first``: see
     App.start; ``on_serving`` hears when health says SERVING."""
     use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (server.threads)
+    sys.setswitchinterval(config.switch_interval_ms / 1000)
     app = App(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

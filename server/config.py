@@ -45,6 +45,7 @@ class ServerConfig:
     max_connection_age: float = 0.0  # 0: connections live as long as their clients keep them
     preprocess_threads: int = 2
     torch_threads: int = 0
+    switch_interval_ms: float = 5.0  # Python's own default
     grace_period: float = 10.0
     replica_probe_interval: float = 30.0
     unhealthy_exit_after: float = 300.0  # 0: never
@@ -76,6 +77,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -155,6 +163,9 @@ _FLAGS: list[tuple[str, object, str]] = [
                                                 "clients rebalance over servers and workers added since (0: never)"),
     ("preprocess-threads", _positive_int, "threads that decode and preprocess images (one torch thread each)"),
     ("torch-threads", _non_negative_int, "torch threads of each replica's forward pass (0: every core)"),
+    ("switch-interval-ms", _positive_float, "how long a Python thread holds the GIL while another waits for it "
+                                            "(sys.setswitchinterval); shorter lets a replica's worker launch its "
+                                            "next GPU kernel sooner while the event loop is busy"),
     ("workers", _positive_int, "server processes sharing the gRPC port (SO_REUSEPORT), for more cores than one "
                                "event loop's; --metrics-port serves all workers' metrics, labelled worker"),
     ("grace-period", _non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
