@@ -48,7 +48,11 @@ serve() {  # serve NAME WORKERS [FLAGS...]: a server on cuda:0, its log in OUT_D
 stop() { kill -TERM "$server_pid"; wait "$server_pid"; }
 
 trap 'kill -TERM "${server_pid:-}" 2>/dev/null || true' EXIT
-bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise
+owed() {  # owed NAME...: true when a bench named is still to run (its JSON missing or empty), so a rerun resumes
+  for name; do [ -s "$out/$name.json" ] || return 0; done; return 1
+}
+bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise; skipped when its JSON is there
+  owed "$1" || return 0
   resnet-client bench --server 127.0.0.1:$port --metrics "http://127.0.0.1:$metrics/metrics" --input uint8 \
     --image-size 224x224 --duration 15 --warmup 3 --processes 8 --quiet --json "${@:2}" > "$out/$1.json"
 }
@@ -76,25 +80,25 @@ served() {
   # One server process, then $workers sharing the port (one event loop's CPU caps one process's calls a second;
   # bench --connections spreads each client process over them), then sixteen images a call on one process.
   # Each server is stopped whatever its benches did (a bench with errors exits non-zero but keeps its JSON).
-  if serve batched 1 --max-batch-size $fp32_batch; then
+  if owed served_batched served_16_per_request && serve batched 1 --max-batch-size $fp32_batch; then
     bench served_batched --sweep 1,16,64,256
     bench served_16_per_request --concurrency 16 --images-per-request 16  # 256 images: the queue's default cap
     stop
   fi
   # The GIL handed to the replica's worker sooner while the event loop is busy (python's default is 5 ms).
-  if serve switch 1 --max-batch-size $fp32_batch --switch-interval-ms 0.5; then
+  if owed served_switch_interval_0.5ms && serve switch 1 --max-batch-size $fp32_batch --switch-interval-ms 0.5; then
     bench served_switch_interval_0.5ms --sweep 16,64,256; stop
   fi
-  if serve nobatch 1 --max-batch-size 1; then bench served_nobatch --concurrency 256; stop; fi
-  if serve workers $workers --max-batch-size $fp32_batch; then
+  if owed served_nobatch && serve nobatch 1 --max-batch-size 1; then bench served_nobatch --concurrency 256; stop; fi
+  if owed served_workers && serve workers $workers --max-batch-size $fp32_batch; then
     bench served_workers --concurrency 256 --connections 4; stop
   fi
-  if serve fp16 1 --max-batch-size $fp16_batch --precision fp16; then bench served_fp16 --sweep 64,256; stop; fi
-  if serve fp16_workers $workers --max-batch-size $fp16_batch --precision fp16; then
+  if owed served_fp16 && serve fp16 1 --max-batch-size $fp16_batch --precision fp16; then bench served_fp16 --sweep 64,256; stop; fi
+  if owed served_fp16_workers && serve fp16_workers $workers --max-batch-size $fp16_batch --precision fp16; then
     bench served_fp16_workers --concurrency 256 --connections 4; stop
   fi
   for where in true false; do
-    if serve jpeg_$where 1 --max-batch-size $fp32_batch --decode-on-device $where; then
+    if owed served_jpeg_decode_on_device_$where && serve jpeg_$where 1 --max-batch-size $fp32_batch --decode-on-device $where; then
       bench served_jpeg_decode_on_device_$where --input jpeg --image-size 640x480 --concurrency 256; stop
     fi
   done
@@ -134,7 +138,11 @@ serve() {  # serve NAME WORKERS [FLAGS...]: a server on cuda:0, its log in OUT_D
 stop() { kill -TERM "$server_pid"; wait "$server_pid"; }
 
 trap 'kill -TERM "${server_pid:-}" 2>/dev/null || true' EXIT
-bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise
+owed() {  # owed NAME...: true when a bench named is still to run (its JSON missing or empty), so a rerun resumes
+  for name; do [ -s "$out/$name.json" ] || return 0; done; return 1
+}
+bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise; skipped when its JSON is there
+  owed "$1" || return 0
   resnet-client bench --server 127.0.0.1:$port --metrics "http://127.0.0.1:$metrics/metrics" --input uint8 \
     --image-size 224x224 --duration 15 --warmup 3 --processes 8 --quiet --json "${@:2}" > "$out/$1.json"
 }
