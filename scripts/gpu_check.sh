@@ -30,8 +30,8 @@ if [ -d .whl/gpu ]; then
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-command -v resnet-server >/dev/null || resnet-server() { python -c 'import sys; from server.app import main; sys.exit(main())' "$@"; }
-command -v resnet-client >/dev/null || resnet-client() { python -c 'import sys; from client.cli import main; sys.exit(main())' "$@"; }
+command -v resnet-server >/dev/null || resnet-server() { exec python -c 'import sys; from server.app import main; sys.exit(main())' "$@"; }
+command -v resnet-client >/dev/null || resnet-client() { exec python -c 'import sys; from client.cli import main; sys.exit(main())' "$@"; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 
 serve() {  # serve NAME WORKERS [FLAGS...]: a server on cuda:0, its log in OUT_DIR/NAME.server.log
