@@ -30,13 +30,15 @@ if [ -d .whl/gpu ]; then
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-command -v resnet-server >/dev/null || resnet-server() { exec python -c 'import sys; from server.app import main; sys.exit(main())' "$@"; }
-command -v resnet-client >/dev/null || resnet-client() { exec python -c 'import sys; from client.cli import main; sys.exit(main())' "$@"; }
+command -v resnet-server >/dev/null || resnet-server() { python -c 'import sys; from server.app import main; sys.exit(main())' "$@"; }
+command -v resnet-client >/dev/null || resnet-client() { python -c 'import sys; from client.cli import main; sys.exit(main())' "$@"; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 
 serve() {  # serve NAME WORKERS [FLAGS...]: a server on cuda:0, its log in OUT_DIR/NAME.server.log
   local log="$out/$1.server.log" count=$2
-  resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device cuda:0 --weights random \
+  # The server itself runs in the background (not the stand-in function's subshell), so stop's SIGTERM reaches it.
+  local command=(resnet-server); command -v resnet-server >/dev/null || command=(python -m server)
+  "${command[@]}" --host 127.0.0.1 --port $port --metrics-port $metrics --device cuda:0 --weights random \
     --workers "$count" "${@:3}" 2> "$log" & server_pid=$!
   for _ in $(seq 240); do  # every worker SERVING (one health call reaches only one of them)
     local serving; serving=$(grep -c 'serving resnet18' "$log" 2>/dev/null)
