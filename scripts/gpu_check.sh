@@ -36,6 +36,7 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 
 serve() {  # serve NAME WORKERS [FLAGS...]: a server on cuda:0, its log in OUT_DIR/NAME.server.log
   local log="$out/$1.server.log" count=$2
+  port=$((port + 1)) metrics=$((metrics + 1))  # fresh ports each time: a server that outlives stop blocks none
   # The server itself runs in the background (not the stand-in function's subshell), so stop's SIGTERM reaches it.
   local command=(resnet-server); command -v resnet-server >/dev/null || command=(python -m server)
   "${command[@]}" --host 127.0.0.1 --port $port --metrics-port $metrics --device cuda:0 --weights random \
