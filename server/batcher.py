@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .errors import ComputeFailed, DeadlineExpired, Overloaded, ServingError, Unavailable
@@ -42,8 +43,8 @@ log = logging.getLogger(__name__)
 class ImageOutput:
     """One image's result, on the CPU."""
 
-    probabilities: torch.Tensor  # [1000], softmax(logits / T)
-    logits: torch.Tensor  # [1000], before temperature
+    probabilities: np.ndarray  # float32 [1000], softmax(logits / T)
+    logits: np.ndarray  # float32 [1000], before temperature
     top_k: list[tuple[int, float]]
     temperature: float
     queue_seconds: float
@@ -265,10 +266,13 @@ class Batcher:
             return batch, []
         temperatures = torch.tensor([item.temperature for item in batch], dtype=torch.float64)
         probabilities, logits = self._compute_split_on_oom(inputs, temperatures)
+        tops = top_k(probabilities, [item.top_k for item in batch])
+        # NumPy views of the host results: indexing a row is then plain Python work, not a torch call per image.
+        probabilities, logits = probabilities.numpy(), logits.numpy()
         elapsed = time.monotonic() - started
         return batch, [
-            ImageOutput(probabilities[i], logits[i], top_k(probabilities[i], item.top_k), item.temperature,
-                        started - item.enqueued, elapsed, self.name)
+            ImageOutput(probabilities[i], logits[i], tops[i], item.temperature, started - item.enqueued, elapsed,
+                        self.name)
             for i, item in enumerate(batch)
         ]
 

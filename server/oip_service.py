@@ -173,7 +173,7 @@ def build_response(request: oip.ModelInferRequest, outputs: list[ImageOutput], n
 
 
 def _stack_probabilities(outputs: list[ImageOutput]) -> bytes:
-    return np.stack([output.probabilities.numpy() for output in outputs]).astype("<f4").tobytes()
+    return np.stack([output.probabilities for output in outputs]).astype("<f4").tobytes()
 
 
 class InferenceService(oip_grpc.GRPCInferenceServiceServicer):

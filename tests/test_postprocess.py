@@ -35,6 +35,6 @@ def test_extreme_temperatures_stay_finite(temperature):
         np.testing.assert_allclose(probabilities[0].numpy(), 0.25, atol=1e-6)  # T -> inf is uniform
 
 
-def test_top_k_orders_by_probability():
-    probabilities = torch.tensor([0.1, 0.5, 0.15, 0.25])
-    assert top_k(probabilities, 3) == [(1, 0.5), (3, 0.25), (2, pytest.approx(0.15))]
+def test_top_k_orders_by_probability_with_each_rows_own_k():
+    probabilities = torch.tensor([[0.1, 0.5, 0.15, 0.25], [0.4, 0.05, 0.3, 0.25]])
+    assert top_k(probabilities, [3, 1]) == [[(1, 0.5), (3, 0.25), (2, pytest.approx(0.15))], [(0, pytest.approx(0.4))]]
