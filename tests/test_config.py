@@ -30,6 +30,8 @@ def test_env_twins_and_flags_win():
     assert parse_config([], env={"RESNET_SERVER_UNHEALTHY_EXIT_AFTER": "0"}).unhealthy_exit_after == 0.0
     assert parse_config([], env={}).max_connection_age == 0.0
     assert parse_config(["--max-connection-age", "60"], env={}).max_connection_age == 60.0
+    assert parse_config([], env={}).switch_interval_ms == 0.5
+    assert parse_config([], env={"RESNET_SERVER_SWITCH_INTERVAL_MS": "5"}).switch_interval_ms == 5.0
 
 
 def test_a_boolean_flag_alone_means_true():
@@ -60,7 +62,8 @@ def test_decode_on_device_is_auto_true_or_false():
                                   ["--decode-on-device", "gpu"], ["--compile", "--compile-mode", "fast"],
                                   ["--replica-probe-interval", "-1"], ["--replica-probe-interval", "inf"],
                                   ["--unhealthy-exit-after", "-5"],
-                                  ["--max-connection-age", "nan"], ["--workers", "0"]])
+                                  ["--max-connection-age", "nan"], ["--workers", "0"],
+                                  ["--switch-interval-ms", "0"], ["--switch-interval-ms", "inf"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as caught:
         parse_config(argv, env={})

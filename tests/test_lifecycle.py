@@ -94,7 +94,10 @@ def test_the_server_drains_and_exits_1_when_no_replica_comes_back_in_time(weight
             self.core.router.replicas[0].batcher._compute = device_fell_off  # every batch and probe fails
 
     monkeypatch.setattr(server.app, "App", BrokenOnceLoaded)
-    config = base_config(str(weights_file[0]), replica_probe_interval=0.05, unhealthy_exit_after=0.3)
+    config = base_config(str(weights_file[0]), replica_probe_interval=0.05, unhealthy_exit_after=0.3,
+                         switch_interval_ms=0.25)
+    intervals: list[float] = []
+    monkeypatch.setattr(sys, "setswitchinterval", intervals.append)  # serve() sets it, for the whole process
     ports: queue.Queue[int] = queue.Queue()
     codes: list[grpc.StatusCode] = []
     returned = threading.Event()
@@ -115,6 +118,7 @@ def test_the_server_drains_and_exits_1_when_no_replica_comes_back_in_time(weight
     returned.set()
     caller.join(30)
     assert code == 1
+    assert intervals == [0.00025]
     assert codes == [grpc.StatusCode.INTERNAL] * FAILURES_BEFORE_EVICTION + [grpc.StatusCode.UNAVAILABLE]
 
 
