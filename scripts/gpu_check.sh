@@ -4,10 +4,11 @@
 #   ceilings  the in-process forward ceiling: eager per precision (fp16 also with batch norms unfolded);
 #             fp16 compiled, plain and as CUDA graphs
 #   served    the served sweeps: uint8 batching on and off, one server process and --workers 4, sixteen images a
-#             call; fp16 (one process and four); JPEG decoded on the GPU vs the CPU
+#             call, Python's 5 ms GIL switch interval, the forward pass as CUDA graphs; fp16 (one process and
+#             four); JPEG decoded on the GPU vs the CPU
 # Writes OUT_DIR (default results/gpu), ending with gpu_table.md (scripts/gpu_table.py, from whatever OUT_DIR
 # holds, so parts run in separate calls can be tabled together): the README's GPU table and the device
-# issue's targets.
+# issue's targets. A step whose JSON is already in OUT_DIR is skipped, so a run cut short resumes where it stopped.
 # Usage: scripts/gpu_check.sh [OUT_DIR [PART...]]   (all three parts by default; about 12 minutes on one H100)
 set -uo pipefail
 out=${1:-results/gpu}
@@ -36,9 +37,9 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 
 serve() {  # serve NAME WORKERS [FLAGS...]: a server on cuda:0, its log in OUT_DIR/NAME.server.log
   local log="$out/$1.server.log" count=$2
-  port=$((port + 1)) metrics=$((metrics + 1))  # fresh ports each time: a server that outlives stop blocks none
+  port=$((port + 10)) metrics=$((metrics + 10))  # fresh ports (workers take metrics+1...): a stray server blocks none
   # The server itself runs in the background (not the stand-in function's subshell), so stop's SIGTERM reaches it.
-  local command=(resnet-server); command -v resnet-server >/dev/null || command=(python -m server)
+  local command=(resnet-server); type -P resnet-server >/dev/null || command=(python -m server)
   "${command[@]}" --host 127.0.0.1 --port $port --metrics-port $metrics --device cuda:0 --weights random \
     --workers "$count" "${@:3}" 2> "$log" & server_pid=$!
   for _ in $(seq 240); do  # every worker SERVING (one health call reaches only one of them)
@@ -88,9 +89,13 @@ served() {
     bench served_16_per_request --concurrency 16 --images-per-request 16  # 256 images: the queue's default cap
     stop
   fi
-  # The GIL handed to the replica's worker sooner while the event loop is busy (python's default is 5 ms).
-  if owed served_switch_interval_0.5ms && serve switch 1 --max-batch-size $fp32_batch --switch-interval-ms 0.5; then
-    bench served_switch_interval_0.5ms --sweep 16,64,256; stop
+  # Python's own GIL switch interval (the server's default is 0.5 ms), and the forward pass replayed as CUDA
+  # graphs: one launch per batch instead of one per layer, each of which waits for the GIL again.
+  if owed served_switch_interval_5ms && serve switch 1 --max-batch-size $fp32_batch --switch-interval-ms 5; then
+    bench served_switch_interval_5ms --sweep 16,64,256; stop
+  fi
+  if owed served_cuda_graphs && serve graphs 1 --max-batch-size $fp32_batch --compile --compile-mode reduce-overhead; then
+    bench served_cuda_graphs --sweep 16,64,256; stop
   fi
   if owed served_nobatch && serve nobatch 1 --max-batch-size 1; then bench served_nobatch --concurrency 256; stop; fi
   if owed served_workers && serve workers $workers --max-batch-size $fp32_batch; then

@@ -39,9 +39,9 @@ def ceiling_label(ceiling: dict) -> str:
 
 def served_rows(folder: Path) -> list[str]:
     rows = []
-    for name in ("served_batched", "served_switch_interval_0.5ms", "served_16_per_request", "served_workers",
-                  "served_nobatch", "served_fp16",
-                 "served_fp16_workers", "served_jpeg_decode_on_device_true", "served_jpeg_decode_on_device_false"):
+    for name in ("served_batched", "served_switch_interval_5ms", "served_cuda_graphs", "served_16_per_request",
+                 "served_workers", "served_nobatch", "served_fp16", "served_fp16_workers",
+                 "served_jpeg_decode_on_device_true", "served_jpeg_decode_on_device_false"):
         for point in results(folder, name):
             view = next(iter(point["server"].values()), {})
             errors = ", ".join(f"{code} {count}" for code, count in point["errors"].items())
@@ -58,6 +58,7 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
     lines = []
     top = {}  # served run -> its highest-concurrency point
     for served_name, ceiling_name, batch in (("served_batched", "ceiling_fp32", fp32_batch),
+                                             ("served_cuda_graphs", "ceiling_fp32", fp32_batch),
                                              ("served_workers", "ceiling_fp32", fp32_batch),
                                              ("served_16_per_request", "ceiling_fp32", fp32_batch),
                                              ("served_fp16", "ceiling_fp16", fp16_batch),
