@@ -1,0 +1,60 @@
+"""What a torch call costs the replica's worker while another thread holds the GIL.
+
+Every torch call releases the GIL and must win it back; when the event loop is busy (parsing requests), that
+takes up to the switch interval. This times the results step of one batch of 64 done per image (three torch
+calls an image, as the batcher did before 2026-11-22) and per batch (three in all), with and without a thread
+that keeps the GIL busy, at the switch interval given.
+
+Usage: python scripts/gil_probe.py [--switch-interval-ms 5] [--batch 64] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+
+import torch
+
+from server.postprocess import top_k
+
+
+def per_image(probabilities: torch.Tensor, k: int) -> list:
+    return [top_k(probabilities[i:i + 1], [k])[0] for i in range(len(probabilities))]
+
+
+def per_batch(probabilities: torch.Tensor, k: int) -> list:
+    return top_k(probabilities, [k] * len(probabilities))
+
+
+def hold_the_gil(stop: threading.Event) -> None:
+    while not stop.is_set():  # pure Python: gives the GIL up only when the interpreter makes it
+        sum(range(1000))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--switch-interval-ms", type=float, default=5.0)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    sys.setswitchinterval(args.switch_interval_ms / 1000)
+    torch.set_num_threads(1)
+    probabilities = torch.softmax(torch.randn(args.batch, 1000, generator=torch.Generator().manual_seed(0)), 1)
+    stop = threading.Event()
+    for busy in (False, True):
+        if busy:
+            threading.Thread(target=hold_the_gil, args=(stop,), daemon=True).start()
+        for step in (per_image, per_batch):
+            started = time.perf_counter()
+            for _ in range(args.repeats):
+                step(probabilities, 5)
+            elapsed_ms = 1000 * (time.perf_counter() - started) / args.repeats
+            print(f"switch interval {args.switch_interval_ms} ms, GIL {'busy' if busy else 'free'}: "
+                  f"{step.__name__} {elapsed_ms:.2f} ms per batch of {args.batch}")
+    stop.set()
+
+
+if __name__ == "__main__":
+    main()
