@@ -21,7 +21,9 @@ mkdir -p "$out"
 port=50161 metrics=8161
 fp32_batch=64 fp16_batch=128  # the served batch caps; gpu_table.py compares each with the in-process forward at it
 workers=4  # server processes in the --workers runs
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
+# GPU_CHECK_DEVICE=cpu GPU_CHECK_DURATION=2 runs the served part's steps on the CPU, to try the script itself.
+device=${GPU_CHECK_DEVICE:-cuda:0} duration=${GPU_CHECK_DURATION:-15}
+[ "$device" = cpu ] || python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
 # The GPU box may lack this project and some of its dependencies (the generated code needs grpcio >= 1.85.1
 # and protobuf >= 7.35.1; health checking and reflection are not there at all): wheels carried to it in
 # .whl/gpu go into a folder of their own, ahead of its own packages; the project runs from the checkout.
@@ -35,12 +37,12 @@ command -v resnet-server >/dev/null || resnet-server() { python -c 'import sys; 
 command -v resnet-client >/dev/null || resnet-client() { python -c 'import sys; from client.cli import main; sys.exit(main())' "$@"; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 
-serve() {  # serve NAME WORKERS [FLAGS...]: a server on cuda:0, its log in OUT_DIR/NAME.server.log
+serve() {  # serve NAME WORKERS [FLAGS...]: a server on $device, its log in OUT_DIR/NAME.server.log
   local log="$out/$1.server.log" count=$2
   port=$((port + 10)) metrics=$((metrics + 10))  # fresh ports (workers take metrics+1...): a stray server blocks none
   # The server itself runs in the background (not the stand-in function's subshell), so stop's SIGTERM reaches it.
   local command=(resnet-server); type -P resnet-server >/dev/null || command=(python -m server)
-  "${command[@]}" --host 127.0.0.1 --port $port --metrics-port $metrics --device cuda:0 --weights random \
+  "${command[@]}" --host 127.0.0.1 --port $port --metrics-port $metrics --device "$device" --weights random \
     --workers "$count" "${@:3}" 2> "$log" & server_pid=$!
   for _ in $(seq 240); do  # every worker SERVING (one health call reaches only one of them)
     local serving; serving=$(grep -c 'serving resnet18' "$log" 2>/dev/null)
@@ -58,7 +60,7 @@ owed() {  # owed NAME...: true when a bench named is still to run (its JSON miss
 bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise; skipped when its JSON is there
   owed "$1" || return 0
   resnet-client bench --server 127.0.0.1:$port --metrics "http://127.0.0.1:$metrics/metrics" --input uint8 \
-    --image-size 224x224 --duration 15 --warmup 3 --processes 8 --quiet --json "${@:2}" > "$out/$1.json"
+    --image-size 224x224 --duration "$duration" --warmup 3 --processes 8 --quiet --json "${@:2}" > "$out/$1.json"
 }
 checks() {
   # Only the modules with CUDA tests: the others import test-only packages the GPU box may not have.
