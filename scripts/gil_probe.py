@@ -1,9 +1,10 @@
 """What a torch call costs the replica's worker while another thread holds the GIL.
 
 Every torch call releases the GIL and must win it back; when the event loop is busy (parsing requests), that
-takes up to the switch interval. This times the results step of one batch of 64 done per image (three torch
-calls an image, as the batcher did before 2026-11-22) and per batch (three in all), with and without a thread
-that keeps the GIL busy, at the switch interval given.
+takes up to the switch interval. This times two steps of one batch of 64 each way, with and without a thread
+that keeps the GIL busy, at the switch interval given: the results, per image (three torch calls an image, as
+the batcher did before 2026-11-22) and per batch (three in all); the copy of raw uint8 images into one
+tensor, per image through NumPy (which gives the GIL up for each, as before) and through a memoryview (now).
 
 Usage: python scripts/gil_probe.py [--switch-interval-ms 5] [--batch 64] [--repeats 20]
 """
@@ -15,17 +16,32 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 
 from server.postprocess import top_k
+from server.preprocess import _stack_bytes
+
+SHAPE = (224, 224, 3)
 
 
-def per_image(probabilities: torch.Tensor, k: int) -> list:
-    return [top_k(probabilities[i:i + 1], [k])[0] for i in range(len(probabilities))]
+def results_per_image(probabilities: torch.Tensor, images: list[bytes]) -> list:
+    return [top_k(probabilities[i:i + 1], [5])[0] for i in range(len(probabilities))]
 
 
-def per_batch(probabilities: torch.Tensor, k: int) -> list:
-    return top_k(probabilities, [k] * len(probabilities))
+def results_per_batch(probabilities: torch.Tensor, images: list[bytes]) -> list:
+    return top_k(probabilities, [5] * len(probabilities))
+
+
+def copy_per_image_numpy(probabilities: torch.Tensor, images: list[bytes]) -> torch.Tensor:
+    batch = torch.empty((len(images), *SHAPE), dtype=torch.uint8)
+    for row, data in zip(batch.numpy(), images, strict=True):
+        row[...] = np.frombuffer(data, dtype=np.uint8).reshape(SHAPE)
+    return batch
+
+
+def copy_memoryview(probabilities: torch.Tensor, images: list[bytes]) -> torch.Tensor:
+    return _stack_bytes(images, "uint8", SHAPE, pinned=False)
 
 
 def hold_the_gil(stop: threading.Event) -> None:
@@ -41,15 +57,18 @@ def main() -> None:
     args = parser.parse_args()
     sys.setswitchinterval(args.switch_interval_ms / 1000)
     torch.set_num_threads(1)
-    probabilities = torch.softmax(torch.randn(args.batch, 1000, generator=torch.Generator().manual_seed(0)), 1)
+    generator = torch.Generator().manual_seed(0)
+    probabilities = torch.softmax(torch.randn(args.batch, 1000, generator=generator), 1)
+    images = [torch.randint(0, 256, SHAPE, dtype=torch.uint8, generator=generator).numpy().tobytes()
+              for _ in range(args.batch)]
     stop = threading.Event()
     for busy in (False, True):
         if busy:
             threading.Thread(target=hold_the_gil, args=(stop,), daemon=True).start()
-        for step in (per_image, per_batch):
+        for step in (results_per_image, results_per_batch, copy_per_image_numpy, copy_memoryview):
             started = time.perf_counter()
             for _ in range(args.repeats):
-                step(probabilities, 5)
+                step(probabilities, images)
             elapsed_ms = 1000 * (time.perf_counter() - started) / args.repeats
             print(f"switch interval {args.switch_interval_ms} ms, GIL {'busy' if busy else 'free'}: "
                   f"{step.__name__} {elapsed_ms:.2f} ms per batch of {args.batch}")
