@@ -5,6 +5,8 @@ processes whatever ``--workers`` is.
 Worker ``i`` serves its own ``/metrics`` on 127.0.0.1, port ``--metrics-port + 1 + i``; at every scrape of the
 supervisor's endpoint this collector reads them all at once and merges their families. A worker that does
 not answer (being replaced, or still starting) is left out of that scrape, and ``resnet_worker_up`` says so.
+The supervisor's own ``process_*`` samples (its memory, CPU, open files) join them, labelled
+``worker="supervisor"``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -35,6 +37,7 @@ class WorkersCollector(Collector):
         self._urls = [f"http://{WORKER_METRICS_HOST}:{worker_metrics_port(metrics_port, index)}/metrics"
                       for index in range(workers)]
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="worker-metrics")
+        self._supervisor = ProcessCollector(registry=None)
 
     def collect(self):
         up = GaugeMetricFamily(PREFIX + "worker_up", "1 if the worker answered this scrape of the supervisor's "
@@ -44,6 +47,8 @@ class WorkersCollector(Collector):
             up.add_metric([str(index)], 0 if text is None else 1)
             for family in text_string_to_metric_families(text or ""):
                 _merge(merged, family, str(index))
+        for family in self._supervisor.collect():
+            _merge(merged, family, "supervisor")
         yield up
         yield from merged.values()
 

@@ -231,6 +231,10 @@ def test_the_supervisors_metrics_merge_its_workers_labelled_and_mark_one_that_do
         bucket = 'resnet_batch_compute_seconds_bucket{device="cpu",le="0.25",worker="0"}'
         assert scraped_value(supervisor_port, bucket) == 1
         assert scraped_value(supervisor_port, 'process_start_time_seconds{worker="0"}') > 0
+        # The supervisor's own process, in the same families as its workers'.
+        assert scraped_value(supervisor_port, 'process_resident_memory_bytes{worker="supervisor"}') > 0
+        assert scraped_value(supervisor_port, 'process_start_time_seconds{worker="supervisor"}') == \
+            scraped_value(supervisor_port, 'process_start_time_seconds{worker="0"}')  # one process here
         assert [line for line in text.splitlines() if 'worker="1"' in line] == ['resnet_worker_up{worker="1"} 0.0']
         # One HELP and TYPE per family, whatever the number of workers: Prometheus's own linter accepts it.
         checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
