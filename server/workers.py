@@ -14,7 +14,9 @@ CUDA state; the first binds (and picks the port, for ``--port 0``) before the ot
 the same time. The supervisor forwards SIGTERM/SIGINT (each worker drains within ``--grace-period``). A
 worker that ends on its own after it served (a crash, the kernel's OOM killer, or ``--unhealthy-exit-after``)
 is replaced by a fresh process with the same index and ports while the others keep serving; its clients'
-connections break and reconnect to the live workers. One that ends before it served (it cannot bind or load,
+connections break and reconnect to the live workers. One that keeps ending soon after it started (a crash
+loop) is replaced after a growing pause (``restart_delay``), so a fault that recurs does not keep a core
+loading models. One that ends before it served (it cannot bind or load,
 and a new one would fail the same way) makes the supervisor stop the rest and exit 1.
 """
 
@@ -27,6 +29,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
@@ -36,6 +39,14 @@ from .worker_metrics import WORKER_METRICS_HOST, serve_worker_metrics, worker_me
 
 log = logging.getLogger("server.workers")
 _spawn = multiprocessing.get_context("spawn")
+STABLE_SECONDS = 60.0  # a worker that ends later than this after its start was not crash-looping
+MOST_RESTART_DELAY = 30.0
+
+
+def restart_delay(quick_ends: int) -> float:
+    """Seconds before replacing a worker whose index has ended ``quick_ends`` times in a row, each within
+    STABLE_SECONDS of its start: none the first time, then 1, 2, 4 ... up to MOST_RESTART_DELAY."""
+    return 0.0 if quick_ends <= 1 else min(2.0 ** (quick_ends - 2), MOST_RESTART_DELAY)
 
 
 def worker_config(config: ServerConfig, index: int, port: int) -> ServerConfig:
@@ -56,6 +67,12 @@ class _Worker:
     reports: Connection | None  # None once the worker has closed its end (it has ended)
     port: int = 0
     serving: bool = False
+    quick_ends: int = 0  # how many workers before it on this index ended soon after their start, in a row
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+    def quick_ends_now(self) -> int:
+        """``quick_ends`` counting this worker, which has just ended: one more if it ended soon after starting."""
+        return self.quick_ends + 1 if time.monotonic() - self.started < STABLE_SECONDS else 0
 
     def read_reports(self) -> None:
         """Take every report waiting; at end-of-file, stop listening (the worker has ended)."""
@@ -107,11 +124,14 @@ def _start_and_supervise(config: ServerConfig, stop_signal: _SignalPipe, workers
 
 def _supervise(config: ServerConfig, port: int, stop_signal: _SignalPipe, workers: dict[int, _Worker]) -> bool:
     """Replace every worker that ends after it served (a crash, or --unhealthy-exit-after), so the others keep
-    serving meanwhile; a worker that ends before serving (it cannot load, and a new one would not either) ends
-    the set. False when a signal comes, True in that case."""
+    serving meanwhile, after restart_delay when it is crash-looping; a worker that ends before serving (it
+    cannot load, and a new one would not either) ends the set. False when a signal comes, True in that case."""
+    due: dict[int, tuple[float, int]] = {}  # index -> (when to start its replacement, its quick ends)
     while True:
         listening = [worker.reports for worker in workers.values() if worker.reports is not None]
-        ready = wait([stop_signal.reader, *listening, *(worker.process.sentinel for worker in workers.values())])
+        pause = max(0.0, min(when for when, _ in due.values()) - time.monotonic()) if due else None
+        ready = wait([stop_signal.reader, *listening, *(worker.process.sentinel for worker in workers.values())],
+                     pause)
         if stop_signal.reader in ready:
             log.info("signal received: stopping %d workers", len(workers))
             return False
@@ -122,9 +142,17 @@ def _supervise(config: ServerConfig, port: int, stop_signal: _SignalPipe, worker
             if not worker.serving:
                 return _ended_before_serving(worker)
             worker.process.join()
-            log.error("%s (pid %d) ended with code %s after serving; starting a new one", worker.process.name,
-                      worker.process.pid, worker.process.exitcode)
-            workers[worker.index] = _start(config, worker.index, port, load_first=True)
+            quick_ends = worker.quick_ends_now()
+            delay = restart_delay(quick_ends)
+            looping = f" (ended {quick_ends} times in a row within {STABLE_SECONDS:.0f} s of starting)" if delay else ""
+            log.error("%s (pid %d) ended with code %s after serving; starting a new one in %.0f s%s",
+                      worker.process.name, worker.process.pid, worker.process.exitcode, delay, looping)
+            del workers[worker.index]
+            due[worker.index] = (time.monotonic() + delay, quick_ends)
+        for index, (when, quick_ends) in list(due.items()):
+            if when <= time.monotonic():
+                del due[index]
+                workers[index] = _start(config, index, port, load_first=True, quick_ends=quick_ends)
 
 
 def _ended_before_serving(worker: _Worker) -> bool:
@@ -134,14 +162,14 @@ def _ended_before_serving(worker: _Worker) -> bool:
     return True
 
 
-def _start(config: ServerConfig, index: int, port: int, load_first: bool = False) -> _Worker:
+def _start(config: ServerConfig, index: int, port: int, load_first: bool = False, quick_ends: int = 0) -> _Worker:
     receiver, sender = _spawn.Pipe(duplex=False)
     process = _spawn.Process(target=_worker_main, args=(worker_config(config, index, port), sender, load_first),
                              name=f"resnet-worker-{index}")
     process.start()
     sender.close()  # the worker holds the only sending end now: when it ends, ours reads end-of-file
     log.info("started worker %d of %d (pid %d)", index, config.workers, process.pid)
-    return _Worker(index, process, receiver)
+    return _Worker(index, process, receiver, quick_ends=quick_ends)
 
 
 def _worker_main(config: ServerConfig, reports: Connection, load_first: bool) -> None:

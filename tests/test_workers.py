@@ -21,7 +21,7 @@ from server.config import ServerConfig
 from server.errors import StartupError
 from server.metrics import Metrics, serve_metrics
 from server.worker_metrics import serve_worker_metrics, worker_metrics_port
-from server.workers import worker_config
+from server.workers import MOST_RESTART_DELAY, restart_delay, worker_config
 from tests.helpers import (
     ServerThread,
     base_config,
@@ -174,11 +174,21 @@ def test_a_worker_that_dies_after_serving_is_replaced_while_the_other_keeps_serv
             with Client(f"127.0.0.1:{port}", timeout=30, own_connection=True) as client:
                 client.classify([IMAGE])
         assert scraped_value(workers.metrics_port, served_by(1)) > 0
+        # The replacement ends soon after it started too: the next one comes after a pause (a crash loop).
+        os.kill(pids_now[2], signal.SIGKILL)
+        workers.read_until(1, f"(pid {pids_now[2]}) ended with code -9 after serving; starting a new one in 1 s "
+                              "(ended 2 times in a row within 60 s of starting)")
+        _, pids_now = workers.serving(4)
         workers.process.send_signal(signal.SIGTERM)
         assert workers.process.wait(timeout=60) == 0
         assert all(_gone(pid) for pid in pids_now)
     finally:
         workers.close()
+
+
+def test_a_crash_looping_worker_is_replaced_after_a_growing_pause():
+    assert [restart_delay(ends) for ends in range(6)] == [0, 0, 1, 2, 4, 8]  # 0: it had run for a while
+    assert restart_delay(50) == MOST_RESTART_DELAY
 
 
 @pytest.mark.parametrize(("flags", "error", "binds"), [
