@@ -94,13 +94,6 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def positive_temperature(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"temperature must be finite and > 0, got {text}")
-    return value
-
-
 def _one_of(*options: str) -> Callable[[str], str]:
     """A flag type that accepts exactly one of ``options``."""
     listed = f"{', '.join(options[:-1])} or {options[-1]}"
@@ -148,7 +141,7 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("metrics-port", _non_negative_int, "Prometheus /metrics port (0 turns the endpoint off)"),
     ("device", _device_list, "cpu, cuda, cuda:N, auto, or a comma-separated list (one replica each)"),
     ("weights", str, "imagenet (torchvision, cached under TORCH_HOME), a PATH to a state_dict, or random"),
-    ("temperature", positive_temperature, "default softmax temperature T (finite, > 0)"),
+    ("temperature", _positive_float, "default softmax temperature T (finite, > 0)"),
     ("temperature-file", str, "JSON file with a fitted temperature (resnet-client calibrate); overrides --temperature"),
     ("max-batch-size", _non_negative_int, "most images in one forward pass; 0 = 32 on CUDA, 8 on the CPU"),
     ("max-batch-delay-ms", _non_negative_float, "longest the oldest queued image waits for a fuller batch"),
