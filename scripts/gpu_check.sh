@@ -33,16 +33,15 @@ if [ -d .whl/gpu ]; then
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-command -v resnet-server >/dev/null || resnet-server() { python -c 'import sys; from server.app import main; sys.exit(main())' "$@"; }
+# The server as a command, not a function: started in the background it is then the process stop signals.
+server=(resnet-server); type -P resnet-server >/dev/null || server=(python -m server)
 command -v resnet-client >/dev/null || resnet-client() { python -c 'import sys; from client.cli import main; sys.exit(main())' "$@"; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 
 serve() {  # serve NAME WORKERS [FLAGS...]: a server on $device, its log in OUT_DIR/NAME.server.log
   local log="$out/$1.server.log" count=$2
   port=$((port + 10)) metrics=$((metrics + 10))  # fresh ports (workers take metrics+1...): a stray server blocks none
-  # The server itself runs in the background (not the stand-in function's subshell), so stop's SIGTERM reaches it.
-  local command=(resnet-server); type -P resnet-server >/dev/null || command=(python -m server)
-  "${command[@]}" --host 127.0.0.1 --port $port --metrics-port $metrics --device "$device" --weights random \
+  "${server[@]}" --host 127.0.0.1 --port $port --metrics-port $metrics --device "$device" --weights random \
     --workers "$count" "${@:3}" 2> "$log" & server_pid=$!
   for _ in $(seq 240); do  # every worker SERVING (one health call reaches only one of them)
     local serving; serving=$(grep -c 'serving resnet18' "$log" 2>/dev/null)
@@ -71,14 +70,14 @@ checks() {
 }
 ceilings() {
   for precision in fp32 fp16 bf16; do
-    resnet-server bench-model --device cuda:0 --precision $precision --batch-sizes 1,8,32,64,128 \
+    "${server[@]}" bench-model --device cuda:0 --precision $precision --batch-sizes 1,8,32,64,128 \
       --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_$precision.json"
   done
   # What folding batch norms into the convolutions saves: the same eager fp16 model with them left in.
-  resnet-server bench-model --device cuda:0 --precision fp16 --fold-batch-norms false --batch-sizes 1,8,32,128 \
+  "${server[@]}" bench-model --device cuda:0 --precision fp16 --fold-batch-norms false --batch-sizes 1,8,32,128 \
     --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_fp16_unfolded.json"
   for mode in default reduce-overhead; do  # the compiled graphs, launched kernel by kernel or replayed as CUDA graphs
-    resnet-server bench-model --device cuda:0 --precision fp16 --compile --compile-mode $mode --batch-sizes 1,8,64,128 \
+    "${server[@]}" bench-model --device cuda:0 --precision fp16 --compile --compile-mode $mode --batch-sizes 1,8,64,128 \
       --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_fp16_compiled_$mode.json"
   done
 }
