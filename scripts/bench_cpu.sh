@@ -2,7 +2,8 @@
 # The CPU benchmark in one go: the in-process ceiling, then the served sweep, side by side, same weights.
 # Usage: scripts/bench_cpu.sh [OUT_DIR]   (default results/); about 20 minutes on 2 cores.
 # BENCH_IMAGE_SIZE (WxH, default 640x480) and BENCH_DURATION (seconds per point, default 15) tune it;
-# BENCH_COMPILE=1 measures torch.compile (--compile) in both the ceiling and the server; BENCH_ROUNDS
+# BENCH_COMPILE=1 measures torch.compile (--compile) in both the ceiling and the server, BENCH_TORCHSCRIPT=1
+# the frozen TorchScript graph (--torchscript); BENCH_ROUNDS
 # (default 5) alternates the ceiling (batch 1, 8, 16, and JPEG decode+preprocess) with served uint8 (c=1,
 # c=16) and JPEG (c=16) that many times, so the headline figures are medians of pairs measured seconds
 # apart rather than one pair (this VM's speed drifts 10-40% over minutes), then scripts/latency_pairs.py
@@ -23,12 +24,13 @@ rounds=${BENCH_ROUNDS:-5}
 device=${BENCH_DEVICE:-cpu}
 threads=${BENCH_TORCH_THREADS:-0}
 precision=${BENCH_PRECISION:-fp32}
-compile=()
-[ "${BENCH_COMPILE:-0}" = 1 ] && compile=(--compile)
+graph=()  # how the model runs, on both sides
+[ "${BENCH_COMPILE:-0}" = 1 ] && graph=(--compile)
+[ "${BENCH_TORCHSCRIPT:-0}" = 1 ] && graph=(--torchscript)
 
 ceiling() {  # ceiling BATCH_SIZES INPUT
   resnet-server bench-model --weights random --batch-sizes "$1" --input "$2" --image-size $size --duration 8 \
-    --device $device --torch-threads $threads --precision $precision --json "${compile[@]}"
+    --device $device --torch-threads $threads --precision $precision --json "${graph[@]}"
 }
 ceiling 1,4,8,16,32 uint8 > "$out/ceiling_uint8.json"
 # The JPEG ceiling is the best forward pass in series with decode+preprocess: the same batch sizes as uint8.
@@ -36,7 +38,7 @@ ceiling 1,4,8,16,32 jpeg > "$out/ceiling_jpeg.json"
 
 serve() {  # serve [extra flags...]: start a server in the background, wait for SERVING
   resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device $device \
-    --torch-threads $threads --precision $precision --weights random --log-level WARNING "${compile[@]}" "$@" &
+    --torch-threads $threads --precision $precision --weights random --log-level WARNING "${graph[@]}" "$@" &
   server_pid=$!
   for _ in $(seq 400); do  # --compile compiles every batch size before SERVING
     resnet-client health --server 127.0.0.1:$port --timeout 1 >/dev/null 2>&1 && return 0
@@ -65,10 +67,10 @@ done
 # c=1 against the in-process batch-1 latency of one replica (at c=1 the others idle), interleaved window by
 # window (immune to the drift above).
 python3 scripts/latency_pairs.py --server 127.0.0.1:$port --image-size $size --device "${device%%,*}" \
-  --torch-threads $threads --precision $precision "${compile[@]}" > "$out/latency_pairs.json"
+  --torch-threads $threads --precision $precision "${graph[@]}" > "$out/latency_pairs.json"
 # c=16 against the in-process forward pass at the server's batch size, interleaved the same way.
 python3 scripts/throughput_pairs.py --server 127.0.0.1:$port --image-size $size --device $device \
-  --torch-threads $threads --precision $precision "${compile[@]}" > "$out/throughput_pairs.json"
+  --torch-threads $threads --precision $precision "${graph[@]}" > "$out/throughput_pairs.json"
 # Where the two cores go at c=16: the server's forward team, its other threads, the client (this machine's tax).
 python3 scripts/cpu_split.py --server 127.0.0.1:$port --server-pid "$server_pid" --image-size $size \
   > "$out/cpu_split.json"

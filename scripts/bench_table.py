@@ -32,11 +32,11 @@ def main(folder: Path, size: str) -> None:
     batch1_ms = batch1_latency_ms(uint8)
     served = {name: {p["concurrency"]: p for p in load(folder, name)}
               for name in ("served_uint8", "served_jpeg", "served_uint8_nobatch")}
-    compiled = " with --compile" if uint8.get("compiled") else ""
+    graph = " with --compile" if uint8.get("compiled") else " with --torchscript" if uint8.get("torchscript") else ""
     print(f"Measured {time.strftime('%Y-%m-%d')} on {platform.node()} ({platform.processor() or platform.machine()}, "
           f"device {uint8.get('device', 'cpu')}, {uint8.get('precision', 'fp32')}, "
           f"torch threads {uint8['torch_threads']}), "
-          f"scripts/bench_cpu.sh{compiled}, {size} images, "
+          f"scripts/bench_cpu.sh{graph}, {size} images, "
           "seeded random weights.\n")
     print("| what | images/s | p50 ms | p99 ms | mean batch | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")

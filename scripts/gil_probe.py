@@ -1,10 +1,13 @@
 """What a torch call costs the replica's worker while another thread holds the GIL.
 
 Every torch call releases the GIL and must win it back; when the event loop is busy (parsing requests), that
-takes up to the switch interval. This times two steps of one batch of 64 each way, with and without a thread
-that keeps the GIL busy, at the switch interval given: the results, per image (three torch calls an image, as
-the batcher did before 2026-11-22) and per batch (three in all); the copy of raw uint8 images into one
-tensor, per image through NumPy (which gives the GIL up for each, as before) and through a memoryview (now).
+takes up to the switch interval. This times three steps of one batch (--batch images) each way, with and without
+a thread that keeps the GIL busy, at the switch interval given: the results, per image (three torch calls an
+image, as the batcher did before 2026-11-22) and per batch (three in all); the copy of raw uint8 images into
+one tensor, per image through NumPy (which gives the GIL up for each, as before) and through a memoryview
+(now); and the forward pass of eight 64x64 images (short, as a GPU's is, so the waits show), eager (a GIL
+round trip per operator) and as the runner's frozen TorchScript graph (--torchscript: one). One torch thread,
+so that on two cores the busy thread and the torch calls each have a core and only the GIL is shared.
 
 Usage: python scripts/gil_probe.py [--switch-interval-ms 5] [--batch 64] [--repeats 20]
 """
@@ -19,8 +22,10 @@ import time
 import numpy as np
 import torch
 
+from server.model import LoadedWeights, build_model, random_state_dict
 from server.postprocess import top_k
 from server.preprocess import _stack_bytes
+from server.runner import ModelRunner
 
 SHAPE = (224, 224, 3)
 
@@ -44,6 +49,26 @@ def copy_memoryview(probabilities: torch.Tensor, images: list[bytes]) -> torch.T
     return _stack_bytes(images, "uint8", SHAPE, pinned=False)
 
 
+def forward_steps() -> list:
+    """The forward pass of one runner, eager and as TorchScript, each a step like the ones above."""
+    cpu = torch.device("cpu")
+    small = torch.zeros((8, 3, 64, 64))
+    steps = []
+    for torchscript in (False, True):
+        runner = ModelRunner(build_model(LoadedWeights(random_state_dict(), "random"), cpu), cpu,
+                             torchscript=torchscript)
+
+        def forward(probabilities, images, network=runner._network) -> torch.Tensor:
+            with torch.inference_mode():
+                return network(small)
+
+        forward.__name__ = "forward_torchscript" if torchscript else "forward_eager"
+        forward(None, None)
+        forward(None, None)  # TorchScript optimises a graph on its second call
+        steps.append(forward)
+    return steps
+
+
 def hold_the_gil(stop: threading.Event) -> None:
     while not stop.is_set():  # pure Python: gives the GIL up only when the interpreter makes it
         sum(range(1000))
@@ -61,17 +86,18 @@ def main() -> None:
     probabilities = torch.softmax(torch.randn(args.batch, 1000, generator=generator), 1)
     images = [torch.randint(0, 256, SHAPE, dtype=torch.uint8, generator=generator).numpy().tobytes()
               for _ in range(args.batch)]
+    steps = [results_per_image, results_per_batch, copy_per_image_numpy, copy_memoryview, *forward_steps()]
     stop = threading.Event()
     for busy in (False, True):
         if busy:
             threading.Thread(target=hold_the_gil, args=(stop,), daemon=True).start()
-        for step in (results_per_image, results_per_batch, copy_per_image_numpy, copy_memoryview):
+        for step in steps:
             started = time.perf_counter()
             for _ in range(args.repeats):
                 step(probabilities, images)
             elapsed_ms = 1000 * (time.perf_counter() - started) / args.repeats
             print(f"switch interval {args.switch_interval_ms} ms, GIL {'busy' if busy else 'free'}: "
-                  f"{step.__name__} {elapsed_ms:.2f} ms per batch of {args.batch}")
+                  f"{step.__name__} {elapsed_ms:.2f} ms a call")
     stop.set()
 
 

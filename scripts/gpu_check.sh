@@ -2,10 +2,10 @@
 # Every GPU check, for a machine with CUDA, in three parts that each fit in a 10-minute slot:
 #   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement
 #   ceilings  the in-process forward ceiling: eager per precision (fp16 also with batch norms unfolded);
-#             fp16 compiled, plain and as CUDA graphs
+#             fp16 compiled, plain and as CUDA graphs; fp32 and fp16 as TorchScript
 #   served    the served sweeps: uint8 batching on and off, one server process and --workers 4, sixteen images a
-#             call, Python's 5 ms GIL switch interval, the forward pass as CUDA graphs; fp16 (one process and
-#             four); JPEG decoded on the GPU vs the CPU
+#             call, the forward pass as TorchScript, Python's 5 ms GIL switch interval, the forward pass as CUDA
+#             graphs; fp16 (one process and four); JPEG decoded on the GPU vs the CPU
 # Writes OUT_DIR (default results/gpu), ending with gpu_table.md (scripts/gpu_table.py, from whatever OUT_DIR
 # holds, so parts run in separate calls can be tabled together): the README's GPU table and the device
 # issue's targets. A step whose JSON is already in OUT_DIR is skipped, so a run cut short resumes where it stopped.
@@ -80,6 +80,10 @@ ceilings() {
     "${server[@]}" bench-model --device cuda:0 --precision fp16 --compile --compile-mode $mode --batch-sizes 1,8,64,128 \
       --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_fp16_compiled_$mode.json"
   done
+  for precision in fp32 fp16; do  # the whole forward pass in C++: one GIL round trip a batch
+    "${server[@]}" bench-model --device cuda:0 --precision $precision --torchscript --batch-sizes 1,8,64,128 \
+      --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_${precision}_torchscript.json"
+  done
 }
 served() {
   # One server process, then $workers sharing the port (one event loop's CPU caps one process's calls a second;
@@ -90,8 +94,12 @@ served() {
     bench served_16_per_request --concurrency 16 --images-per-request 16  # 256 images: the queue's default cap
     stop
   fi
-  # Python's own GIL switch interval (the server's default is 0.5 ms), and the forward pass replayed as CUDA
-  # graphs: one launch per batch instead of one per layer, each of which waits for the GIL again.
+  # The forward pass as TorchScript, and replayed as CUDA graphs: one GIL round trip a batch instead of one per
+  # operator, each of which waits for the busy event loop; and Python's own GIL switch interval (the server's
+  # default is 0.5 ms).
+  if owed served_torchscript && serve torchscript 1 --max-batch-size $fp32_batch --torchscript; then
+    bench served_torchscript --sweep 16,64,256; stop
+  fi
   if owed served_switch_interval_5ms && serve switch 1 --max-batch-size $fp32_batch --switch-interval-ms 5; then
     bench served_switch_interval_5ms --sweep 16,64,256; stop
   fi

@@ -23,7 +23,8 @@ def results(folder: Path, name: str) -> list[dict]:
 def ceiling_rows(folder: Path) -> list[str]:
     rows = []
     compiled = (f"ceiling_fp16_compiled_{mode}" for mode in ("default", "reduce-overhead"))
-    for name in (*(f"ceiling_{p}" for p in PRECISIONS), "ceiling_fp16_unfolded", *compiled):
+    torchscript = (f"ceiling_{p}_torchscript" for p in ("fp32", "fp16"))
+    for name in (*(f"ceiling_{p}" for p in PRECISIONS), "ceiling_fp16_unfolded", *compiled, *torchscript):
         for ceiling in results(folder, name)[:1]:
             for size, rate in ceiling["forward_images_per_s"].items():
                 rows.append(f"| in-process forward, {ceiling_label(ceiling)}, batch {size} | {rate:.0f} | | | | |")
@@ -31,15 +32,17 @@ def ceiling_rows(folder: Path) -> list[str]:
 
 
 def ceiling_label(ceiling: dict) -> str:
-    """What ran: "fp16", "fp16 compiled, CUDA graphs", "fp16, batch norms not folded"."""
+    """What ran: "fp16", "fp16 compiled, CUDA graphs", "fp16 TorchScript", "fp16, batch norms not folded"."""
     compiled = {None: "", "default": " compiled", "reduce-overhead": " compiled, CUDA graphs"}[ceiling["compile_mode"]]
+    torchscript = " TorchScript" if ceiling.get("torchscript") else ""
     folded = "" if ceiling["fold_batch_norms"] else ", batch norms not folded"
-    return ceiling["precision"] + compiled + folded
+    return ceiling["precision"] + compiled + torchscript + folded
 
 
 def served_rows(folder: Path) -> list[str]:
     rows = []
-    for name in ("served_batched", "served_switch_interval_5ms", "served_cuda_graphs", "served_16_per_request",
+    for name in ("served_batched", "served_torchscript", "served_switch_interval_5ms", "served_cuda_graphs",
+                 "served_16_per_request",
                  "served_workers", "served_nobatch", "served_fp16", "served_fp16_workers",
                  "served_jpeg_decode_on_device_true", "served_jpeg_decode_on_device_false"):
         for point in results(folder, name):
@@ -58,6 +61,7 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
     lines = []
     top = {}  # served run -> its highest-concurrency point
     for served_name, ceiling_name, batch in (("served_batched", "ceiling_fp32", fp32_batch),
+                                             ("served_torchscript", "ceiling_fp32_torchscript", fp32_batch),
                                              ("served_cuda_graphs", "ceiling_fp32", fp32_batch),
                                              ("served_workers", "ceiling_fp32", fp32_batch),
                                              ("served_16_per_request", "ceiling_fp32", fp32_batch),
@@ -71,7 +75,7 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
         ceiling = ceilings[0]["forward_images_per_s"][str(batch)]
         rate = top[served_name]["images_per_s"]
         lines.append(f"- {served_name} c={top[served_name]['concurrency']}: {rate:.0f} images/s = "
-                     f"{rate / ceiling:.2f} x the in-process {ceiling_name[8:]} forward at batch "
+                     f"{rate / ceiling:.2f} x the in-process {ceiling_name[8:].replace('_', ' ')} forward at batch "
                      f"{batch} ({ceiling:.0f}); target >= 0.8")
     if "served_batched" in top and (unbatched_points := results(folder, "served_nobatch")):
         batched, unbatched = top["served_batched"], unbatched_points[0]

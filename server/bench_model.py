@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .config import _boolean, _compile_mode, _device_list, _non_negative_int, _precision, compile_mode_problem
+from .config import _boolean, _compile_mode, _device_list, _non_negative_int, _precision, graph_problem
 from .devices import resolve_devices
 from .model import build_model, load_weights
 from .preprocess import EncodedImage, RawImage, preprocess
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> dict:
     serial = 1.0 / (1.0 / forward[best] + 1.0 / preprocess_rate)
     return {"device": ",".join(str(runner.device) for runner in replicas.runners), "replicas": len(replicas.runners),
             "precision": args.precision, "compiled": args.compile,
-            "compile_mode": args.compile_mode if args.compile else None,
+            "compile_mode": args.compile_mode if args.compile else None, "torchscript": args.torchscript,
             "fold_batch_norms": args.fold_batch_norms, "input": args.input,
             "image_size": list(args.image_size), "forward_images_per_s": forward,
             "forward_call_ms": call_ms, "best_batch_size": best, "preprocess_images_per_s": preprocess_rate,
@@ -135,7 +135,7 @@ class Replicas:
 def _warmed_runner(args: argparse.Namespace, device: torch.device, batch_sizes: list[int]) -> ModelRunner:
     runner = ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
                          channels_last=args.channels_last, compiled=args.compile, compile_mode=args.compile_mode,
-                         fold_batch_norms=args.fold_batch_norms)
+                         fold_batch_norms=args.fold_batch_norms, torchscript=args.torchscript)
     runner.warm_up(batch_sizes)
     return runner
 
@@ -174,6 +174,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model, as resnet-server --compile")
     parser.add_argument("--compile-mode", type=_compile_mode, default="default",
                         help="as resnet-server --compile-mode (needs --compile)")
+    parser.add_argument("--torchscript", action="store_true", help="a frozen TorchScript graph, as resnet-server "
+                                                                   "--torchscript")
     parser.add_argument("--channels-last", type=_boolean, default=True, help="as resnet-server --channels-last")
     parser.add_argument("--fold-batch-norms", type=_boolean, default=True,
                         help="fold batch norms into the convolutions, as the server always does (false: to measure "
@@ -181,9 +183,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_model_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse, refusing what the server refuses too: a compile mode without --compile."""
+    """Parse, refusing what the server refuses too: a compile mode without --compile, --compile with
+    --torchscript."""
     args = parser.parse_args(argv)
-    if problem := compile_mode_problem(args.compile, args.compile_mode):
+    if problem := graph_problem(args.compile, args.compile_mode, args.torchscript):
         parser.error(problem)
     return args
 
@@ -202,7 +205,7 @@ def main(argv: Sequence[str]) -> int:
         print(json.dumps(result))
         return 0
     print(f"device {result['device']}  precision {result['precision']}  compile {result['compile_mode'] or 'off'}  "
-          f"torch threads {result['torch_threads']}")
+          f"torchscript {'on' if result['torchscript'] else 'off'}  torch threads {result['torch_threads']}")
     for size, rate in result["forward_images_per_s"].items():
         call = result["forward_call_ms"][size]
         print(f"  forward batch {size:>4}: {rate:9.1f} images/s  one call p50 {call['p50']:.1f} ms, "

@@ -61,6 +61,7 @@ class ServerConfig:
     cudnn_benchmark: bool = True
     compile: bool = False
     compile_mode: str = "default"
+    torchscript: bool = False
     decode_on_device: str = "auto"
     workers: int = 1
     worker: int = 0  # this process's index among the workers (set by server.workers, not a flag)
@@ -184,6 +185,9 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("compile-mode", _compile_mode, "with --compile: default, or reduce-overhead (each compiled graph replayed as "
                                     "a CUDA graph on CUDA replicas, recorded at warm-up; the same as default on "
                                     "the CPU)"),
+    ("torchscript", _boolean, "run the model as a frozen TorchScript graph (traced at start-up): the whole forward "
+                              "pass in C++, holding the GIL once instead of at every operator, so a busy event "
+                              "loop no longer slows it (see the README's Devices section); not with --compile"),
     ("decode-on-device", _auto_boolean, "decode JPEGs in batches on the replica's device (nvjpeg on CUDA) and "
                                         "resize/normalise there; auto: on for CUDA devices, off for the CPU"),
 ]
@@ -231,11 +235,14 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     config = ServerConfig(**vars(namespace))
     if config.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
-    if problem := compile_mode_problem(config.compile, config.compile_mode):
+    if problem := graph_problem(config.compile, config.compile_mode, config.torchscript):
         raise ConfigError(problem)
     return config
 
 
-def compile_mode_problem(compile: bool, mode: str) -> str | None:
-    """Why a compile mode cannot be used as given (one other than default without --compile), or None."""
+def graph_problem(compile: bool, mode: str, torchscript: bool) -> str | None:
+    """Why the flags that choose how the model runs cannot go together, or None: a compile mode other than
+    default without --compile, or --compile with --torchscript."""
+    if compile and torchscript:
+        return "--compile and --torchscript exclude each other: choose one"
     return None if compile or mode == "default" else f"--compile-mode {mode} needs --compile"

@@ -72,7 +72,8 @@ class _ReplicaSetup:
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = config.cudnn_benchmark
         self.runner = ModelRunner(build_model(self.weights, device), device, config.precision, config.channels_last,
-                                  compiled=config.compile, compile_mode=config.compile_mode)
+                                  compiled=config.compile, compile_mode=config.compile_mode,
+                                  torchscript=config.torchscript)
         sizes = warm_up_sizes(self.batch_limit, device.type == "cuda" or config.compile)
         try:
             self.runner.warm_up(sizes)

@@ -12,6 +12,11 @@ with the batch, so padding would be wasted work (measured at c=16 with max batch
 padded against 34.5 split); on CUDA it is padded with zero rows up to the next size, one launch
 instead of several. ``compile_mode="reduce-overhead"`` makes inductor record each CUDA graph at
 warm-up and replay it per batch: one launch for the whole forward pass instead of one per kernel.
+
+With ``torchscript=True`` the model is traced once and frozen into a TorchScript graph, which runs the
+whole forward pass in C++ with the GIL released once. Eager PyTorch releases and takes back the GIL at
+every operator (about 50 per pass); while the event loop is busy each take-back waits up to the switch
+interval, which is what held the served GPU figures to a tenth of the in-process ones.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import warnings
 
 import torch
 from torch.nn.utils.fusion import fuse_conv_bn_eval
@@ -38,7 +44,7 @@ PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, precision: str = "fp32",
                  channels_last: bool = True, compiled: bool = False, compile_mode: str = "default",
-                 fold_batch_norms: bool = True) -> None:
+                 fold_batch_norms: bool = True, torchscript: bool = False) -> None:
         self.device = device
         self.dtype = PRECISIONS[precision]
         self.cuda = device.type == "cuda"
@@ -50,9 +56,19 @@ class ModelRunner:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.compiled = compiled
         self.compile_mode = compile_mode if compiled else None
-        self._network = _compile(self.model, compile_mode) if compiled else self.model
+        self.torchscript = torchscript
+        self._network = self._graph()
         self.compiled_sizes: list[int] = []  # filled by warm_up
         self._batch_buffer: torch.Tensor | None = None  # see _stack
+
+    def _graph(self) -> torch.nn.Module:
+        """What runs the forward pass: the model itself, compiled, or traced and frozen."""
+        if self.compiled:
+            return _compile(self.model, self.compile_mode)
+        if self.torchscript:
+            example = torch.zeros((1, *FLOAT_SHAPE), dtype=self.dtype, device=self.device)
+            return _torchscript(self.model, example.contiguous(memory_format=self.memory_format))
+        return self.model
 
     @torch.inference_mode()
     def prepare(self, images: list[ModelInput]) -> tuple[torch.Tensor, dict[int, InvalidInput]]:
@@ -142,7 +158,8 @@ class ModelRunner:
         if self.compile_mode == "reduce-overhead":
             cuda_graph_state_for_this_thread()  # the thread that warms up is the one that serves
         # CUDA graphs are recorded on a graph's second call (the first runs it plainly); a third call replays it.
-        repeats = 3 if self.compile_mode == "reduce-overhead" else 1
+        # TorchScript's executor profiles a graph's first call for a shape and optimises it for the second.
+        repeats = 3 if self.compile_mode == "reduce-overhead" else 2 if self.torchscript else 1
         for size in sizes:
             for _ in range(repeats):
                 self(torch.zeros((size, *FLOAT_SHAPE)), torch.ones(size))
@@ -212,6 +229,17 @@ def _compile(model: torch.nn.Module, mode: str) -> torch.nn.Module:
 
     inductor_config.freezing = True
     return torch.compile(model, mode=mode, dynamic=False)
+
+
+@torch.inference_mode()
+def _torchscript(model: torch.nn.Module, example: torch.Tensor) -> torch.jit.ScriptModule:
+    """The model traced on ``example`` and frozen (weights as constants). Tracing records the operators one
+    pass runs; ResNet's pass has no branch on its input, so the graph holds for any batch size."""
+    with warnings.catch_warnings():
+        # Newer torch warns that TorchScript is deprecated in favour of torch.compile and torch.export, which
+        # need a C++ compiler at start-up; it still runs, and the tests run it on the torch this installs.
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.jit.freeze(torch.jit.trace(model, example))
 
 
 def cuda_graph_state_for_this_thread() -> None:

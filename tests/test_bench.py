@@ -92,6 +92,7 @@ def test_bench_model_reports_the_ceiling(weights_file, capsys):
         assert 0 < calls["p50"] <= calls["p99"]
     assert result["forward_call_ms"]["1"]["p50"] == result["batch1_latency_p50_ms"]
     assert (result["compiled"], result["compile_mode"], result["fold_batch_norms"]) == (False, None, True)
+    assert result["torchscript"] is False
 
 
 @pytest.mark.parametrize("flag", ["--connections", "--processes", "--concurrency", "--images-per-request"])
@@ -107,6 +108,20 @@ def test_bench_model_refuses_a_compile_mode_without_compile(capsys):
         server_main(["bench-model", "--compile-mode", "reduce-overhead"])
     assert caught.value.code == 2
     assert "--compile-mode reduce-overhead needs --compile" in capsys.readouterr().err
+
+
+def test_bench_model_refuses_compile_with_torchscript(capsys):
+    with pytest.raises(SystemExit) as caught:
+        server_main(["bench-model", "--compile", "--torchscript"])
+    assert caught.value.code == 2
+    assert "--compile and --torchscript exclude each other" in capsys.readouterr().err
+
+
+def test_bench_model_times_the_torchscript_graph(capsys):
+    assert server_main(["bench-model", "--torchscript", "--batch-sizes", "2", "--duration", "0.3",
+                        "--image-size", "64x64", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["torchscript"] is True and result["forward_images_per_s"]["2"] > 0
 
 
 def test_bench_model_times_several_replicas_at_once(capsys):
@@ -200,12 +215,16 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert server_main(["bench-model", "--batch-sizes", "1", "--duration", "0.3", "--image-size", "64x48",
                         "--precision", "fp16", "--fold-batch-norms", "false", "--json"]) == 0
     (tmp_path / "ceiling_fp16_unfolded.json").write_text(capsys.readouterr().out)
+    assert server_main(["bench-model", "--batch-sizes", "2", "--duration", "0.3", "--image-size", "64x48",
+                        "--torchscript", "--json"]) == 0
+    (tmp_path / "ceiling_fp32_torchscript.json").write_text(capsys.readouterr().out)
     for name, concurrency in (("served_batched", "1,4"), ("served_nobatch", "4")):
         assert client_main(["bench", "--server", running.target, "--sweep", concurrency, "--duration", "0.5",
                             "--warmup", "0", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet"]) == 0
         (tmp_path / f"{name}.json").write_text(capsys.readouterr().out)
     # The --workers run's JSON has the same shape (the bench sums its workers' /metrics): a copy stands in for it.
     (tmp_path / "served_workers.json").write_text((tmp_path / "served_batched.json").read_text())
+    (tmp_path / "served_torchscript.json").write_text((tmp_path / "served_batched.json").read_text())  # likewise
     (tmp_path / "ceiling_fp16_compiled_default.json").write_text("")  # a step that failed before writing
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as when run as a script: it imports bench_table
     load_script("gpu_table").main(tmp_path, 2, 128)
@@ -219,6 +238,10 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert "| served workers, c=4 |" in table
     assert f"- served_workers c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
     assert "batching on / off at c=4" in table
+    scripted = json.loads((tmp_path / "ceiling_fp32_torchscript.json").read_text())["forward_images_per_s"]["2"]
+    assert f"| in-process forward, fp32 TorchScript, batch 2 | {scripted:.0f} |" in table
+    assert f"- served_torchscript c=4: {batched:.0f} images/s = {batched / scripted:.2f} x the in-process fp32 " \
+           "torchscript forward at batch 2" in table
 
 
 def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsys, tmp_path, monkeypatch):

@@ -49,6 +49,14 @@ def test_a_compile_mode_other_than_default_needs_compile():
         parse_config(["--compile-mode", "reduce-overhead"], env={})
 
 
+def test_torchscript_is_off_by_default_and_excludes_compile():
+    assert parse_config([], env={}).torchscript is False
+    assert parse_config(["--torchscript"], env={}).torchscript is True
+    assert parse_config([], env={"RESNET_SERVER_TORCHSCRIPT": "true"}).torchscript is True
+    with pytest.raises(ConfigError, match="--compile and --torchscript exclude each other: choose one"):
+        parse_config(["--torchscript"], env={"RESNET_SERVER_COMPILE": "1"})
+
+
 def test_decode_on_device_is_auto_true_or_false():
     assert parse_config([], env={}).decode_on_device == "auto"
     assert parse_config(["--decode-on-device"], env={}).decode_on_device == "true"

@@ -78,6 +78,18 @@ def test_two_replicas_share_one_gpu_with_their_own_labels(make_server):
         assert running.sample("resnet_gpu_memory_allocated_bytes", device=name) > 0
 
 
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 0.02), ("fp16", 0.05)])  # as the eager test's
+def test_torchscript_on_cuda_matches_the_cpu_reference(make_server, reference, precision, tolerance):
+    running = make_server(devices=("cuda:0",), torchscript=True, precision=precision, max_batch_size=4)
+    with Client(running.target) as client:
+        batched = client.classify(PIXELS, full=True, logits=True)  # a batch of 3: no warm-up size (1, 2, 4)
+        alone = client.classify(PIXELS[:1], full=True, logits=True)
+    for result, pixels in zip([*batched, *alone], [*PIXELS, PIXELS[0]], strict=True):
+        want = reference.logits(reference.input_from_array(pixels).unsqueeze(0))[0].numpy()
+        assert result.device == "cuda:0"
+        np.testing.assert_allclose(result.logits, want, atol=tolerance * np.abs(want).max(), rtol=0)
+
+
 @pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])
 def test_compiled_cuda_batches_are_padded_and_match_the_cpu_reference(make_server, reference, compile_mode):
     running = make_server(devices=("cuda:0",), compile=True, compile_mode=compile_mode, max_batch_size=4)

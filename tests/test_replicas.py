@@ -291,6 +291,20 @@ def test_compiled_model_splits_an_odd_batch_and_matches_torchvision(make_server,
         np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
 
 
+def test_torchscript_graph_runs_any_batch_size_and_matches_torchvision(make_server, reference):
+    running = make_server(torchscript=True, max_batch_size=4)
+    runner = running.app.core.router.replicas[0].runner
+    assert isinstance(runner._network, torch.jit.ScriptModule)  # traced at batch 1, then frozen
+    images = [encode(random_rgb(seed)) for seed in (1, 2, 3)]
+    with Client(running.target) as client:
+        batched = client.classify(images, full=True)  # one batch of 3: a size warm-up never ran
+        alone = client.classify(images[:1], full=True)
+    assert running.sample("resnet_batch_size_sum", device="cpu") == 4
+    for image, result in zip([*images, images[0]], [*batched, *alone], strict=True):
+        expected = reference.probabilities(reference.input_from_bytes(image))
+        np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("saved_on", ["cuda:0", "cpu"])
