@@ -16,7 +16,8 @@ warm-up and replay it per batch: one launch for the whole forward pass instead o
 With ``torchscript=True`` the model is traced once and frozen into a TorchScript graph, which runs the
 whole forward pass in C++ with the GIL released once. Eager PyTorch releases and takes back the GIL at
 every operator (about 50 per pass); while the event loop is busy each take-back waits up to the switch
-interval, which is what held the served GPU figures to a tenth of the in-process ones.
+interval. The GPU run found such waits behind served figures a tenth of the in-process ones (README,
+Performance, GPU).
 """
 
 from __future__ import annotations
