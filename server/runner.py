@@ -232,11 +232,16 @@ def _compile(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     return torch.compile(model, mode=mode, dynamic=False)
 
 
+# Replicas load on threads of their own, at once; TorchScript's compilation unit and name mangling are
+# process-wide, and two traces at a time fail their own check ("Graphs differed across invocations").
+_TRACING = threading.Lock()
+
+
 @torch.inference_mode()
 def _torchscript(model: torch.nn.Module, example: torch.Tensor) -> torch.jit.ScriptModule:
     """The model traced on ``example`` and frozen (weights as constants). Tracing records the operators one
     pass runs; ResNet's pass has no branch on its input, so the graph holds for any batch size."""
-    with warnings.catch_warnings():
+    with _TRACING, warnings.catch_warnings():
         # Newer torch warns that TorchScript is deprecated in favour of torch.compile and torch.export, which
         # need a C++ compiler at start-up; it still runs, and the tests run it on the torch this installs.
         warnings.simplefilter("ignore", FutureWarning)

@@ -291,15 +291,16 @@ def test_compiled_model_splits_an_odd_batch_and_matches_torchvision(make_server,
         np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
 
 
-def test_torchscript_graph_runs_any_batch_size_and_matches_torchvision(make_server, reference):
-    running = make_server(torchscript=True, max_batch_size=4)
-    runner = running.app.core.router.replicas[0].runner
-    assert isinstance(runner._network, torch.jit.ScriptModule)  # traced at batch 1, then frozen
+def test_torchscript_replicas_trace_at_once_and_answer_any_batch_size_as_torchvision(make_server, reference):
+    # Two replicas load at once, each tracing its own model: tracing shares process-wide state (a lock).
+    running = make_server(devices=("cpu", "cpu"), torch_threads=1, torchscript=True, max_batch_size=4)
+    replicas = running.app.core.router.replicas
+    assert all(isinstance(replica.runner._network, torch.jit.ScriptModule) for replica in replicas)
     images = [encode(random_rgb(seed)) for seed in (1, 2, 3)]
     with Client(running.target) as client:
-        batched = client.classify(images, full=True)  # one batch of 3: a size warm-up never ran
-        alone = client.classify(images[:1], full=True)
-    assert running.sample("resnet_batch_size_sum", device="cpu") == 4
+        batched = client.classify(images, full=True)  # one batch of 3: a size warm-up never ran (1 and 4)
+        alone = client.classify(images[:1], full=True)  # the other replica (ties go in turn)
+    assert sorted(running.sample("resnet_batch_size_sum", device=replica.name) for replica in replicas) == [1, 3]
     for image, result in zip([*images, images[0]], [*batched, *alone], strict=True):
         expected = reference.probabilities(reference.input_from_bytes(image))
         np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
