@@ -241,6 +241,10 @@ _TRACING = threading.Lock()
 def _torchscript(model: torch.nn.Module, example: torch.Tensor) -> torch.jit.ScriptModule:
     """The model traced on ``example`` and frozen (weights as constants). Tracing records the operators one
     pass runs; ResNet's pass has no branch on its input, so the graph holds for any batch size."""
+    # On CUDA TorchScript would also fuse pointwise operators into kernels it generates at run time (NNC);
+    # it never does on the CPU, where this path is tested. What is wanted here is the GIL held once, not new
+    # kernels: the GPU runs the same unfused graph. (Process-wide; nothing else here uses TorchScript.)
+    torch._C._jit_override_can_fuse_on_gpu(False)
     with _TRACING, warnings.catch_warnings():
         # Newer torch warns that TorchScript is deprecated in favour of torch.compile and torch.export, which
         # need a C++ compiler at start-up; it still runs, and the tests run it on the torch this installs.
