@@ -1,13 +1,14 @@
 """What a torch call costs the replica's worker while another thread holds the GIL.
 
 Every torch call releases the GIL and must win it back; when the event loop is busy (parsing requests), that
-takes up to the switch interval. This times three steps of one batch (--batch images) each way, with and without
-a thread that keeps the GIL busy, at the switch interval given: the results, per image (three torch calls an
-image, as the batcher did before 2026-11-22) and per batch (three in all); the copy of raw uint8 images into
-one tensor, per image through NumPy (which gives the GIL up for each, as before) and through a memoryview
-(now); and the forward pass of eight 64x64 images (short, as a GPU's is, so the waits show), eager (a GIL
-round trip per operator) and as the runner's frozen TorchScript graph (--torchscript: one). One torch thread,
-so that on two cores the busy thread and the torch calls each have a core and only the GIL is shared.
+takes up to the switch interval. This times the steps of one batch (--batch images) each way, with and
+without a thread that keeps the GIL busy, at the switch interval given: the results, per image (three torch
+calls an image, as the batcher did before 2026-11-22) and per batch (three in all); the copy of raw uint8
+images into one tensor, per image through NumPy (which gives the GIL up for each, as before) and through a
+memoryview (now); and the forward pass of eight 64x64 images (short, as a GPU's is, so the waits show), eager
+(a GIL round trip per operator) and as the runner's frozen TorchScript graph (--torchscript: one), and the
+runner's conversion of eight raw 64x64 uint8 images before it. One torch thread, so that on two cores the busy
+thread and the torch calls each have a core and only the GIL is shared.
 
 Usage: python scripts/gil_probe.py [--switch-interval-ms 5] [--batch 64] [--repeats 20]
 """
@@ -24,7 +25,7 @@ import torch
 
 from server.model import LoadedWeights, build_model, random_state_dict
 from server.postprocess import top_k
-from server.preprocess import _stack_bytes
+from server.preprocess import RawImage, _stack_bytes
 from server.runner import ModelRunner
 
 SHAPE = (224, 224, 3)
@@ -66,7 +67,12 @@ def forward_steps() -> list:
         forward(None, None)
         forward(None, None)  # TorchScript optimises a graph on its second call
         steps.append(forward)
-    return steps
+    raw = [RawImage("uint8", (64, 64, 3), bytes(64 * 64 * 3))] * 8
+
+    def prepare_raw(probabilities, images) -> torch.Tensor:
+        return runner.prepare(raw)[0]  # what the worker does before either: about 24 torch calls
+
+    return [*steps, prepare_raw]
 
 
 def hold_the_gil(stop: threading.Event) -> None:
