@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
-from server.config import ConfigError, ServerConfig, parse_config
+from server.config import _FLAGS, ConfigError, ServerConfig, env_name, parse_config
 from server.devices import replica_names, resolve_devices
 from server.errors import StartupError
 
@@ -108,3 +111,22 @@ def test_replica_names_are_unique_per_device():
     assert replica_names([cpu]) == ["cpu"]
     assert replica_names([cpu, cpu]) == ["cpu#0", "cpu#1"]
     assert replica_names([torch.device("cuda", 0), cpu]) == ["cuda:0", "cpu"]
+
+
+def test_the_readme_flag_table_has_every_flag_with_its_environment_twin_and_default():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Server flags"):readme.index("## The gRPC API")]
+    rows = {}  # flag -> (env, default as written)
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if cells and cells[0].startswith("`--"):
+            flags, envs = re.findall(r"`--([a-z0-9-]+)`", cells[0]), re.findall(r"`(RESNET_SERVER_\w+)`", cells[1])
+            rows.update({flag: (env, cells[2].strip("`")) for flag, env in zip(flags, envs, strict=True)})
+    kinds = {flag: kind for flag, kind, _ in _FLAGS}
+    assert set(rows) == set(kinds)
+    defaults = ServerConfig()
+    for flag, (env, written) in rows.items():
+        assert env == env_name(flag)
+        # The default as written, read with the flag's own type, is the default the server starts with.
+        default = getattr(defaults, "devices" if flag == "device" else flag.replace("-", "_"))
+        assert (None if written == "none" else kinds[flag](written)) == default, flag
