@@ -1,14 +1,14 @@
 """What a torch call costs the replica's worker while another thread holds the GIL.
 
 Every torch call releases the GIL and must win it back; when the event loop is busy (parsing requests), that
-takes up to the switch interval. This times the steps of one batch (--batch images) each way, with and
-without a thread that keeps the GIL busy, at the switch interval given: the results, per image (three torch
-calls an image, as the batcher did before 2026-11-22) and per batch (three in all); the copy of raw uint8
-images into one tensor, per image through NumPy (which gives the GIL up for each, as before) and through a
-memoryview (now); and the forward pass of eight 64x64 images (short, as a GPU's is, so the waits show), eager
-(a GIL round trip per operator) and as the runner's frozen TorchScript graph (--torchscript: one), and the
-runner's conversion of eight raw 64x64 uint8 images before it. One torch thread, so that on two cores the busy
-thread and the torch calls each have a core and only the GIL is shared.
+takes up to the switch interval. This times the steps of one batch (--batch images) each way, with and without
+a thread that keeps the GIL busy, at the switch interval given: the results, per image (three torch calls an
+image, as the batcher did before 2026-11-22) and per batch (three in all); the copy of raw uint8 images into
+one tensor, per image through NumPy (which gives the GIL up for each, as before) and through a memoryview
+(now); and a batch of eight 64x64 images through the runner (forward pass and softmax; short, as a GPU's is,
+so the waits show), eager (a GIL round trip per operator) and as the runner's frozen TorchScript graph
+(--torchscript: one), and the runner's conversion of eight raw 64x64 uint8 images before it. One torch thread,
+so that on two cores the busy thread and the torch calls each have a core and only the GIL is shared.
 
 Usage: python scripts/gil_probe.py [--switch-interval-ms 5] [--batch 64] [--repeats 20]
 """
@@ -51,17 +51,16 @@ def copy_memoryview(probabilities: torch.Tensor, images: list[bytes]) -> torch.T
 
 
 def forward_steps() -> list:
-    """The forward pass of one runner, eager and as TorchScript, each a step like the ones above."""
+    """A runner's batch (forward pass and softmax), eager and as TorchScript, each a step like the ones above."""
     cpu = torch.device("cpu")
-    small = torch.zeros((8, 3, 64, 64))
+    small, temperatures = torch.zeros((8, 3, 64, 64)), torch.ones(8, dtype=torch.float64)
     steps = []
     for torchscript in (False, True):
         runner = ModelRunner(build_model(LoadedWeights(random_state_dict(), "random"), cpu), cpu,
                              torchscript=torchscript)
 
-        def forward(probabilities, images, network=runner._network) -> torch.Tensor:
-            with torch.inference_mode():
-                return network(small)
+        def forward(probabilities, images, runner=runner) -> torch.Tensor:
+            return runner(small, temperatures)[0]
 
         forward.__name__ = "forward_torchscript" if torchscript else "forward_eager"
         forward(None, None)

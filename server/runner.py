@@ -13,11 +13,11 @@ padded against 34.5 split); on CUDA it is padded with zero rows up to the next s
 instead of several. ``compile_mode="reduce-overhead"`` makes inductor record each CUDA graph at
 warm-up and replay it per batch: one launch for the whole forward pass instead of one per kernel.
 
-With ``torchscript=True`` the model is traced once and frozen into a TorchScript graph, which runs the
-whole forward pass in C++ with the GIL released once. Eager PyTorch releases and takes back the GIL at
-every operator (about 50 per pass); while the event loop is busy each take-back waits up to the switch
-interval. The GPU run found such waits behind served figures a tenth of the in-process ones (README,
-Performance, GPU).
+With ``torchscript=True`` the model and the temperature softmax after it are traced once and frozen into a
+TorchScript graph, which runs a whole batch in C++ with the GIL released once. Eager PyTorch releases and
+takes back the GIL at every operator (about 50 per pass); while the event loop is busy each take-back
+waits up to the switch interval. The GPU run found such waits behind served figures a tenth of the
+in-process ones (README, Performance, GPU).
 """
 
 from __future__ import annotations
@@ -66,9 +66,11 @@ class ModelRunner:
         """What runs the forward pass: the model itself, compiled, or traced and frozen."""
         if self.compiled:
             return _compile(self.model, self.compile_mode)
-        if self.torchscript:
+        if self.torchscript:  # the softmax too: one call a batch
             example = torch.zeros((1, *FLOAT_SHAPE), dtype=self.dtype, device=self.device)
-            return _torchscript(self.model, example.contiguous(memory_format=self.memory_format))
+            temperatures = torch.ones(1, dtype=torch.float64, device=self.device)
+            return _torchscript(_Scored(self.model), example.contiguous(memory_format=self.memory_format),
+                                temperatures)
         return self.model
 
     @torch.inference_mode()
@@ -114,24 +116,21 @@ class ModelRunner:
         """inputs [B, 3, 224, 224] (on the CPU, or already on the device) and temperatures [B] on the CPU
         -> (probabilities, logits) on the CPU."""
         if not self.cuda:
-            return self._forward(inputs, temperatures)
+            both = self._forward(inputs, temperatures)  # already host memory: no copy
+            return both[0], both[1]
         with torch.cuda.stream(self.stream):
-            probabilities, logits = self._forward(to_device(inputs, self.device), to_device(temperatures, self.device))
-            both = torch.stack([probabilities, logits])
+            both = self._forward(to_device(inputs, self.device), to_device(temperatures, self.device))
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
         self.stream.synchronize()  # the one synchronisation of the batch
         return host[0], host[1]
 
-    def _forward(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        """[2, B, 1000] float32 on the device: the probabilities, then the logits (one tensor, one copy back)."""
         inputs = inputs.to(dtype=self.dtype).contiguous(memory_format=self.memory_format)
-        logits = self._run_network(inputs).float()
-        probabilities = temperature_softmax(logits, temperatures)
-        if not self.cuda:
-            # On the CPU this is already host memory: one stack, no copy.
-            both = torch.stack([probabilities, logits])
-            return both[0], both[1]
-        return probabilities, logits
+        if self.torchscript:
+            return self._network(inputs, temperatures)
+        return _scores(self._run_network(inputs), temperatures)
 
     def _run_network(self, inputs: torch.Tensor) -> torch.Tensor:
         if not self.compiled_sizes:
@@ -174,6 +173,23 @@ class ModelRunner:
         if not self.cuda:
             return 0, 0
         return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+
+
+def _scores(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / T) per row and the logits, as float32 [2, B, C]."""
+    logits = logits.float()
+    return torch.stack([temperature_softmax(logits, temperatures), logits])
+
+
+class _Scored(torch.nn.Module):
+    """The network and its scores as one module, so that a traced one runs a whole batch in one call."""
+
+    def __init__(self, network: torch.nn.Module) -> None:
+        super().__init__()
+        self.network = network
+
+    def forward(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        return _scores(self.network(inputs), temperatures)
 
 
 def _fold_batch_norms(model: torch.nn.Module) -> torch.nn.Module:
@@ -238,7 +254,7 @@ _TRACING = threading.Lock()
 
 
 @torch.inference_mode()
-def _torchscript(model: torch.nn.Module, example: torch.Tensor) -> torch.jit.ScriptModule:
+def _torchscript(model: torch.nn.Module, *example: torch.Tensor) -> torch.jit.ScriptModule:
     """The model traced on ``example`` and frozen (weights as constants). Tracing records the operators one
     pass runs; ResNet's pass has no branch on its input, so the graph holds for any batch size."""
     # On CUDA TorchScript would also fuse pointwise operators into kernels it generates at run time (NNC);
@@ -249,7 +265,7 @@ def _torchscript(model: torch.nn.Module, example: torch.Tensor) -> torch.jit.Scr
         # Newer torch warns that TorchScript is deprecated in favour of torch.compile and torch.export, which
         # need a C++ compiler at start-up; it still runs, and the tests run it on the torch this installs.
         warnings.simplefilter("ignore", FutureWarning)
-        return torch.jit.freeze(torch.jit.trace(model, example))
+        return torch.jit.freeze(torch.jit.trace(model.eval(), example))
 
 
 def cuda_graph_state_for_this_thread() -> None:
