@@ -33,7 +33,7 @@ def main(folder: Path, size: str) -> None:
     served = {name: {p["concurrency"]: p for p in load(folder, name)}
               for name in ("served_uint8", "served_jpeg", "served_uint8_nobatch")}
     graph = " with --compile" if uint8.get("compiled") else " with --torchscript" if uint8.get("torchscript") else ""
-    print(f"Measured {time.strftime('%Y-%m-%d')} on {platform.node()} ({platform.processor() or platform.machine()}, "
+    print(f"Measured {time.strftime('%Y-%m-%d')} on {platform.node()} ({cpu_model()}, "
           f"device {uint8.get('device', 'cpu')}, {uint8.get('precision', 'fp32')}, "
           f"torch threads {uint8['torch_threads']}), "
           f"scripts/bench_cpu.sh{graph}, {size} images, "
@@ -68,6 +68,17 @@ def main(folder: Path, size: str) -> None:
     print_rounds(folder)
     print_throughput_pairs(folder)
     print_cpu_split(folder)
+
+
+def cpu_model() -> str:
+    """The CPU's own name where Linux gives it (the project's VMs have changed under it: Intel with AMX, then
+    AMD EPYC), else the architecture."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return f"{names[0]}, {platform.machine()}" if names else platform.processor() or platform.machine()
 
 
 def batch1_latency_ms(ceiling: dict) -> float:
@@ -173,6 +184,18 @@ def print_cpu_split(folder: Path) -> None:
     print(f"CPU per served image at c={cpu['concurrency']} ({cpu['window_s']:.0f} s, {cpu['images_per_s']:.1f} "
           f"images/s; share of the {cpu['cores']} cores): {parts}; unaccounted "
           f"{100 * cpu['share_of_cores']['unaccounted']:.1f}%")
+    print(f"Most that served c={cpu['concurrency']} can reach of the in-process forward ceiling on these cores: "
+          f"{forward_share_bound(cpu):.3f} (the forward team's share; the rest went to serving and the client)")
+
+
+def forward_share_bound(cpu: dict) -> float:
+    """An upper bound on served images/s over the in-process forward ceiling, from a CPU split.
+
+    In process the forward team has every core; a served image needs at least the same forward CPU, and the
+    team got only its share of the cores (the event loop, the server's other threads, the client and whatever
+    the split could not account for took the rest). The raw images' conversion also runs in that share, so
+    the real figure is lower still."""
+    return cpu["share_of_cores"]["forward_team"]
 
 
 if __name__ == "__main__":

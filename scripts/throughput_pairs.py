@@ -2,7 +2,7 @@
 
 The rounds of scripts/bench_cpu.sh pair the two a minute apart, and this VM's speed moves by 10-40%
 in that time: their ratios span 0.66-1.07 in one run. One process here alternates short windows
-instead: the in-process forward pass at the server's batch size (the replica layout bench-model times,
+instead: the in-process forward pass at one batch size (the replica layout bench-model times,
 the server idle), then a closed loop of uint8 requests to the server (the request bench sends, the
 in-process side idle). Prints the median of each side and of the per-window ratios.
 
@@ -82,7 +82,8 @@ def main() -> None:
     parser.add_argument("--server", required=True, help="host:port of a server with --weights random, same layout")
     add_model_arguments(parser)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--batch-size", type=int, default=8, help="in-process batch: the server's --max-batch-size")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="in-process batch (scripts/bench_cpu.sh passes the ceiling's best batch size)")
     parser.add_argument("--image-size", type=_size, default=(224, 224))
     parser.add_argument("--windows", type=int, default=15)
     parser.add_argument("--window", type=float, default=4.0, help="seconds per side per window")

@@ -291,7 +291,7 @@ def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsy
     assert "Alternating rounds, served uint8 c=16 / in-process forward ceiling:" in table
 
 
-def test_cpu_split_reads_the_server_threads_and_this_process(weights_file):
+def test_cpu_split_reads_the_server_threads_and_this_process(weights_file, capsys, tmp_path, monkeypatch):
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
                                 "--metrics-port", "0", "--device", "cpu", "--weights", str(weights_file[0]),
@@ -310,3 +310,11 @@ def test_cpu_split_reads_the_server_threads_and_this_process(weights_file):
     # The forward pass (ResNet18 at 224x224) dwarfs the event loop's share of a request; the client is this process.
     assert per_image["forward_team"] > 5 * per_image["event_loop"] > 0 and per_image["client"] > 0
     assert sum(result["share_of_cores"].values()) == pytest.approx(1.0)
+    # The table's line on it: the forward team's share bounds what serving can reach of the in-process ceiling.
+    (tmp_path / "cpu_split.json").write_text(json.dumps(result))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    load_script("bench_table").print_cpu_split(tmp_path)
+    bound = result["share_of_cores"]["forward_team"]
+    assert 0 < bound < 1
+    assert (f"Most that served c=2 can reach of the in-process forward ceiling on these cores: {bound:.3f} "
+            "(the forward team's share") in capsys.readouterr().out
