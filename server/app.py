@@ -23,7 +23,7 @@ from client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 
 from . import __version__
 from .config import ConfigError, ServerConfig, parse_config
-from .devices import cpu_has_amx_bf16, replica_names, resolve_devices
+from .devices import cpu_bf16_unit, replica_names, resolve_devices
 from .errors import StartupError
 from .inference import InferenceCore, Limits
 from .logs import configure_logging
@@ -150,9 +150,9 @@ class App:
     def _suggest_bf16(self) -> None:
         """One line per process (not per replica) where fp32 runs on a CPU that computes bf16 much faster."""
         if self.config.precision == "fp32" and any(device.type == "cpu" for device in self.devices) \
-                and cpu_has_amx_bf16():
-            log.info("this CPU has AMX (amx_bf16): --precision bf16 runs the model about 3x faster than fp32 "
-                     "here, with logits within about 0.5%% of fp32's range (README, Performance)")
+                and (unit := cpu_bf16_unit()):
+            log.info("this CPU has %s here, with logits within about 0.5%% of fp32's range (README, Performance)",
+                     unit)
 
     def _record_model_info(self, replicas: list[Replica]) -> None:
         for replica in replicas:

@@ -15,7 +15,7 @@ import torch
 
 from client import AsyncClient, ClassifierError, Client
 from server.config import ServerConfig
-from server.devices import cpu_has_amx_bf16
+from server.devices import cpu_bf16_unit
 from server.replicas import FAILURES_BEFORE_EVICTION, max_batch_size
 from server.runner import ModelRunner, _split, cuda_graph_state_for_this_thread, warm_up_sizes
 from tests.helpers import (
@@ -368,21 +368,26 @@ def test_every_worker_thread_gets_its_own_cuda_graph_state():
     assert cudagraph_trees.get_obj(cudagraph_trees.local, "tree_manager_containers") is main_state
 
 
-@pytest.mark.parametrize("flags, expected", [("fpu avx512f amx_bf16 amx_tile", True), ("fpu avx512f amx_tile", False)])
-def test_amx_is_read_from_the_cpu_flags(tmp_path, flags, expected):
+@pytest.mark.parametrize("flags, expected", [
+    ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", "AMX (amx_bf16): --precision bf16 runs the model about 3x"),
+    ("fpu avx512f avx512_bf16 avx512_vnni", "AVX-512 BF16 (avx512_bf16): --precision bf16 runs the model about 1.8x"),
+    ("fpu avx512f amx_tile avx512_vnni", None),
+])
+def test_the_bf16_unit_is_read_from_the_cpu_flags(tmp_path, flags, expected):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nmodel name\t: amx_bf16 in a name is not a flag\nflags\t\t: {flags}\n")
-    assert cpu_has_amx_bf16(cpuinfo) is expected
-    assert cpu_has_amx_bf16(tmp_path / "absent") is False
+    unit = cpu_bf16_unit(cpuinfo)
+    assert unit == expected if expected is None else unit.startswith(expected)
+    assert cpu_bf16_unit(tmp_path / "absent") is None
 
 
-def test_an_fp32_cpu_server_on_an_amx_cpu_logs_the_bf16_hint_once(make_server, caplog):
+def test_an_fp32_cpu_server_on_a_bf16_cpu_logs_the_bf16_hint_once(make_server, caplog):
     def hints() -> int:
         return sum("--precision bf16" in record.getMessage() for record in caplog.records)
 
     caplog.set_level(logging.INFO, logger="server")
     make_server(devices=("cpu", "cpu"))
-    assert hints() == (1 if cpu_has_amx_bf16() else 0)  # this machine's own /proc/cpuinfo decides
+    assert hints() == (1 if cpu_bf16_unit() else 0)  # this machine's own /proc/cpuinfo decides
     caplog.clear()
     make_server(precision="bf16")
     assert hints() == 0
