@@ -184,18 +184,13 @@ def print_cpu_split(folder: Path) -> None:
     print(f"CPU per served image at c={cpu['concurrency']} ({cpu['window_s']:.0f} s, {cpu['images_per_s']:.1f} "
           f"images/s; share of the {cpu['cores']} cores): {parts}; unaccounted "
           f"{100 * cpu['share_of_cores']['unaccounted']:.1f}%")
+    # A bound on served images/s over the in-process forward ceiling: in process the forward team has every
+    # core, a served image needs at least the same forward CPU, and served the team got only its share (the
+    # event loop, the server's other threads, the client and what the split could not account for took the
+    # rest). The raw images' conversion runs in that share too, so the real figure is lower still.
     print(f"Most that served c={cpu['concurrency']} can reach of the in-process forward ceiling on these cores: "
-          f"{forward_share_bound(cpu):.3f} (the forward team's share; the rest went to serving and the client)")
-
-
-def forward_share_bound(cpu: dict) -> float:
-    """An upper bound on served images/s over the in-process forward ceiling, from a CPU split.
-
-    In process the forward team has every core; a served image needs at least the same forward CPU, and the
-    team got only its share of the cores (the event loop, the server's other threads, the client and whatever
-    the split could not account for took the rest). The raw images' conversion also runs in that share, so
-    the real figure is lower still."""
-    return cpu["share_of_cores"]["forward_team"]
+          f"{cpu['share_of_cores']['forward_team']:.3f} (the forward team's share; the rest went to serving and "
+          "the client)")
 
 
 if __name__ == "__main__":
