@@ -68,8 +68,8 @@ done
 # window (immune to the drift above).
 python3 scripts/latency_pairs.py --server 127.0.0.1:$port --image-size $size --device "${device%%,*}" \
   --torch-threads $threads --precision $precision "${graph[@]}" > "$out/latency_pairs.json"
-# c=16 against the in-process forward pass at the ceiling's best batch size (the target's ceiling; on this
-# project's Intel VMs batch 8, the server's CPU cap, on its AMD EPYC VM batch 16), interleaved the same way.
+# c=16 against the in-process forward pass at the first ceiling's best batch size (the target's ceiling: batch 8,
+# the server's CPU cap, on the Intel VMs; 8 or 16 from run to run on the AMD EPYC one), interleaved the same way.
 best=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["best_batch_size"])' "$out/ceiling_uint8.json")
 python3 scripts/throughput_pairs.py --server 127.0.0.1:$port --image-size $size --device $device \
   --torch-threads $threads --precision $precision --batch-size "$best" "${graph[@]}" > "$out/throughput_pairs.json"
