@@ -8,7 +8,7 @@
 # c=16) and JPEG (c=16) that many times, so the headline figures are medians of pairs measured seconds
 # apart rather than one pair (this VM's speed drifts 10-40% over minutes), then scripts/latency_pairs.py
 # interleaves c=1 and in-process batch 1 second by second, and scripts/throughput_pairs.py c=16 and the
-# in-process forward pass at batch 8.
+# in-process forward pass at the rounds' best batch size.
 # BENCH_DEVICE (default cpu) and BENCH_TORCH_THREADS (default 0: every core) set the replica layout of
 # both sides, e.g. BENCH_DEVICE=cpu,cpu BENCH_TORCH_THREADS=1 for two single-thread replicas;
 # BENCH_PRECISION (default fp32) the precision of both (bf16: AMX on recent Xeons).
@@ -68,9 +68,10 @@ done
 # window (immune to the drift above).
 python3 scripts/latency_pairs.py --server 127.0.0.1:$port --image-size $size --device "${device%%,*}" \
   --torch-threads $threads --precision $precision "${graph[@]}" > "$out/latency_pairs.json"
-# c=16 against the in-process forward pass at the first ceiling's best batch size (the target's ceiling: batch 8,
-# the server's CPU cap, on the Intel VMs; 8 or 16 from run to run on the AMD EPYC one), interleaved the same way.
-best=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["best_batch_size"])' "$out/ceiling_uint8.json")
+# c=16 against the in-process forward pass at the rounds' best batch size (the highest median of their five
+# ceilings: the first ceiling alone picked 16 or 32 on the AMD EPYC VM where every round put 8 ahead),
+# interleaved the same way.
+best=$(python3 scripts/bench_table.py --rounds-best-batch "$out")
 python3 scripts/throughput_pairs.py --server 127.0.0.1:$port --image-size $size --device $device \
   --torch-threads $threads --precision $precision --batch-size "$best" "${graph[@]}" > "$out/throughput_pairs.json"
 # Where the two cores go at c=16: the server's forward team, its other threads, the client (this machine's tax).

@@ -291,6 +291,19 @@ def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsy
     assert "Alternating rounds, served uint8 c=16 / in-process forward ceiling:" in table
 
 
+def test_the_pairs_batch_size_is_the_rounds_best_by_median(tmp_path):
+    """bench_cpu.sh times its interleaved c=16 pairs at the batch size the rounds' ceilings favour in the
+    median, not at one round's best: here batch 16 wins one round by far and batch 8 the other two."""
+    rounds = [{"forward_images_per_s": {"1": 36.0, "8": 53.4, "16": 48.1}},
+              {"forward_images_per_s": {"1": 37.0, "8": 50.5, "16": 60.0}},
+              {"forward_images_per_s": {"1": 35.0, "8": 52.0, "16": 49.0}}]
+    (tmp_path / "rounds_ceiling.json").write_text("".join(json.dumps(one) + "\n" for one in rounds))
+    assert load_script("bench_table").rounds_best_batch(tmp_path) == 8
+    printed = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_table.py"), "--rounds-best-batch",
+                              str(tmp_path)], capture_output=True, text=True, check=True)
+    assert printed.stdout == "8\n"
+
+
 def test_cpu_split_reads_the_server_threads_and_this_process(weights_file, capsys, tmp_path, monkeypatch):
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
