@@ -11,7 +11,7 @@
 # in-process forward pass at the rounds' best batch size.
 # BENCH_DEVICE (default cpu) and BENCH_TORCH_THREADS (default 0: every core) set the replica layout of
 # both sides, e.g. BENCH_DEVICE=cpu,cpu BENCH_TORCH_THREADS=1 for two single-thread replicas;
-# BENCH_PRECISION (default fp32) the precision of both (bf16: AMX on recent Xeons).
+# BENCH_PRECISION (default fp32) the precision of both (bf16: AMX on recent Xeons, AVX-512 BF16 on AMD Zen 4).
 # Talks only to a server it starts on 127.0.0.1 and stops it (by PID) when done.
 set -euo pipefail
 out=${1:-results}

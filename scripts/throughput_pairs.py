@@ -83,7 +83,7 @@ def main() -> None:
     add_model_arguments(parser)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=8,
-                        help="in-process batch (scripts/bench_cpu.sh passes the ceiling's best batch size)")
+                        help="in-process batch (scripts/bench_cpu.sh passes the rounds' best batch size)")
     parser.add_argument("--image-size", type=_size, default=(224, 224))
     parser.add_argument("--windows", type=int, default=15)
     parser.add_argument("--window", type=float, default=4.0, help="seconds per side per window")
