@@ -8,7 +8,8 @@
 # c=16) and JPEG (c=16) that many times, so the headline figures are medians of pairs measured seconds
 # apart rather than one pair (this VM's speed drifts 10-40% over minutes), then scripts/latency_pairs.py
 # interleaves c=1 and in-process batch 1 second by second, and scripts/throughput_pairs.py c=16 and the
-# in-process forward pass at the rounds' best batch size.
+# in-process forward pass at the rounds' best batch size; scripts/perf_analyzer.py runs Triton's
+# perf_analyzer at c=1 and c=16 beside `resnet-client bench --input fp32`.
 # BENCH_DEVICE (default cpu) and BENCH_TORCH_THREADS (default 0: every core) set the replica layout of
 # both sides, e.g. BENCH_DEVICE=cpu,cpu BENCH_TORCH_THREADS=1 for two single-thread replicas;
 # BENCH_PRECISION (default fp32) the precision of both (bf16: AMX on recent Xeons, AVX-512 BF16 on AMD Zen 4).
@@ -74,6 +75,12 @@ python3 scripts/latency_pairs.py --server 127.0.0.1:$port --image-size $size --d
 best=$(python3 scripts/bench_table.py --rounds-best-batch "$out")
 python3 scripts/throughput_pairs.py --server 127.0.0.1:$port --image-size $size --device $device \
   --torch-threads $threads --precision $precision --batch-size "$best" "${graph[@]}" > "$out/throughput_pairs.json"
+# Triton's own load generator (C++) beside ours, both sending what ModelMetadata declares: FP32.
+if python3 scripts/perf_analyzer.py --server 127.0.0.1:$port --concurrency 1,16 > "$out/perf_analyzer.json"; then
+  bench served_fp32 --input fp32 --sweep 1,16
+else
+  rm -f "$out/perf_analyzer.json"; echo "perf_analyzer did not run (see scripts/perf_analyzer.py); skipped" >&2
+fi
 # Where the two cores go at c=16: the server's forward team, its other threads, the client (this machine's tax).
 python3 scripts/cpu_split.py --server 127.0.0.1:$port --server-pid "$server_pid" --image-size $size \
   > "$out/cpu_split.json"

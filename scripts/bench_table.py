@@ -81,6 +81,7 @@ def main(folder: Path, size: str) -> None:
     print_rounds(folder)
     print_throughput_pairs(folder)
     print_cpu_split(folder)
+    print_perf_analyzer(folder, batch1_ms, max(uint8["forward_images_per_s"].values()))
 
 
 def cpu_model() -> str:
@@ -204,6 +205,34 @@ def print_cpu_split(folder: Path) -> None:
     print(f"Most that served c={cpu['concurrency']} can reach of the in-process forward ceiling on these cores: "
           f"{cpu['share_of_cores']['forward_team']:.3f} (the forward team's share; the rest went to serving and "
           "the client)")
+
+
+def print_perf_analyzer(folder: Path, batch1_ms: float, ceiling: float) -> None:
+    """Triton's perf_analyzer beside `resnet-client bench`, both sending FP32 (scripts/perf_analyzer.py)."""
+    if not (folder / "perf_analyzer.json").exists():
+        return
+    ours = {point["concurrency"]: point for point in load(folder, "served_fp32")}
+    for line in perf_analyzer_lines(load(folder, "perf_analyzer"), ours, batch1_ms, ceiling):
+        print(line)
+
+
+def perf_analyzer_lines(rows: list[dict], ours: dict[int, dict], batch1_ms: float, ceiling: float) -> list[str]:
+    """One line per concurrency: perf_analyzer's figures, the server's split of a request, and ours beside them."""
+    lines = []
+    for row in rows:
+        c, p50_ms = row["concurrency"], row["p50_us"] / 1000
+        against = f"{p50_ms - batch1_ms:+.1f} ms over in-process batch 1" if c == 1 else \
+            f"{row['throughput'] / ceiling:.2f} x the forward ceiling"
+        split = " + ".join(f"{name} {row[key] / 1000:.1f}" for name, key in (
+            ("queue", "queue_us"), ("input", "compute_input_us"), ("infer", "compute_infer_us"),
+            ("output", "compute_output_us"), ("overhead", "overhead_us")))
+        mine = ours.get(c)
+        beside = (f"; resnet-client bench --input fp32: {mine['images_per_s']:.1f} images/s, "
+                  f"p50 {mine['p50_ms']:.1f} ms" if mine else "")
+        lines.append(f"Triton's perf_analyzer, FP32 c={c}: {row['throughput']:.1f} images/s, p50 {p50_ms:.1f} ms, "
+                     f"p99 {row['p99_us'] / 1000:.1f} ms ({against}); the server's own split of a request "
+                     f"(ModelStatistics): {split} = {row['request_us'] / 1000:.1f} ms{beside}")
+    return lines
 
 
 if __name__ == "__main__":

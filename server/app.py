@@ -60,7 +60,7 @@ class App:
         self.port = 0
         self.core: InferenceCore | None = None
         self.classifier = ClassifierService()
-        self.inference = InferenceService()
+        self.inference = InferenceService(self.metrics.statistics)
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
         self._no_replica = False  # every replica out of rotation: health went NOT_SERVING

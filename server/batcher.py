@@ -32,6 +32,7 @@ from .errors import ComputeFailed, DeadlineExpired, Overloaded, ServingError, Un
 from .metrics import Metrics
 from .postprocess import top_k
 from .preprocess import FLOAT_SHAPE
+from .statistics import BatchTiming
 
 if TYPE_CHECKING:
     from .runner import ModelInput, ModelRunner
@@ -48,7 +49,7 @@ class ImageOutput:
     top_k: list[tuple[int, float]]
     temperature: float
     queue_seconds: float
-    compute_seconds: float
+    timing: BatchTiming  # its batch's compute, in parts
     device: str
 
 
@@ -109,6 +110,7 @@ class Batcher:
         self._compute_time = metrics.compute.labels(name)
         self._batch_size = metrics.batch_size.labels(name)
         self._dropped = metrics.dropped
+        self._statistics = metrics.statistics
 
     @property
     def in_rotation(self) -> bool:
@@ -256,7 +258,7 @@ class Batcher:
             return
         if batch:
             self._batch_passed()
-            self._record(batch, started, outputs[0].compute_seconds)
+            self._record(batch, started, outputs[0].timing)
             _resolve(batch, outputs)
 
     def _outputs(self, batch: list[WorkItem], started: float) -> tuple[list[WorkItem], list[ImageOutput]]:
@@ -264,14 +266,16 @@ class Batcher:
         batch, inputs = self._prepare(batch)
         if not batch:
             return batch, []
+        prepared = time.monotonic()
         temperatures = torch.tensor([item.temperature for item in batch], dtype=torch.float64)
         probabilities, logits = self._compute_split_on_oom(inputs, temperatures)
+        computed = time.monotonic()
         tops = top_k(probabilities, [item.top_k for item in batch])
         # NumPy views of the host results: indexing a row is then plain Python work, not a torch call per image.
         probabilities, logits = probabilities.numpy(), logits.numpy()
-        elapsed = time.monotonic() - started
+        timing = BatchTiming(prepared - started, computed - prepared, time.monotonic() - computed)
         return batch, [
-            ImageOutput(probabilities[i], logits[i], tops[i], item.temperature, started - item.enqueued, elapsed,
+            ImageOutput(probabilities[i], logits[i], tops[i], item.temperature, started - item.enqueued, timing,
                         self.name)
             for i, item in enumerate(batch)
         ]
@@ -300,9 +304,10 @@ class Batcher:
             raise RuntimeError(f"compute returned {len(probabilities)} results for {len(inputs)} images")
         return probabilities, logits
 
-    def _record(self, batch: list[WorkItem], started: float, elapsed: float) -> None:
+    def _record(self, batch: list[WorkItem], started: float, timing: BatchTiming) -> None:
         self._batch_size.observe(len(batch))
-        self._compute_time.observe(elapsed)
+        self._compute_time.observe(timing.total)
+        self._statistics.record_batch(len(batch), timing)
         for item in batch:
             self._queue_wait.observe(started - item.enqueued)
 

@@ -70,9 +70,9 @@ class InferenceCore:
         in_flight = self._metrics.in_flight.labels(replica.name)
         in_flight.inc()
         replica.pending += len(call.images)
-        code = "OK"
+        code, outputs = "OK", None
         try:
-            return await self._classify_on(replica, call, started)
+            outputs = await self._classify_on(replica, call, started)
         except BaseException as exc:
             code = "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0].name
             if not self.router.any_healthy():  # this call's failure may have evicted the last replica
@@ -83,7 +83,10 @@ class InferenceCore:
             in_flight.dec()
             self._metrics.requests.labels(replica.name, code).inc()
             self._metrics.images.labels(replica.name, code).inc(len(call.images))
-            self._metrics.request_latency.labels(replica.name).observe(time.monotonic() - started)
+            elapsed = time.monotonic() - started
+            self._metrics.request_latency.labels(replica.name).observe(elapsed)
+            self._metrics.statistics.record_request(elapsed, outputs)
+        return outputs
 
     async def _classify_on(self, replica: Replica, call: ClassifyCall, started: float) -> list[ImageOutput]:
         temperature, k = self._validate(call)

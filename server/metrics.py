@@ -1,4 +1,5 @@
-"""Prometheus metrics: per-device histograms of latency, queue wait and compute, and counters.
+"""Prometheus metrics: per-device histograms of latency, queue wait and compute, and counters;
+beside them, the model's totals that the Open Inference Protocol's ModelStatistics reports.
 
 Every series carries a ``device`` label (the replica's name, e.g. ``cuda:0`` or ``cpu#1`` when
 one device holds several replicas). Units are seconds; counters end in ``_total``. Each server
@@ -11,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client import start_http_server as _start_http_server
 
 from .errors import StartupError
+from .statistics import ModelStatistics
 
 # 0.5 ms to 10 s: a GPU batch takes a few ms, a CPU batch or a queued burst up to seconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -19,9 +21,10 @@ PREFIX = "resnet_"
 
 
 class Metrics:
-    """All of the server's series, in one registry."""
+    """All of the server's series, in one registry, and its ModelStatistics totals."""
 
     def __init__(self) -> None:
+        self.statistics = ModelStatistics()
         self.registry = CollectorRegistry()
         # The process's RSS, CPU, open fds and start time (which the restart alert and panel count), and Python's.
         ProcessCollector(registry=self.registry)

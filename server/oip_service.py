@@ -26,6 +26,7 @@ from .inference import ClassifyCall, InferenceCore
 from .model import MODEL_NAME, MODEL_VERSION
 from .preprocess import CROP, EncodedImage, ImageInput, RawImage
 from .service import answer, caller_status, in_order, request_id
+from .statistics import BatchTotals, Duration, ModelStatistics, Totals
 
 INPUT_NAME = "input"
 PROBABILITIES = "probabilities"
@@ -179,10 +180,11 @@ def _stack_probabilities(outputs: list[ImageOutput]) -> bytes:
 class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
     """Answers UNAVAILABLE (and ready=false) until :meth:`attach` hands it the loaded core."""
 
-    def __init__(self) -> None:
+    def __init__(self, statistics: ModelStatistics) -> None:
         self._core: InferenceCore | None = None
         self._labels: list[str] = []
         self._config = mc.ModelConfig()
+        self._statistics = statistics
 
     def attach(self, core: InferenceCore, labels: list[str], config: mc.ModelConfig) -> None:
         self._core, self._labels, self._config = core, labels, config
@@ -204,7 +206,7 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
 
     async def ServerMetadata(self, request, context):
         return oip.ServerMetadataResponse(name="resnet-grpc", version=__version__,
-                                          extensions=["model_configuration", "parameters"])
+                                          extensions=["model_configuration", "parameters", "statistics"])
 
     async def ModelMetadata(self, request, context):
         async def metadata():
@@ -217,6 +219,13 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
             check_model(request.name, request.version)
             return oip.ModelConfigResponse(config=self._config)
         return await answer(context, request_id(context), config)
+
+    async def ModelStatistics(self, request, context):
+        async def statistics():
+            if request.name:  # an empty name asks for every model: this one
+                check_model(request.name, request.version)
+            return oip.ModelStatisticsResponse(model_stats=[model_statistics(self._statistics.snapshot())])
+        return await answer(context, request_id(context), statistics)
 
     async def _infer(self, request: oip.ModelInferRequest, context, rid: str) -> oip.ModelInferResponse:
         check_model(request.model_name, request.model_version)
@@ -258,6 +267,24 @@ def model_metadata() -> oip.ModelMetadataResponse:
         inputs=[tensor(name=INPUT_NAME, datatype="FP32", shape=[-1, 3, CROP, CROP])],
         outputs=[tensor(name=PROBABILITIES, datatype="FP32", shape=[-1, 1000]),
                  *(tensor(name=name, datatype=OUTPUT_TYPES[name], shape=[-1, -1]) for name in TOP_K_OUTPUTS)],
+    )
+
+
+def model_statistics(totals: Totals) -> oip.ModelStatistics:
+    def duration(value: Duration) -> oip.StatisticDuration:
+        return oip.StatisticDuration(count=value.count, ns=value.ns)
+
+    def compute(value: BatchTotals) -> dict[str, oip.StatisticDuration]:
+        return {"compute_input": duration(value.compute_input), "compute_infer": duration(value.compute_infer),
+                "compute_output": duration(value.compute_output)}
+
+    return oip.ModelStatistics(
+        name=MODEL_NAME, version=MODEL_VERSION, last_inference=totals.last_inference_ms,
+        inference_count=totals.inference_count, execution_count=totals.execution_count,
+        inference_stats=oip.InferStatistics(success=duration(totals.success), fail=duration(totals.fail),
+                                            queue=duration(totals.queue), **compute(totals.compute)),
+        batch_stats=[oip.InferBatchStatistics(batch_size=size, **compute(totals.batches[size]))
+                     for size in sorted(totals.batches)],
     )
 
 

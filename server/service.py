@@ -111,7 +111,7 @@ def to_result(output: ImageOutput, labels: list[str], request: pb.ClassifyReques
     result = pb.ImageResult(
         top_k=[pb.ClassScore(index=i, label=labels[i], probability=p) for i, p in output.top_k],
         queue_ms=output.queue_seconds * 1000.0,
-        compute_ms=output.compute_seconds * 1000.0,
+        compute_ms=output.timing.total * 1000.0,
         device=output.device,
         temperature=output.temperature,
     )

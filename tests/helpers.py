@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import io
 import os
 import shutil
@@ -10,6 +11,7 @@ import socket
 import threading
 import urllib.request
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -26,9 +28,18 @@ from server.config import ServerConfig
 from server.metrics import Metrics
 
 TEST_SEED = 1234
+ROOT = Path(__file__).resolve().parent.parent
 IN_CI = bool(os.environ.get("CI"))  # where CI runs, a missing tool fails its tests instead of skipping them
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None and not IN_CI,
                                     reason="promtool/prometheus (Debian package prometheus) not installed")
+
+
+def load_script(name: str):
+    """A module from scripts/, which is not a package."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def base_config(weights: str, **overrides) -> ServerConfig:

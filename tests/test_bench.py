@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,17 +17,7 @@ from client import Client
 from client.cli import main as client_main
 from server.app import main as server_main
 from server.bench_model import Replicas, add_model_arguments
-from tests.helpers import free_port, serving, wait_for
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_script(name: str):
-    """A module from scripts/, which is not a package."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import ROOT, free_port, load_script, serving, wait_for
 
 
 def model_arguments(*argv: str) -> argparse.Namespace:
@@ -302,6 +290,24 @@ def test_the_pairs_batch_size_is_the_rounds_best_by_median(tmp_path):
     printed = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_table.py"), "--rounds-best-batch",
                               str(tmp_path)], capture_output=True, text=True, check=True)
     assert printed.stdout == "8\n"
+
+
+def test_the_table_sets_perf_analyzer_beside_our_bench():
+    rows = [{"concurrency": 1, "throughput": 33.7, "p50_us": 28173, "p99_us": 51111, "request_us": 27000,
+             "queue_us": 80, "compute_input_us": 683, "compute_infer_us": 25900, "compute_output_us": 70,
+             "overhead_us": 267},
+            {"concurrency": 16, "throughput": 49.7, "p50_us": 315529, "p99_us": 406036, "request_us": 311004,
+             "queue_us": 151260, "compute_input_us": 5538, "compute_infer_us": 151604, "compute_output_us": 106,
+             "overhead_us": 2496}]
+    ours = {16: {"images_per_s": 48.5, "p50_ms": 328.0}}
+    lines = load_script("bench_table").perf_analyzer_lines(rows, ours, batch1_ms=25.0, ceiling=52.0)
+    assert lines == [
+        "Triton's perf_analyzer, FP32 c=1: 33.7 images/s, p50 28.2 ms, p99 51.1 ms (+3.2 ms over in-process "
+        "batch 1); the server's own split of a request (ModelStatistics): queue 0.1 + input 0.7 + infer 25.9 + "
+        "output 0.1 + overhead 0.3 = 27.0 ms",
+        "Triton's perf_analyzer, FP32 c=16: 49.7 images/s, p50 315.5 ms, p99 406.0 ms (0.96 x the forward "
+        "ceiling); the server's own split of a request (ModelStatistics): queue 151.3 + input 5.5 + infer 151.6 + "
+        "output 0.1 + overhead 2.5 = 311.0 ms; resnet-client bench --input fp32: 48.5 images/s, p50 328.0 ms"]
 
 
 def test_cpu_split_reads_the_server_threads_and_this_process(weights_file, capsys, tmp_path, monkeypatch):

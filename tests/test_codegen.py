@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT, load_script
 
 
 def test_generated_code_is_fresh(tmp_path):
-    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "scripts" / "gen_proto.py")
-    gen_proto = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen_proto)
-    fresh = {path.name: path.read_text() for path in gen_proto.generate(tmp_path)}
+    fresh = {path.name: path.read_text() for path in load_script("gen_proto").generate(tmp_path)}
     committed = {path.name: path.read_text() for path in (ROOT / "client" / "api").glob("*_pb2*.py*")}
     assert fresh.keys() == committed.keys()
     stale = [name for name in fresh if fresh[name] != committed[name]]

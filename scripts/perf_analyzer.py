@@ -1,0 +1,104 @@
+"""Triton's own load generator, perf_analyzer (C++), against this server's Open Inference Protocol.
+
+A second, independent client for the figures `resnet-client bench` gives, and the one Triton users
+already trust. It sends what ModelMetadata declares, FP32 [1, 3, 224, 224] (zeros: its random
+FP32 bytes include NaNs, which the server refuses), and prints, per concurrency, its client-side
+throughput and latency and the server's own split of each request's time, which it reads from the
+ModelStatistics RPC before and after each window.
+
+The binary comes with the tritonclient 2.41 wheel (the test extra); it links libcudart.so.12 (the
+nvidia-cuda-runtime-cu12 wheel, also in the test extra; no GPU needed) and libb64 (Debian's libb64-0d).
+
+Usage: python scripts/perf_analyzer.py --server 127.0.0.1:50051 --concurrency 1,16 [--window-ms 5000]
+Prints one JSON object a line, one per concurrency; talks only to the server named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+MODEL = "resnet18"
+# perf_analyzer's report: "p50 latency: 28173 usec", "Throughput: 33.6 infer/sec", "Inference count: 111".
+_NUMBER = r"([0-9.]+)"
+CLIENT_FIELDS = {"requests": r"Request count: (\d+)", "throughput": rf"Throughput: {_NUMBER} infer/sec",
+                 "p50_us": r"p50 latency: (\d+) usec", "p90_us": r"p90 latency: (\d+) usec",
+                 "p99_us": r"p99 latency: (\d+) usec"}
+SERVER_FIELDS = {"inferences": r"Inference count: (\d+)", "executions": r"Execution count: (\d+)",
+                 "successes": r"Successful request count: (\d+)"}
+SERVER_SPLIT = re.compile(r"Avg request latency: (\d+) usec \(overhead (\d+) usec \+ queue (\d+) usec \+ compute "
+                          r"input (\d+) usec \+ compute infer (\d+) usec \+ compute output (\d+) usec\)")
+SPLIT_NAMES = ("request_us", "overhead_us", "queue_us", "compute_input_us", "compute_infer_us", "compute_output_us")
+
+
+def binary() -> str | None:
+    """perf_analyzer beside this Python (the venv's bin), else on PATH."""
+    beside = Path(sys.executable).parent / "perf_analyzer"
+    return str(beside) if beside.exists() else shutil.which("perf_analyzer")
+
+
+def environment() -> dict[str, str]:
+    """This environment, with the CUDA 12 runtime wheel's folder on the library path (the binary links it)."""
+    env = dict(os.environ)
+    try:
+        import nvidia.cuda_runtime as cuda_runtime  # noqa: PLC0415 - optional: only perf_analyzer needs it
+    except ImportError:
+        return env
+    folders = [str(Path(path) / "lib") for path in cuda_runtime.__path__]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(folders + [env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def command(server: str, concurrency: int, window_ms: int | None, window_requests: int | None) -> list[str]:
+    args = [binary() or "perf_analyzer", "-m", MODEL, "-i", "grpc", "-u", server, "-b", "1", "--input-data", "zero",
+            "--concurrency-range", f"{concurrency}:{concurrency}", "--max-trials", "10"]
+    if window_requests:  # short windows for the tests: count, and take the third as stable whatever it reads
+        return args + ["--measurement-mode", "count_windows", "--measurement-request-count", str(window_requests),
+                       "--stability-percentage", "1000"]
+    return args + ["--measurement-interval", str(window_ms or 5000)]
+
+
+def parse(report: str) -> dict:
+    """The figures of one concurrency's report (the stable window's)."""
+    client, _, server = report.rpartition("Request concurrency")[2].partition("Server:")
+    figures: dict = {}
+    for fields, text in ((CLIENT_FIELDS, client), (SERVER_FIELDS, server)):
+        for name, pattern in fields.items():
+            found = re.search(pattern, text)
+            if found is None:
+                raise ValueError(f"perf_analyzer's report has no {name!r} ({pattern}):\n{report}")
+            figures[name] = float(found.group(1)) if "." in found.group(1) else int(found.group(1))
+    split = SERVER_SPLIT.search(server)
+    if split is None:
+        raise ValueError(f"perf_analyzer's report has no server-side split:\n{report}")
+    figures.update(zip(SPLIT_NAMES, map(int, split.groups()), strict=True))
+    return figures
+
+
+def run(server: str, concurrency: int, window_ms: int | None = None, window_requests: int | None = None,
+        timeout: float = 300) -> dict:
+    done = subprocess.run(command(server, concurrency, window_ms, window_requests), env=environment(),
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"perf_analyzer exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    return {"concurrency": concurrency, **parse(done.stdout)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server", required=True, help="HOST:PORT of the server")
+    parser.add_argument("--concurrency", default="1,16", help="comma-separated request concurrencies")
+    parser.add_argument("--window-ms", type=int, default=5000, help="perf_analyzer's measurement window")
+    args = parser.parse_args(argv)
+    for concurrency in args.concurrency.split(","):
+        print(json.dumps(run(args.server, int(concurrency), window_ms=args.window_ms)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

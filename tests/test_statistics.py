@@ -1,0 +1,90 @@
+"""Triton's ModelStatistics, read by the real tritonclient and by Triton's perf_analyzer binary.
+
+Each test starts its own server, so every count is this test's traffic alone.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import time
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+from tritonclient.utils import InferenceServerException
+
+from client import Client
+from tests.helpers import IN_CI, encode, load_script, random_rgb
+
+perf_analyzer = load_script("perf_analyzer")
+# The binary links libb64 (Debian's libb64-0d) and libcudart.so.12 (the nvidia-cuda-runtime-cu12 wheel).
+needs_perf_analyzer = pytest.mark.skipif(
+    (perf_analyzer.binary() is None or ctypes.util.find_library("b64") is None) and not IN_CI,
+    reason="perf_analyzer (tritonclient 2.41 wheel) or libb64 (Debian libb64-0d) not installed")
+
+
+def uint8_input(count: int) -> tc.InferInput:
+    tensor = tc.InferInput("input", [count, 64, 48, 3], "UINT8")
+    tensor.set_data_from_numpy(np.stack([random_rgb(700 + i, 64, 48) for i in range(count)]))
+    return tensor
+
+
+def statistics(client: tc.InferenceServerClient, name: str = "resnet18") -> dict:
+    (model,) = client.get_inference_statistics(name, as_json=True)["model_stats"]
+    return model
+
+
+def test_every_request_and_batch_is_counted_whichever_api_sent_it(make_server):
+    running = make_server()
+    started_ms = time.time() * 1000
+    with tc.InferenceServerClient(running.target) as triton, Client(running.target, timeout=60) as ours:
+        for _ in range(3):  # one at a time: one batch each
+            triton.infer("resnet18", [uint8_input(2)])
+        ours.classify([encode(random_rgb(710))])
+        with pytest.raises(InferenceServerException):  # reaches a replica, then fails validation
+            triton.infer("resnet18", [uint8_input(1)], parameters={"temperature": "-1"})
+        model = statistics(triton)
+        assert statistics(triton, "") == model  # no name: every model, and this server has one
+    assert model["name"] == "resnet18" and model["version"] == "1"
+    assert int(model["inference_count"]) == 7 and int(model["execution_count"]) == 4
+    assert started_ms <= int(model["last_inference"]) <= time.time() * 1000
+    stats = model["inference_stats"]
+    assert int(stats["success"]["count"]) == 4 and int(stats["fail"]["count"]) == 1
+    for part in ("queue", "compute_input", "compute_infer", "compute_output"):
+        assert int(stats[part]["count"]) == 4, part
+    # Sequential requests of one batch each: a request's time holds its queue wait and its batch.
+    parts = sum(int(stats[part]["ns"]) for part in ("queue", "compute_input", "compute_infer", "compute_output"))
+    assert 0 < parts <= int(stats["success"]["ns"])
+    by_size = {int(batch["batch_size"]): batch for batch in model["batch_stats"]}
+    assert {size: int(batch["compute_infer"]["count"]) for size, batch in by_size.items()} == {1: 1, 2: 3}
+    # The batches' parts add up to what Prometheus's compute histogram saw.
+    batch_ns = sum(int(batch[part]["ns"]) for batch in by_size.values()
+                   for part in ("compute_input", "compute_infer", "compute_output"))
+    assert batch_ns == pytest.approx(running.sample("resnet_batch_compute_seconds_sum", device="cpu") * 1e9, abs=1e3)
+
+
+def test_an_unknown_model_or_version_is_not_found(make_server):
+    running = make_server()
+    with tc.InferenceServerClient(running.target) as triton:
+        for name, version in (("resnet50", ""), ("resnet18", "2")):
+            with pytest.raises(InferenceServerException) as caught:
+                triton.get_inference_statistics(name, version)
+            assert caught.value.status() == str(grpc.StatusCode.NOT_FOUND)
+        assert "statistics" in triton.get_server_metadata(as_json=True)["extensions"]
+
+
+@needs_perf_analyzer
+def test_perf_analyzer_measures_the_server_and_reads_its_statistics(make_server):
+    running = make_server()
+    figures = perf_analyzer.run(running.target, concurrency=2, window_requests=10, timeout=120)
+    # The server's counts over perf_analyzer's window are this run's requests, one image each.
+    assert figures["requests"] >= 10 and abs(figures["inferences"] - figures["requests"]) <= 2
+    assert figures["successes"] == figures["inferences"]
+    assert 1 <= figures["executions"] <= figures["inferences"]
+    assert figures["throughput"] > 0 and 0 < figures["p50_us"] <= figures["p99_us"]
+    assert figures["compute_infer_us"] > 0 and figures["request_us"] >= figures["compute_infer_us"]
+    with tc.InferenceServerClient(running.target) as triton:
+        model = statistics(triton)
+    assert "count" not in model["inference_stats"]["fail"]  # as JSON, a zero count is left out
+    assert int(model["inference_count"]) >= figures["inferences"]
