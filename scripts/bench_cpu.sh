@@ -9,7 +9,8 @@
 # apart rather than one pair (this VM's speed drifts 10-40% over minutes), then scripts/latency_pairs.py
 # interleaves c=1 and in-process batch 1 second by second, and scripts/throughput_pairs.py c=16 and the
 # in-process forward pass at the rounds' best batch size; scripts/perf_analyzer.py runs Triton's
-# perf_analyzer at c=1 and c=16 beside `resnet-client bench --input fp32`.
+# perf_analyzer at c=1 and c=16 beside `resnet-client bench --input fp32`, and scripts/perf_analyzer_pairs.py
+# interleaves it with the in-process forward pass.
 # BENCH_DEVICE (default cpu) and BENCH_TORCH_THREADS (default 0: every core) set the replica layout of
 # both sides, e.g. BENCH_DEVICE=cpu,cpu BENCH_TORCH_THREADS=1 for two single-thread replicas;
 # BENCH_PRECISION (default fp32) the precision of both (bf16: AMX on recent Xeons, AVX-512 BF16 on AMD Zen 4).
@@ -76,8 +77,11 @@ best=$(python3 scripts/bench_table.py --rounds-best-batch "$out")
 python3 scripts/throughput_pairs.py --server 127.0.0.1:$port --image-size $size --device $device \
   --torch-threads $threads --precision $precision --batch-size "$best" "${graph[@]}" > "$out/throughput_pairs.json"
 # Triton's own load generator (C++) beside ours, both sending what ModelMetadata declares: FP32.
+# Then perf_analyzer interleaved with the in-process forward pass, as the pairs above.
 if python3 scripts/perf_analyzer.py --server 127.0.0.1:$port --concurrency 1,16 > "$out/perf_analyzer.json"; then
   bench served_fp32 --input fp32 --sweep 1,16
+  python3 scripts/perf_analyzer_pairs.py --server 127.0.0.1:$port --device "${device%%,*}" --torch-threads $threads \
+    --precision $precision --batch-size "$best" "${graph[@]}" > "$out/perf_analyzer_pairs.json"
 else
   rm -f "$out/perf_analyzer.json"; echo "perf_analyzer did not run (see scripts/perf_analyzer.py); skipped" >&2
 fi

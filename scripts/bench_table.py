@@ -20,6 +20,8 @@ def load_interleaved(folder: Path, name: str) -> tuple[dict, str] | None:
     if not (folder / f"{name}.json").exists():
         return None
     result = load(folder, name)[0]
+    if "pairs" in result:  # scripts/perf_analyzer_pairs.py: perf_analyzer's three windows a side
+        return result, f"Interleaved ({result['pairs']} pairs of 3 x {result['window_ms'] / 1000:g} s per side)"
     return result, f"Interleaved ({result['windows']} windows of {result['window_s']:g} s per side)"
 
 
@@ -214,6 +216,22 @@ def print_perf_analyzer(folder: Path, batch1_ms: float, ceiling: float) -> None:
     ours = {point["concurrency"]: point for point in load(folder, "served_fp32")}
     for line in perf_analyzer_lines(load(folder, "perf_analyzer"), ours, batch1_ms, ceiling):
         print(line)
+    if found := load_interleaved(folder, "perf_analyzer_pairs"):
+        print(perf_analyzer_pairs_line(*found))
+
+
+def perf_analyzer_pairs_line(pairs: dict, opening: str) -> str:
+    """perf_analyzer's c=1 and c=16 against the in-process pass, interleaved (scripts/perf_analyzer_pairs.py)."""
+    (low, high), (ratio_low, ratio_high) = pairs["c1_difference_range_ms"], pairs["ratio_range"]
+    split = " + ".join(f"{name.replace('compute_', '')} {ms:.2f}"
+                       for name, ms in pairs["c1_server_split_median_ms"].items())
+    return (f"{opening}, Triton's perf_analyzer FP32 c=1 p50 / in-process batch-1 p50: "
+            f"{pairs['c1_served_p50_ms']:.1f} / {pairs['c1_in_process_p50_ms']:.1f} ms; "
+            f"difference median {pairs['c1_difference_median_ms']:+.1f} ms "
+            f"(range {low:+.1f} to {high:+.1f}); the server's split of a c=1 request (medians, ms): {split}; "
+            f"c={pairs['concurrency']} / in-process forward at batch {pairs['batch_size']}: "
+            f"{pairs['served_images_per_s']:.1f} / {pairs['in_process_images_per_s']:.1f} images/s; ratio median "
+            f"{pairs['ratio_median']:.2f} (range {ratio_low:.2f}-{ratio_high:.2f})")
 
 
 def perf_analyzer_lines(rows: list[dict], ours: dict[int, dict], batch1_ms: float, ceiling: float) -> list[str]:

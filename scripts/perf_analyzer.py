@@ -55,12 +55,15 @@ def environment() -> dict[str, str]:
     return env
 
 
-def command(server: str, concurrency: int, window_ms: int | None, window_requests: int | None) -> list[str]:
+def command(server: str, concurrency: int, window_ms: int | None, window_requests: int | None,
+            first_windows: bool) -> list[str]:
+    """first_windows: report the first three windows whatever they read, instead of waiting (up to ten
+    windows) for three within 10% of each other; for interleaving, where a run must take a known time."""
+    stability = ["--stability-percentage", "1000"] if first_windows or window_requests else []
     args = [binary() or "perf_analyzer", "-m", MODEL, "-i", "grpc", "-u", server, "-b", "1", "--input-data", "zero",
-            "--concurrency-range", f"{concurrency}:{concurrency}", "--max-trials", "10"]
-    if window_requests:  # short windows for the tests: count, and take the third as stable whatever it reads
-        return args + ["--measurement-mode", "count_windows", "--measurement-request-count", str(window_requests),
-                       "--stability-percentage", "1000"]
+            "--concurrency-range", f"{concurrency}:{concurrency}", "--max-trials", "10", *stability]
+    if window_requests:  # short windows for the tests: a count of requests each
+        return args + ["--measurement-mode", "count_windows", "--measurement-request-count", str(window_requests)]
     return args + ["--measurement-interval", str(window_ms or 5000)]
 
 
@@ -82,8 +85,8 @@ def parse(report: str) -> dict:
 
 
 def run(server: str, concurrency: int, window_ms: int | None = None, window_requests: int | None = None,
-        timeout: float = 300) -> dict:
-    done = subprocess.run(command(server, concurrency, window_ms, window_requests), env=environment(),
+        first_windows: bool = False, timeout: float = 300) -> dict:
+    done = subprocess.run(command(server, concurrency, window_ms, window_requests, first_windows), env=environment(),
                           capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"perf_analyzer exited {done.returncode}:\n{done.stdout}\n{done.stderr}")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes.util
 import importlib.util
 import io
 import os
 import shutil
 import socket
+import sys
 import threading
 import urllib.request
 from dataclasses import replace
@@ -32,6 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 IN_CI = bool(os.environ.get("CI"))  # where CI runs, a missing tool fails its tests instead of skipping them
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None and not IN_CI,
                                     reason="promtool/prometheus (Debian package prometheus) not installed")
+# Triton's perf_analyzer (the tritonclient 2.41 wheel's binary) links libb64 (Debian's libb64-0d) and
+# libcudart.so.12 (the nvidia-cuda-runtime-cu12 wheel of the test extra).
+needs_perf_analyzer = pytest.mark.skipif(
+    (shutil.which("perf_analyzer", path=os.path.dirname(sys.executable)) is None
+     or ctypes.util.find_library("b64") is None) and not IN_CI,
+    reason="perf_analyzer (tritonclient 2.41 wheel) or libb64 (Debian libb64-0d) not installed")
 
 
 def load_script(name: str):

@@ -12,12 +12,13 @@ import sys
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as tc
 
 from client import Client
 from client.cli import main as client_main
 from server.app import main as server_main
 from server.bench_model import Replicas, add_model_arguments
-from tests.helpers import ROOT, free_port, load_script, serving, wait_for
+from tests.helpers import ROOT, free_port, load_script, needs_perf_analyzer, serving, wait_for
 
 
 def model_arguments(*argv: str) -> argparse.Namespace:
@@ -162,6 +163,27 @@ def test_throughput_pairs_interleaves_in_process_and_served_windows(make_server)
     assert result["ratio_range"] == ratios and result["ratio_median"] == pytest.approx(sum(ratios) / 2)
     # Three closed loops (warm-up and two windows) of four callers, each answered in batches.
     assert running.sample("resnet_batch_size_count", device="cpu") - batches_before >= 3
+
+
+@needs_perf_analyzer
+def test_perf_analyzer_pairs_interleave_it_with_the_in_process_pass(make_server, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # it imports scripts/perf_analyzer.py
+    running = make_server()
+    args = model_arguments()
+    vars(args).update(server=running.target, pairs=2, window_ms=300, concurrency=4, batch_size=2)
+    result = load_script("perf_analyzer_pairs").measure(args)
+    assert len(result["pairs_ms"]) == 2 and all(local > 0 and served > 0 for local, served in result["pairs_ms"])
+    differences = sorted(served - local for local, served in result["pairs_ms"])
+    assert result["c1_difference_range_ms"] == differences
+    assert result["c1_difference_median_ms"] == pytest.approx(sum(differences) / 2)
+    ratios = sorted(served / local for local, served in result["pairs_images_per_s"])
+    assert result["ratio_range"] == ratios and all(ratio > 0 for ratio in ratios)
+    split = result["c1_server_split_median_ms"]
+    assert split["compute_infer"] > 0 and split["queue"] >= 0
+    # Every perf_analyzer run (a warm-up and two of each concurrency) reached the server.
+    with tc.InferenceServerClient(running.target) as triton:
+        (model,) = triton.get_inference_statistics("resnet18", as_json=True)["model_stats"]
+    assert int(model["inference_count"]) >= 5 * 3
 
 
 def test_grpc_floor_times_both_minimal_servers():

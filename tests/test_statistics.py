@@ -5,7 +5,6 @@ Each test starts its own server, so every count is this test's traffic alone.
 
 from __future__ import annotations
 
-import ctypes.util
 import time
 
 import grpc
@@ -15,13 +14,9 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 from client import Client
-from tests.helpers import IN_CI, encode, load_script, random_rgb
+from tests.helpers import encode, load_script, needs_perf_analyzer, random_rgb
 
 perf_analyzer = load_script("perf_analyzer")
-# The binary links libb64 (Debian's libb64-0d) and libcudart.so.12 (the nvidia-cuda-runtime-cu12 wheel).
-needs_perf_analyzer = pytest.mark.skipif(
-    (perf_analyzer.binary() is None or ctypes.util.find_library("b64") is None) and not IN_CI,
-    reason="perf_analyzer (tritonclient 2.41 wheel) or libb64 (Debian libb64-0d) not installed")
 
 
 def uint8_input(count: int) -> tc.InferInput:

@@ -1,0 +1,75 @@
+"""Triton's perf_analyzer against the in-process forward pass, interleaved window by window.
+
+The benchmark issue's targets with an independent C++ client, measured as scripts/latency_pairs.py and
+throughput_pairs.py measure them with ours (this VM's speed drifts 10-40% over minutes, so only sides
+seconds apart compare). Each pair: in-process batch-1 passes, then perf_analyzer at c=1 (three windows);
+the in-process forward pass at --batch-size, then perf_analyzer at c=16. Each side idles while the other
+runs. The in-process side gets a ready FP32 tensor; perf_analyzer sends FP32 zeros, which the server
+converts into the model's layout with the batch (the server's "input" time). Prints the medians of each
+side, of the per-pair differences (c=1) and ratios (c=16), and the server's own split of a c=1 request
+(ModelStatistics, as perf_analyzer reads it).
+
+Usage: python scripts/perf_analyzer_pairs.py --server 127.0.0.1:50151 [--pairs 8] [--batch-size 8]
+       [--window-ms 1500] [--device cpu] [--torch-threads 0] [--compile] (the server's own model flags)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import perf_analyzer
+import torch
+
+from server.bench_model import Replicas, add_model_arguments, parse_model_arguments
+from server.preprocess import FLOAT_SHAPE
+
+SPLIT = ("queue_us", "compute_input_us", "compute_infer_us", "compute_output_us", "overhead_us")
+
+
+def measure(args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    window_s = 3 * args.window_ms / 1000  # as long as perf_analyzer's three windows
+    latency, throughput, splits = [], [], []
+    with Replicas(args, [1, args.batch_size]) as replicas:
+        model_input = torch.zeros(FLOAT_SHAPE)
+        perf_analyzer.run(args.server, 1, window_ms=args.window_ms, first_windows=True)  # warm-up
+        for _ in range(args.pairs):
+            _, calls = replicas.rate(model_input, 1, window_s)
+            served = perf_analyzer.run(args.server, 1, window_ms=args.window_ms, first_windows=True)
+            latency.append((1000 * statistics.median(calls), served["p50_us"] / 1000))
+            splits.append(served)
+            local, _ = replicas.rate(model_input, args.batch_size, window_s)
+            served = perf_analyzer.run(args.server, args.concurrency, window_ms=args.window_ms, first_windows=True)
+            throughput.append((local, served["throughput"]))
+    differences = [served - local for local, served in latency]
+    ratios = [served / local for local, served in throughput]
+    return {"pairs": args.pairs, "window_ms": args.window_ms, "batch_size": args.batch_size,
+            "concurrency": args.concurrency, "torch_threads": replicas.threads,
+            "c1_in_process_p50_ms": statistics.median(local for local, _ in latency),
+            "c1_served_p50_ms": statistics.median(served for _, served in latency),
+            "c1_difference_median_ms": statistics.median(differences),
+            "c1_difference_range_ms": [min(differences), max(differences)],
+            "c1_server_split_median_ms": {name.removesuffix("_us"): statistics.median(s[name] for s in splits) / 1000
+                                          for name in SPLIT},
+            "in_process_images_per_s": statistics.median(local for local, _ in throughput),
+            "served_images_per_s": statistics.median(served for _, served in throughput),
+            "ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+            "pairs_ms": latency, "pairs_images_per_s": throughput}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server", required=True, help="host:port of a server with --weights random, same layout")
+    add_model_arguments(parser)
+    parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=8, help="in-process batch for the c=16 pairs")
+    parser.add_argument("--window-ms", type=int, default=1500, help="perf_analyzer's measurement window")
+    args = parse_model_arguments(parser)
+    print(json.dumps(measure(args)))
+
+
+if __name__ == "__main__":
+    main()
