@@ -228,7 +228,9 @@ def perf_analyzer_pairs_line(pairs: dict, opening: str) -> str:
     return (f"{opening}, Triton's perf_analyzer FP32 c=1 p50 / in-process batch-1 p50: "
             f"{pairs['c1_served_p50_ms']:.1f} / {pairs['c1_in_process_p50_ms']:.1f} ms; "
             f"difference median {pairs['c1_difference_median_ms']:+.1f} ms "
-            f"(range {low:+.1f} to {high:+.1f}); the server's split of a c=1 request (medians, ms): {split}; "
+            f"(range {low:+.1f} to {high:+.1f}); the server's split of a c=1 request (medians of means, ms): {split}, "
+            f"its forward pass less the in-process one {pairs['c1_infer_minus_in_process_median_ms']:+.2f}, "
+            f"the round trip outside the server {pairs['c1_outside_server_median_ms']:.2f}; "
             f"c={pairs['concurrency']} / in-process forward at batch {pairs['batch_size']}: "
             f"{pairs['served_images_per_s']:.1f} / {pairs['in_process_images_per_s']:.1f} images/s; ratio median "
             f"{pairs['ratio_median']:.2f} (range {ratio_low:.2f}-{ratio_high:.2f})")

@@ -28,8 +28,8 @@ MODEL = "resnet18"
 # perf_analyzer's report: "p50 latency: 28173 usec", "Throughput: 33.6 infer/sec", "Inference count: 111".
 _NUMBER = r"([0-9.]+)"
 CLIENT_FIELDS = {"requests": r"Request count: (\d+)", "throughput": rf"Throughput: {_NUMBER} infer/sec",
-                 "p50_us": r"p50 latency: (\d+) usec", "p90_us": r"p90 latency: (\d+) usec",
-                 "p99_us": r"p99 latency: (\d+) usec"}
+                 "avg_us": r"Avg latency: (\d+) usec", "p50_us": r"p50 latency: (\d+) usec",
+                 "p90_us": r"p90 latency: (\d+) usec", "p99_us": r"p99 latency: (\d+) usec"}
 SERVER_FIELDS = {"inferences": r"Inference count: (\d+)", "executions": r"Execution count: (\d+)",
                  "successes": r"Successful request count: (\d+)"}
 SERVER_SPLIT = re.compile(r"Avg request latency: (\d+) usec \(overhead (\d+) usec \+ queue (\d+) usec \+ compute "

@@ -7,7 +7,10 @@ the in-process forward pass at --batch-size, then perf_analyzer at c=16. Each si
 runs. The in-process side gets a ready FP32 tensor; perf_analyzer sends FP32 zeros, which the server
 converts into the model's layout with the batch (the server's "input" time). Prints the medians of each
 side, of the per-pair differences (c=1) and ratios (c=16), and the server's own split of a c=1 request
-(ModelStatistics, as perf_analyzer reads it).
+(ModelStatistics, as perf_analyzer reads it). That split is of means (ModelStatistics sums times), so
+the c=1 pairs also keep the means of both sides: the served mean less the server's request time is the
+round trip outside the server, and the server's forward pass less the in-process one what serving costs
+the pass itself.
 
 Usage: python scripts/perf_analyzer_pairs.py --server 127.0.0.1:50151 [--pairs 8] [--batch-size 8]
        [--window-ms 1500] [--device cpu] [--torch-threads 0] [--compile] (the server's own model flags)
@@ -31,7 +34,7 @@ SPLIT = ("queue_us", "compute_input_us", "compute_infer_us", "compute_output_us"
 def measure(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     window_s = 3 * args.window_ms / 1000  # as long as perf_analyzer's three windows
-    latency, throughput, splits = [], [], []
+    latency, means, throughput, splits = [], [], [], []
     with Replicas(args, [1, args.batch_size]) as replicas:
         model_input = torch.zeros(FLOAT_SHAPE)
         perf_analyzer.run(args.server, 1, window_ms=args.window_ms, first_windows=True)  # warm-up
@@ -39,6 +42,7 @@ def measure(args: argparse.Namespace) -> dict:
             _, calls = replicas.rate(model_input, 1, window_s)
             served = perf_analyzer.run(args.server, 1, window_ms=args.window_ms, first_windows=True)
             latency.append((1000 * statistics.median(calls), served["p50_us"] / 1000))
+            means.append((1000 * statistics.fmean(calls), served["avg_us"] / 1000))
             splits.append(served)
             local, _ = replicas.rate(model_input, args.batch_size, window_s)
             served = perf_analyzer.run(args.server, args.concurrency, window_ms=args.window_ms, first_windows=True)
@@ -53,10 +57,15 @@ def measure(args: argparse.Namespace) -> dict:
             "c1_difference_range_ms": [min(differences), max(differences)],
             "c1_server_split_median_ms": {name.removesuffix("_us"): statistics.median(s[name] for s in splits) / 1000
                                           for name in SPLIT},
+            # Medians over the pairs of each pair's means.
+            "c1_outside_server_median_ms": statistics.median(
+                served - split["request_us"] / 1000 for (_, served), split in zip(means, splits, strict=True)),
+            "c1_infer_minus_in_process_median_ms": statistics.median(
+                split["compute_infer_us"] / 1000 - local for (local, _), split in zip(means, splits, strict=True)),
             "in_process_images_per_s": statistics.median(local for local, _ in throughput),
             "served_images_per_s": statistics.median(served for _, served in throughput),
             "ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-            "pairs_ms": latency, "pairs_images_per_s": throughput}
+            "pairs_ms": latency, "pairs_mean_ms": means, "pairs_images_per_s": throughput}
 
 
 def main() -> None:

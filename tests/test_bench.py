@@ -180,6 +180,7 @@ def test_perf_analyzer_pairs_interleave_it_with_the_in_process_pass(make_server,
     assert result["ratio_range"] == ratios and all(ratio > 0 for ratio in ratios)
     split = result["c1_server_split_median_ms"]
     assert split["compute_infer"] > 0 and split["queue"] >= 0
+    assert result["c1_outside_server_median_ms"] > 0  # the client's mean holds the server's request time
     # Every perf_analyzer run (a warm-up and two of each concurrency) reached the server.
     with tc.InferenceServerClient(running.target) as triton:
         (model,) = triton.get_inference_statistics("resnet18", as_json=True)["model_stats"]
@@ -314,7 +315,7 @@ def test_the_pairs_batch_size_is_the_rounds_best_by_median(tmp_path):
     assert printed.stdout == "8\n"
 
 
-def test_the_table_sets_perf_analyzer_beside_our_bench():
+def test_the_table_sets_perf_analyzer_beside_our_bench(tmp_path):
     rows = [{"concurrency": 1, "throughput": 33.7, "p50_us": 28173, "p99_us": 51111, "request_us": 27000,
              "queue_us": 80, "compute_input_us": 683, "compute_infer_us": 25900, "compute_output_us": 70,
              "overhead_us": 267},
@@ -330,6 +331,21 @@ def test_the_table_sets_perf_analyzer_beside_our_bench():
         "Triton's perf_analyzer, FP32 c=16: 49.7 images/s, p50 315.5 ms, p99 406.0 ms (0.96 x the forward "
         "ceiling); the server's own split of a request (ModelStatistics): queue 151.3 + input 5.5 + infer 151.6 + "
         "output 0.1 + overhead 2.5 = 311.0 ms; resnet-client bench --input fp32: 48.5 images/s, p50 328.0 ms"]
+    pairs = {"pairs": 8, "window_ms": 1500, "batch_size": 8, "concurrency": 16, "c1_served_p50_ms": 28.57,
+             "c1_in_process_p50_ms": 24.21, "c1_difference_median_ms": 3.72, "c1_difference_range_ms": [2.34, 5.65],
+             "c1_server_split_median_ms": {"queue": 0.08, "compute_input": 0.64, "compute_infer": 26.7,
+                                           "compute_output": 0.07, "overhead": 0.33},
+             "c1_infer_minus_in_process_median_ms": 1.71, "c1_outside_server_median_ms": 0.82,
+             "served_images_per_s": 48.99, "in_process_images_per_s": 55.18, "ratio_median": 0.885,
+             "ratio_range": [0.827, 0.922]}
+    table = load_script("bench_table")
+    tmp_path.joinpath("perf_analyzer_pairs.json").write_text(json.dumps(pairs) + "\n")
+    assert table.perf_analyzer_pairs_line(*table.load_interleaved(tmp_path, "perf_analyzer_pairs")) == (
+        "Interleaved (8 pairs of 3 x 1.5 s per side), Triton's perf_analyzer FP32 c=1 p50 / in-process batch-1 p50: "
+        "28.6 / 24.2 ms; difference median +3.7 ms (range +2.3 to +5.7); the server's split of a c=1 request "
+        "(medians of means, ms): queue 0.08 + input 0.64 + infer 26.70 + output 0.07 + overhead 0.33, its forward "
+        "pass less the in-process one +1.71, the round trip outside the server 0.82; c=16 / in-process forward at "
+        "batch 8: 49.0 / 55.2 images/s; ratio median 0.89 (range 0.83-0.92)")
 
 
 def test_cpu_split_reads_the_server_threads_and_this_process(weights_file, capsys, tmp_path, monkeypatch):
