@@ -9,7 +9,6 @@ import io
 import os
 import shutil
 import socket
-import sys
 import threading
 import urllib.request
 from dataclasses import replace
@@ -34,12 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 IN_CI = bool(os.environ.get("CI"))  # where CI runs, a missing tool fails its tests instead of skipping them
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None and not IN_CI,
                                     reason="promtool/prometheus (Debian package prometheus) not installed")
-# Triton's perf_analyzer (the tritonclient 2.41 wheel's binary) links libb64 (Debian's libb64-0d) and
-# libcudart.so.12 (the nvidia-cuda-runtime-cu12 wheel of the test extra).
-needs_perf_analyzer = pytest.mark.skipif(
-    (shutil.which("perf_analyzer", path=os.path.dirname(sys.executable)) is None
-     or ctypes.util.find_library("b64") is None) and not IN_CI,
-    reason="perf_analyzer (tritonclient 2.41 wheel) or libb64 (Debian libb64-0d) not installed")
 
 
 def load_script(name: str):
@@ -48,6 +41,13 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# Triton's perf_analyzer (the tritonclient 2.41 wheel's binary, found as scripts/perf_analyzer.py finds it)
+# links libb64 (Debian's libb64-0d) and libcudart.so.12 (the nvidia-cuda-runtime-cu12 wheel of the test extra).
+needs_perf_analyzer = pytest.mark.skipif(
+    (load_script("perf_analyzer").binary() is None or ctypes.util.find_library("b64") is None) and not IN_CI,
+    reason="perf_analyzer (tritonclient 2.41 wheel) or libb64 (Debian libb64-0d) not installed")
 
 
 def base_config(weights: str, **overrides) -> ServerConfig:
