@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from perf_analyzer import REQUEST_PARTS, part_label
+
 
 def load(folder: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (folder / f"{name}.json").read_text().splitlines() if line.strip()]
@@ -223,8 +225,7 @@ def print_perf_analyzer(folder: Path, batch1_ms: float, ceiling: float) -> None:
 def perf_analyzer_pairs_line(pairs: dict, opening: str) -> str:
     """perf_analyzer's c=1 and c=16 against the in-process pass, interleaved (scripts/perf_analyzer_pairs.py)."""
     (low, high), (ratio_low, ratio_high) = pairs["c1_difference_range_ms"], pairs["ratio_range"]
-    split = " + ".join(f"{name.replace('compute_', '')} {ms:.2f}"
-                       for name, ms in pairs["c1_server_split_median_ms"].items())
+    split = " + ".join(f"{part_label(name)} {ms:.2f}" for name, ms in pairs["c1_server_split_median_ms"].items())
     return (f"{opening}, Triton's perf_analyzer FP32 c=1 p50 / in-process batch-1 p50: "
             f"{pairs['c1_served_p50_ms']:.1f} / {pairs['c1_in_process_p50_ms']:.1f} ms; "
             f"difference median {pairs['c1_difference_median_ms']:+.1f} ms "
@@ -243,9 +244,7 @@ def perf_analyzer_lines(rows: list[dict], ours: dict[int, dict], batch1_ms: floa
         c, p50_ms = row["concurrency"], row["p50_us"] / 1000
         against = f"{p50_ms - batch1_ms:+.1f} ms over in-process batch 1" if c == 1 else \
             f"{row['throughput'] / ceiling:.2f} x the forward ceiling"
-        split = " + ".join(f"{name} {row[key] / 1000:.1f}" for name, key in (
-            ("queue", "queue_us"), ("input", "compute_input_us"), ("infer", "compute_infer_us"),
-            ("output", "compute_output_us"), ("overhead", "overhead_us")))
+        split = " + ".join(f"{part_label(name)} {row[name] / 1000:.1f}" for name in REQUEST_PARTS)
         mine = ours.get(c)
         beside = (f"; resnet-client bench --input fp32: {mine['images_per_s']:.1f} images/s, "
                   f"p50 {mine['p50_ms']:.1f} ms" if mine else "")

@@ -35,6 +35,13 @@ SERVER_FIELDS = {"inferences": r"Inference count: (\d+)", "executions": r"Execut
 SERVER_SPLIT = re.compile(r"Avg request latency: (\d+) usec \(overhead (\d+) usec \+ queue (\d+) usec \+ compute "
                           r"input (\d+) usec \+ compute infer (\d+) usec \+ compute output (\d+) usec\)")
 SPLIT_NAMES = ("request_us", "overhead_us", "queue_us", "compute_input_us", "compute_infer_us", "compute_output_us")
+# A request's time in the server, part by part, in the order it passes them (how the tables print it).
+REQUEST_PARTS = ("queue_us", "compute_input_us", "compute_infer_us", "compute_output_us", "overhead_us")
+
+
+def part_label(name: str) -> str:
+    """A part's name as the tables print it: compute_infer_us -> infer."""
+    return name.removeprefix("compute_").removesuffix("_us")
 
 
 def binary() -> str | None:

@@ -28,8 +28,6 @@ import torch
 from server.bench_model import Replicas, add_model_arguments, parse_model_arguments
 from server.preprocess import FLOAT_SHAPE
 
-SPLIT = ("queue_us", "compute_input_us", "compute_infer_us", "compute_output_us", "overhead_us")
-
 
 def measure(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
@@ -56,7 +54,7 @@ def measure(args: argparse.Namespace) -> dict:
             "c1_difference_median_ms": statistics.median(differences),
             "c1_difference_range_ms": [min(differences), max(differences)],
             "c1_server_split_median_ms": {name.removesuffix("_us"): statistics.median(s[name] for s in splits) / 1000
-                                          for name in SPLIT},
+                                          for name in perf_analyzer.REQUEST_PARTS},
             # Medians over the pairs of each pair's means.
             "c1_outside_server_median_ms": statistics.median(
                 served - split["request_us"] / 1000 for (_, served), split in zip(means, splits, strict=True)),
