@@ -2,6 +2,7 @@
 
 from .client import AsyncClient, Client
 from .errors import ClassifierError
+from .files import FileError, classify_files
 from .messages import Classification, ClassScore
 
-__all__ = ["AsyncClient", "Client", "ClassifierError", "Classification", "ClassScore"]
+__all__ = ["AsyncClient", "Client", "ClassifierError", "Classification", "ClassScore", "FileError", "classify_files"]

@@ -1,6 +1,8 @@
 """resnet-client: classify images, show model info, check health (and bench, calibrate).
 
-Any failure exits non-zero with one stderr line naming the gRPC status code and the message.
+Any failure exits non-zero with one stderr line naming the gRPC status code and the message. `classify`
+sends its files in requests of a few (client/files.py): a file that fails gets its own line and the rest are
+still classified; it exits 1 if any file failed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 from .channel import DEFAULT_ATTEMPTS
 from .client import Client
 from .errors import ClassifierError
+from .files import CONCURRENCY, IMAGES_PER_REQUEST, FileError, classify_files
 from .messages import Classification
 
 TOKEN_ENV = "RESNET_CLIENT_TOKEN"
@@ -53,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     classify.add_argument("--temperature", type=float, default=None, help="softmax temperature (default: server's)")
     classify.add_argument("--full", action="store_true", help="also return the 1000 probabilities")
     classify.add_argument("--json", action="store_true", help="one JSON object per image per line")
+    classify.add_argument("--images-per-request", type=int, default=IMAGES_PER_REQUEST, choices=range(1, 1001),
+                          metavar="N", help="files per request (default %(default)s; at most the server's "
+                                            "max_images_per_request, see `info`)")
+    classify.add_argument("--concurrency", type=int, default=CONCURRENCY, choices=range(1, 65), metavar="C",
+                          help="requests in flight (default %(default)s)")
     classify.set_defaults(run=run_classify)
 
     info = commands.add_parser("info", help="show the served model")
@@ -93,17 +101,33 @@ def result_json(path: str, result: Classification) -> dict:
     return record
 
 
+def error_json(path: str, error: FileError) -> dict:
+    return {"image": path, "error": {"code": error.code.name if error.code else None, "message": error.message}}
+
+
 def run_classify(args: argparse.Namespace) -> int:
+    failed = 0
     with connect(args) as client:
-        results = client.classify(args.paths, top_k=args.top_k, temperature=args.temperature, full=args.full)
-    for path, result in zip(args.paths, results, strict=True):
-        if args.json:
-            print(json.dumps(result_json(path, result)))
-            continue
+        for path, result in classify_files(client, args.paths, images_per_request=args.images_per_request,
+                                           concurrency=args.concurrency, top_k=args.top_k,
+                                           temperature=args.temperature, full=args.full):
+            failed += isinstance(result, FileError)
+            print_classified(path, result, args.json)
+    return 1 if failed else 0
+
+
+def print_classified(path: str, result: Classification | FileError, as_json: bool) -> None:
+    """A result on stdout; an error on stderr, or on stdout as a JSON record in --json mode."""
+    if as_json:
+        print(json.dumps(error_json(path, result) if isinstance(result, FileError) else result_json(path, result)),
+              flush=True)
+    elif isinstance(result, FileError):
+        cause = f"{result.code.name}: {result.message}" if result.code else result.message
+        print(f"resnet-client: error: {path}: {cause}", file=sys.stderr, flush=True)
+    else:
         print(f"{path}  (device {result.device}, queue {result.queue_ms:.1f} ms, compute {result.compute_ms:.1f} ms)")
         for rank, score in enumerate(result.top_k, 1):
             print(f"  {rank:>2}. {score.probability:8.4f}  {score.index:>4}  {score.label}")
-    return 0
 
 
 def run_info(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -63,8 +64,37 @@ def test_failure_exits_non_zero_with_the_status_code(server, tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
-        f"resnet-client: error: INVALID_ARGUMENT: cannot decode image ({bad.stat().st_size} bytes): "
+        f"resnet-client: error: {bad}: INVALID_ARGUMENT: cannot decode image ({bad.stat().st_size} bytes): "
         "not a JPEG, PNG, GIF or WEBP file"]
+
+
+def test_many_files_go_in_requests_and_a_bad_file_fails_alone(make_server, reference, tmp_path, capsys):
+    """Nine paths, over the server's four images a request, in requests of three: one undecodable file and
+    one missing file get their own errors, and every other file its result, in the order given."""
+    running = make_server(max_images_per_request=4)
+    paths = []
+    for index in range(9):
+        path = tmp_path / f"image{index}.png"
+        if index == 1:
+            path.write_bytes(b"not an image at all")
+        elif index != 4:  # image4.png is never written
+            path.write_bytes(encode(random_rgb(100 + index, 64, 80), "PNG"))
+        paths.append(str(path))
+    code = main(["classify", *paths, "--server", running.target, "--images-per-request", "3", "--concurrency", "2",
+                 "--json", "--full"])
+    assert code == 1
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [record["image"] for record in records] == paths
+    assert records[1]["error"] == {"code": "INVALID_ARGUMENT",
+                                   "message": "cannot decode image (19 bytes): not a JPEG, PNG, GIF or WEBP file"}
+    assert records[4]["error"]["code"] is None and "No such file" in records[4]["error"]["message"]
+    for index in (0, 2, 3, 5, 6, 7, 8):
+        expected = reference.probabilities(reference.input_from_bytes(Path(paths[index]).read_bytes()))
+        np.testing.assert_allclose(records[index]["probabilities"], expected, atol=1e-5)
+    # The first request (0-2) refused, then sent again one file a request; 3 and 5 without the missing 4; 6-8.
+    assert running.sample("resnet_requests_total", device="cpu", code="INVALID_ARGUMENT") == 2
+    assert running.sample("resnet_requests_total", device="cpu", code="OK") == 4
+    assert running.sample("resnet_images_total", device="cpu", code="OK") == 7
 
 
 def test_unreachable_server_is_unavailable(capsys, tmp_path):
