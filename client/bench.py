@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import io
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -225,13 +226,15 @@ def run_point(args: argparse.Namespace, image: pb.Image, concurrency: int | None
     before = scrape(args.metrics)
     with multiprocessing.get_context("spawn").Pool(len(per_process)) as pool:
         pending = pool.map_async(_worker, per_process)
-        _progress(pending, args.warmup + args.duration, args.quiet)
+        _progress(pending, args.warmup + args.duration, load_label({"concurrency": concurrency, "rate": rate}),
+                  shown=not args.quiet and sys.stderr.isatty())
         records = [record for chunk in pending.get() for record in chunk]
     after = scrape(args.metrics)
     latencies = sorted(latency for latency, code in records if code == "OK")
     ok = len(latencies)
     return {
-        "concurrency": concurrency, "rate": rate, "requests": len(records), "ok": ok,
+        "concurrency": concurrency, "rate": rate, "images_per_request": args.images_per_request,
+        "requests": len(records), "ok": ok,
         "requests_per_s": ok / args.duration, "images_per_s": ok * args.images_per_request / args.duration,
         "p50_ms": 1000 * percentile(latencies, 50), "p90_ms": 1000 * percentile(latencies, 90),
         "p99_ms": 1000 * percentile(latencies, 99), "max_ms": 1000 * (latencies[-1] if latencies else float("nan")),
@@ -246,23 +249,28 @@ def _share(total: int | None, parts: int, index: int) -> int | None:
     return total // parts + (1 if index < total % parts else 0)
 
 
-def _progress(pending, seconds: float, quiet: bool) -> None:
+def _progress(pending, seconds: float, label: str, shown: bool) -> None:
+    """Wait for the point's processes, drawing a bar on a terminal (a redirected stderr gets none)."""
     started = time.monotonic()
     while not pending.ready():
         pending.wait(0.5)
-        if not quiet:
+        if shown:
             done = min(1.0, (time.monotonic() - started) / seconds)
             bar = "#" * int(30 * done)
-            print(f"\r  [{bar:<30}] {100 * done:5.1f}%", end="", file=sys.stderr, flush=True)
-    if not quiet:
+            print(f"\r  {label:>8} [{bar:<30}] {100 * done:5.1f}%", end="", file=sys.stderr, flush=True)
+    if shown:
         print(file=sys.stderr)
+
+
+def load_label(point: dict) -> str:
+    return f"c={point['concurrency']}" if point["concurrency"] else f"r={point['rate']:g}"
 
 
 def print_table(points: list[dict]) -> None:
     print(f"{'load':>10} {'req/s':>8} {'img/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} "
           f"{'batch':>6} {'queue ms':>9} {'compute ms':>10}  errors")
     for point in points:
-        load = f"c={point['concurrency']}" if point["concurrency"] else f"r={point['rate']:g}"
+        load = load_label(point)
         view = next(iter(point["server"].values()), {})
         print(f"{load:>10} {point['requests_per_s']:8.1f} {point['images_per_s']:8.1f} {point['p50_ms']:8.1f} "
               f"{point['p90_ms']:8.1f} {point['p99_ms']:8.1f} {point['max_ms']:8.1f} "
@@ -270,21 +278,33 @@ def print_table(points: list[dict]) -> None:
               f"{view.get('mean_compute_ms', float('nan')):10.2f}  {point['errors'] or ''}")
 
 
-def plot(points: list[dict], path: str) -> None:
+def plot(points: list[dict], path: str, title: str) -> None:
+    """Throughput and p50/p99 latency against the load, both from zero; a log2 load axis for wide sweeps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [point["concurrency"] or point["rate"] for point in points]
+    open_loop = not points[0]["concurrency"]
+    x = [point["rate"] if open_loop else point["concurrency"] for point in points]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(x, [point["images_per_s"] for point in points], marker="o")
-    left.set(xlabel="concurrency" if points[0]["concurrency"] else "rate (req/s)", ylabel="images/s",
-             title="throughput")
-    for key in ("p50_ms", "p99_ms"):
-        right.plot(x, [point[key] for point in points], marker="o", label=key)
-    right.set(xlabel=left.get_xlabel(), ylabel="ms", title="latency")
+    left.plot(x, [point["images_per_s"] for point in points], marker="o", label="served")
+    if open_loop:  # what was offered: a served line below it means the server is saturated
+        per_request = points[0]["images_per_request"]
+        left.plot(x, [rate * per_request for rate in x], linestyle="--", color="grey", label="offered")
+        left.legend()
+    left.set(ylabel="images/s", title="throughput")
+    for key in ("p50", "p99"):
+        right.plot(x, [point[f"{key}_ms"] for point in points], marker="o", label=key)
+    right.set(ylabel="latency (ms)", title="latency")
     right.legend()
+    for axes in (left, right):
+        axes.set_xlabel("offered rate (requests/s)" if open_loop else "concurrency (requests in flight)")
+        axes.set_ylim(bottom=0)
+        if max(x) >= 8 * min(x):
+            axes.set_xscale("log", base=2)
+            axes.set_xticks(x, [f"{value:g}" for value in x])
+    figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path)
 
@@ -296,28 +316,52 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _seconds_or_rate(text: str, allow_zero: bool = False) -> float:
+    """A finite number above 0 (or at least 0): a run must end, and a rate of 0 or infinity has no arrivals."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'of 0 or more' if allow_zero else 'above 0'}, "
+                                         f"got {text}")
+    return value
+
+
+def _sweep(text: str) -> list[float]:
+    return [_seconds_or_rate(part) for part in text.split(",")]
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """'WxH' as (width, height), both positive."""
+    width, _, height = text.lower().partition("x")
+    if not (width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+        raise argparse.ArgumentTypeError(f"must be WxH in pixels, e.g. 224x224, got {text!r}")
+    return int(width), int(height)
+
+
 def add_parser(commands) -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="load-test a server (closed or open loop)")
     load = bench.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=_at_least_one, help="closed loop: requests in flight (default 1)")
-    load.add_argument("--rate", type=float, help="open loop: requests per second, Poisson arrivals")
-    bench.add_argument("--sweep", type=lambda t: [float(x) for x in t.split(",")],
-                       help="several concurrencies (or rates with --rate), e.g. 1,4,16,64")
+    load.add_argument("--rate", type=_seconds_or_rate, help="open loop: requests per second, Poisson arrivals")
+    bench.add_argument("--sweep", type=_sweep, help="several concurrencies (or rates with --rate), e.g. 1,4,16,64")
     bench.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="jpeg")
     bench.add_argument("--image", help="send this file instead of a generated image")
-    bench.add_argument("--image-size", default="640x480", help="WxH of the generated image")
+    bench.add_argument("--image-size", type=image_size, default=(640, 480), help="WxH of the generated image")
     bench.add_argument("--images-per-request", type=_at_least_one, default=1)
     bench.add_argument("--processes", type=_at_least_one, default=1, help="client processes sharing the load")
     bench.add_argument("--connections", type=_at_least_one, default=1,
                        help="connections per process, its requests spread over them (a --workers server hands "
                             "each connection to one of its workers)")
-    bench.add_argument("--duration", type=float, default=10.0, help="measured seconds per point")
-    bench.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each point")
+    bench.add_argument("--duration", type=_seconds_or_rate, default=10.0, help="measured seconds per point")
+    bench.add_argument("--warmup", type=lambda text: _seconds_or_rate(text, allow_zero=True), default=2.0,
+                       help="unmeasured seconds before each point")
     bench.add_argument("--metrics", help="server's /metrics URL, or a comma-separated list (several servers: "
                                          "summed) (default http://HOST:8000/metrics)")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", help="write throughput and latency against load to this PNG")
-    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar (drawn only on a terminal)")
     bench.set_defaults(run=run_bench)
     return bench
 
@@ -325,9 +369,12 @@ def add_parser(commands) -> argparse.ArgumentParser:
 def run_bench(args: argparse.Namespace) -> int:
     if args.metrics is None and "," not in args.server:
         args.metrics = f"http://{args.server.rsplit(':', 1)[0].removeprefix('dns:///')}:8000/metrics"
-    width, height = (int(v) for v in args.image_size.lower().split("x"))
-    image = make_image(args.input, width, height, args.image)
     loads = args.sweep or [args.rate if args.rate else (args.concurrency or 1)]
+    if not args.rate and any(load != int(load) for load in loads):
+        print(f"resnet-client bench: error: argument --sweep: concurrencies are whole numbers, got "
+              f"{', '.join(f'{load:g}' for load in loads)}", file=sys.stderr)
+        return 2
+    image = make_image(args.input, *args.image_size, args.image)
     points = []
     for load in loads:
         concurrency, rate = (None, load) if args.rate else (int(load), None)
@@ -338,7 +385,8 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         print_table(points)
     if args.plot:
-        plot(points, args.plot)
+        plot(points, args.plot, f"{args.server}: {args.input} {args.image_size[0]}x{args.image_size[1]}, "
+                                f"{args.images_per_request} image(s) a request")
     if all(point["ok"] == 0 for point in points):
         print(f"resnet-client: error: no request succeeded: {points[-1]['errors']}", file=sys.stderr)
         return 1

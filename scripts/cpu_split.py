@@ -22,9 +22,8 @@ import time
 from pathlib import Path
 
 from client.api import classifier_pb2 as pb
-from client.bench import make_image
+from client.bench import image_size, make_image
 from client.client import AsyncClient
-from server.bench_model import _size
 
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
@@ -86,7 +85,7 @@ def main() -> None:
     parser.add_argument("--server", required=True, help="host:port of the server")
     parser.add_argument("--server-pid", type=int, required=True, help="its process id, to read its threads' CPU time")
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--image-size", type=_size, default=(224, 224))
+    parser.add_argument("--image-size", type=image_size, default=(224, 224))
     parser.add_argument("--ramp", type=float, default=3.0, help="seconds of load before the window opens")
     parser.add_argument("--window", type=float, default=15.0, help="seconds measured")
     parser.add_argument("--team", type=int, default=len(os.sched_getaffinity(0)),

@@ -26,9 +26,9 @@ import time
 import torch
 
 from client.api import classifier_pb2 as pb
-from client.bench import make_image
+from client.bench import image_size, make_image
 from client.client import Client
-from server.bench_model import MAX_PIXELS, Replicas, _size, add_model_arguments, parse_model_arguments
+from server.bench_model import MAX_PIXELS, Replicas, add_model_arguments, parse_model_arguments
 from server.preprocess import RawImage, preprocess
 
 
@@ -93,7 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", required=True, help="host:port of a server with --weights random, same layout")
     add_model_arguments(parser)
-    parser.add_argument("--image-size", type=_size, default=(224, 224))
+    parser.add_argument("--image-size", type=image_size, default=(224, 224))
     parser.add_argument("--windows", type=int, default=20)
     parser.add_argument("--window", type=float, default=1.5, help="seconds per side per window")
     args = parse_model_arguments(parser)

@@ -27,9 +27,9 @@ import time
 import torch
 
 from client.api import classifier_pb2 as pb
-from client.bench import make_image
+from client.bench import image_size, make_image
 from client.client import AsyncClient
-from server.bench_model import MAX_PIXELS, Replicas, _size, add_model_arguments, parse_model_arguments
+from server.bench_model import MAX_PIXELS, Replicas, add_model_arguments, parse_model_arguments
 from server.preprocess import RawImage, preprocess
 
 
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=8,
                         help="in-process batch (scripts/bench_cpu.sh passes the rounds' best batch size)")
-    parser.add_argument("--image-size", type=_size, default=(224, 224))
+    parser.add_argument("--image-size", type=image_size, default=(224, 224))
     parser.add_argument("--windows", type=int, default=15)
     parser.add_argument("--window", type=float, default=4.0, help="seconds per side per window")
     parser.add_argument("--ramp", type=float, default=1.0, help="seconds a served window fills before counting")

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from client.bench import image_size
+
 from .config import _boolean, _compile_mode, _device_list, _non_negative_int, _precision, graph_problem
 from .devices import resolve_devices
 from .model import build_model, load_weights
@@ -158,11 +160,6 @@ def _timed_forward(runner: ModelRunner, model_input: torch.Tensor, size: int, du
     return timed_rate(forward, duration, warmup=0)
 
 
-def _size(text: str) -> tuple[int, int]:
-    width, height = text.lower().split("x")
-    return int(width), int(height)
-
-
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that say which model runs where, as resnet-server takes them."""
     parser.add_argument("--device", type=_device_list, default=("cpu",),
@@ -196,7 +193,7 @@ def main(argv: Sequence[str]) -> int:
     add_model_arguments(parser)
     parser.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 8, 16, 32])
     parser.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="uint8")
-    parser.add_argument("--image-size", type=_size, default=(640, 480), help="WxH of the sample image")
+    parser.add_argument("--image-size", type=image_size, default=(640, 480), help="WxH of the sample image")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--json", action="store_true")
     args = parse_model_arguments(parser, argv)

@@ -31,11 +31,14 @@ def model_arguments(*argv: str) -> argparse.Namespace:
 def test_bench_closed_loop_reports_throughput_latency_and_the_server_view(make_server, capsys, tmp_path):
     running = make_server(metrics_port=free_port())
     plot = tmp_path / "bench.png"
+    capsys.readouterr()
     code = client_main(["bench", "--server", running.target, "--sweep", "1,4", "--duration", "2", "--warmup", "0.5",
-                        "--input", "uint8", "--image-size", "64x48", "--json", "--quiet", "--plot", str(plot),
+                        "--input", "uint8", "--image-size", "64x48", "--json", "--plot", str(plot),
                         "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"])
     assert code == 0
-    points = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    captured = capsys.readouterr()
+    assert "%" not in captured.err  # no progress bar when stderr is not a terminal, even without --quiet
+    points = [json.loads(line) for line in captured.out.splitlines()]
     assert [point["concurrency"] for point in points] == [1, 4]
     for point in points:
         assert point["ok"] > 0 and point["errors"] == {} and point["images_per_s"] > 0
@@ -90,6 +93,30 @@ def test_bench_refuses_counts_below_one(flag, capsys):
         client_main(["bench", "--server", "127.0.0.1:1", flag, "0"])
     assert caught.value.code == 2
     assert f"{flag}: must be 1 or more, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--sweep", "0,4"], "argument --sweep: must be a finite number above 0, got 0"),
+    (["--rate", "0"], "argument --rate: must be a finite number above 0, got 0"),
+    (["--rate", "inf"], "argument --rate: must be a finite number above 0, got inf"),
+    (["--duration", "0"], "argument --duration: must be a finite number above 0, got 0"),
+    (["--warmup", "-1"], "argument --warmup: must be a finite number of 0 or more, got -1"),
+    (["--image-size", "224"], "argument --image-size: must be WxH in pixels, e.g. 224x224, got '224'"),
+    (["--image-size", "0x48"], "argument --image-size: must be WxH in pixels, e.g. 224x224, got '0x48'"),
+])
+def test_bench_refuses_loads_and_sizes_it_cannot_run(flags, message, capsys):
+    """Each of these used to end in a traceback, run forever or measure something else (0 or inf requests/s,
+    a zero-length window, concurrency 1.5 run as 1); now argparse's exit code 2 and the reason, before any call."""
+    with pytest.raises(SystemExit) as caught:
+        client_main(["bench", "--server", "127.0.0.1:1", *flags])
+    assert caught.value.code == 2
+    assert f"resnet-client bench: error: {message}" in capsys.readouterr().err
+
+
+def test_bench_refuses_a_fractional_concurrency(capsys):
+    assert client_main(["bench", "--server", "127.0.0.1:1", "--sweep", "1.5,4"]) == 2
+    assert "resnet-client bench: error: argument --sweep: concurrencies are whole numbers, got 1.5, 4" in (
+        capsys.readouterr().err)
 
 
 def test_bench_model_refuses_a_compile_mode_without_compile(capsys):
