@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import io
 import json
-import math
 import multiprocessing
 import os
 import random
@@ -30,6 +29,7 @@ import grpc
 from .api import classifier_pb2 as pb
 from .cli import connection
 from .client import AsyncClient, Client
+from .flags import comma_list, image_size, non_negative_float, positive_float, positive_int
 
 
 @dataclass(frozen=True)
@@ -309,54 +309,23 @@ def plot(points: list[dict], path: str, title: str) -> None:
     figure.savefig(path)
 
 
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
-
-
-def _seconds_or_rate(text: str, allow_zero: bool = False) -> float:
-    """A finite number above 0 (or at least 0): a run must end, and a rate of 0 or infinity has no arrivals."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise argparse.ArgumentTypeError(f"must be a finite number {'of 0 or more' if allow_zero else 'above 0'}, "
-                                         f"got {text}")
-    return value
-
-
-def _sweep(text: str) -> list[float]:
-    return [_seconds_or_rate(part) for part in text.split(",")]
-
-
-def image_size(text: str) -> tuple[int, int]:
-    """'WxH' as (width, height), both positive."""
-    width, _, height = text.lower().partition("x")
-    if not (width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
-        raise argparse.ArgumentTypeError(f"must be WxH in pixels, e.g. 224x224, got {text!r}")
-    return int(width), int(height)
-
-
 def add_parser(commands) -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="load-test a server (closed or open loop)")
     load = bench.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=_at_least_one, help="closed loop: requests in flight (default 1)")
-    load.add_argument("--rate", type=_seconds_or_rate, help="open loop: requests per second, Poisson arrivals")
-    bench.add_argument("--sweep", type=_sweep, help="several concurrencies (or rates with --rate), e.g. 1,4,16,64")
+    load.add_argument("--concurrency", type=positive_int, help="closed loop: requests in flight (default 1)")
+    load.add_argument("--rate", type=positive_float, help="open loop: requests per second, Poisson arrivals")
+    bench.add_argument("--sweep", type=comma_list(positive_float),
+                       help="several concurrencies (or rates with --rate), e.g. 1,4,16,64")
     bench.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="jpeg")
     bench.add_argument("--image", help="send this file instead of a generated image")
     bench.add_argument("--image-size", type=image_size, default=(640, 480), help="WxH of the generated image")
-    bench.add_argument("--images-per-request", type=_at_least_one, default=1)
-    bench.add_argument("--processes", type=_at_least_one, default=1, help="client processes sharing the load")
-    bench.add_argument("--connections", type=_at_least_one, default=1,
+    bench.add_argument("--images-per-request", type=positive_int, default=1)
+    bench.add_argument("--processes", type=positive_int, default=1, help="client processes sharing the load")
+    bench.add_argument("--connections", type=positive_int, default=1,
                        help="connections per process, its requests spread over them (a --workers server hands "
                             "each connection to one of its workers)")
-    bench.add_argument("--duration", type=_seconds_or_rate, default=10.0, help="measured seconds per point")
-    bench.add_argument("--warmup", type=lambda text: _seconds_or_rate(text, allow_zero=True), default=2.0,
-                       help="unmeasured seconds before each point")
+    bench.add_argument("--duration", type=positive_float, default=10.0, help="measured seconds per point")
+    bench.add_argument("--warmup", type=non_negative_float, default=2.0, help="unmeasured seconds before each point")
     bench.add_argument("--metrics", help="server's /metrics URL, or a comma-separated list (several servers: "
                                          "summed) (default http://HOST:8000/metrics)")
     bench.add_argument("--json", action="store_true")

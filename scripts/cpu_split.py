@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 
 from client.api import classifier_pb2 as pb
-from client.bench import image_size, make_image
+from client.bench import make_image
 from client.client import AsyncClient
+from client.flags import image_size
 
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 

@@ -27,8 +27,9 @@ import time
 import torch
 
 from client.api import classifier_pb2 as pb
-from client.bench import image_size, make_image
+from client.bench import make_image
 from client.client import AsyncClient
+from client.flags import image_size
 from server.bench_model import MAX_PIXELS, Replicas, add_model_arguments, parse_model_arguments
 from server.preprocess import RawImage, preprocess
 

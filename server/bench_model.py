@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from client.bench import image_size
+from client.flags import comma_list, image_size, non_negative_int, positive_float, positive_int
 
-from .config import _boolean, _compile_mode, _device_list, _non_negative_int, _precision, graph_problem
+from .config import _boolean, _compile_mode, _device_list, _precision, graph_problem
 from .devices import resolve_devices
 from .model import build_model, load_weights
 from .preprocess import EncodedImage, RawImage, preprocess
@@ -164,7 +164,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that say which model runs where, as resnet-server takes them."""
     parser.add_argument("--device", type=_device_list, default=("cpu",),
                         help="device list as resnet-server takes it; several replicas are timed at once")
-    parser.add_argument("--torch-threads", type=_non_negative_int, default=0,
+    parser.add_argument("--torch-threads", type=non_negative_int, default=0,
                         help="torch threads per replica, as resnet-server --torch-threads (0: every core)")
     parser.add_argument("--precision", type=_precision, default="fp32")
     parser.add_argument("--weights", default="random")
@@ -191,10 +191,10 @@ def parse_model_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] |
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="resnet-server bench-model", description=__doc__)
     add_model_arguments(parser)
-    parser.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 8, 16, 32])
+    parser.add_argument("--batch-sizes", type=comma_list(positive_int), default=[1, 4, 8, 16, 32])
     parser.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="uint8")
     parser.add_argument("--image-size", type=image_size, default=(640, 480), help="WxH of the sample image")
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
+    parser.add_argument("--duration", type=positive_float, default=5.0, help="seconds per measurement")
     parser.add_argument("--json", action="store_true")
     args = parse_model_arguments(parser, argv)
     result = run(args)

@@ -8,10 +8,11 @@ line wins over the environment, which wins over the default. Only ``main()`` cal
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from client.flags import non_negative_float, non_negative_int, positive_float, positive_int
 
 from .logs import LOG_FORMATS
 
@@ -67,34 +68,6 @@ class ServerConfig:
     worker: int = 0  # this process's index among the workers (set by server.workers, not a flag)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
 def _one_of(*options: str) -> Callable[[str], str]:
     """A flag type that accepts exactly one of ``options``."""
     listed = f"{', '.join(options[:-1])} or {options[-1]}"
@@ -137,36 +110,36 @@ def _device_list(text: str) -> tuple[str, ...]:
 # (flag, type, help). Defaults come from ServerConfig so they live in one place.
 _FLAGS: list[tuple[str, object, str]] = [
     ("host", str, "address the gRPC server binds to"),
-    ("port", _non_negative_int, "gRPC port (0 picks a free one)"),
+    ("port", non_negative_int, "gRPC port (0 picks a free one)"),
     ("metrics-host", str, "address of the Prometheus /metrics endpoint"),
-    ("metrics-port", _non_negative_int, "Prometheus /metrics port (0 turns the endpoint off)"),
+    ("metrics-port", non_negative_int, "Prometheus /metrics port (0 turns the endpoint off)"),
     ("device", _device_list, "cpu, cuda, cuda:N, auto, or a comma-separated list (one replica each)"),
     ("weights", str, "imagenet (torchvision, cached under TORCH_HOME), a PATH to a state_dict, or random"),
-    ("temperature", _positive_float, "default softmax temperature T (finite, > 0)"),
+    ("temperature", positive_float, "default softmax temperature T (finite, > 0)"),
     ("temperature-file", str, "JSON file with a fitted temperature (resnet-client calibrate); overrides --temperature"),
-    ("max-batch-size", _non_negative_int, "most images in one forward pass; 0 = 32 on CUDA, 8 on the CPU"),
-    ("max-batch-delay-ms", _non_negative_float, "longest the oldest queued image waits for a fuller batch"),
-    ("max-queue", _positive_int, "images accepted per replica and not yet answered; beyond it new requests get "
+    ("max-batch-size", non_negative_int, "most images in one forward pass; 0 = 32 on CUDA, 8 on the CPU"),
+    ("max-batch-delay-ms", non_negative_float, "longest the oldest queued image waits for a fuller batch"),
+    ("max-queue", positive_int, "images accepted per replica and not yet answered; beyond it new requests get "
                                  "RESOURCE_EXHAUSTED at once"),
-    ("max-images-per-request", _positive_int, "most images in one request"),
-    ("max-pixels", _positive_int, "most pixels (H*W) in one image; guards against decompression bombs"),
-    ("max-message-mb", _positive_int, "largest gRPC message received or sent, in MiB"),
-    ("max-concurrent-streams", _positive_int, "most concurrent RPCs per HTTP/2 connection"),
-    ("max-connection-age", _non_negative_float, "seconds after which the server asks a client to reconnect "
+    ("max-images-per-request", positive_int, "most images in one request"),
+    ("max-pixels", positive_int, "most pixels (H*W) in one image; guards against decompression bombs"),
+    ("max-message-mb", positive_int, "largest gRPC message received or sent, in MiB"),
+    ("max-concurrent-streams", positive_int, "most concurrent RPCs per HTTP/2 connection"),
+    ("max-connection-age", non_negative_float, "seconds after which the server asks a client to reconnect "
                                                 "(HTTP/2 GOAWAY; calls in flight get --grace-period), so that "
                                                 "clients rebalance over servers and workers added since (0: never)"),
-    ("preprocess-threads", _positive_int, "threads that decode and preprocess images (one torch thread each)"),
-    ("torch-threads", _non_negative_int, "torch threads of each replica's forward pass (0: every core)"),
-    ("switch-interval-ms", _positive_float, "how long a Python thread holds the GIL while another waits for it "
+    ("preprocess-threads", positive_int, "threads that decode and preprocess images (one torch thread each)"),
+    ("torch-threads", non_negative_int, "torch threads of each replica's forward pass (0: every core)"),
+    ("switch-interval-ms", positive_float, "how long a Python thread holds the GIL while another waits for it "
                                             "(sys.setswitchinterval); shorter lets a replica's worker launch its "
                                             "next GPU kernel sooner while the event loop is busy"),
-    ("workers", _positive_int, "server processes sharing the gRPC port (SO_REUSEPORT), for more cores than one "
+    ("workers", positive_int, "server processes sharing the gRPC port (SO_REUSEPORT), for more cores than one "
                                "event loop's; --metrics-port serves all workers' metrics, labelled worker"),
-    ("grace-period", _non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
-    ("replica-probe-interval", _non_negative_float, "seconds between test batches (one blank image) on a replica "
+    ("grace-period", non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
+    ("replica-probe-interval", non_negative_float, "seconds between test batches (one blank image) on a replica "
                                                     "taken out of rotation; it rejoins when one passes (0: it "
                                                     "stays out until the server restarts)"),
-    ("unhealthy-exit-after", _non_negative_float, "seconds with no replica in rotation after which the server "
+    ("unhealthy-exit-after", non_negative_float, "seconds with no replica in rotation after which the server "
                                                   "drains and exits 1, so that its orchestrator (or, with "
                                                   "--workers, the supervisor) replaces it (0: never)"),
     ("log-level", str, "DEBUG, INFO, WARNING or ERROR"),

@@ -92,17 +92,19 @@ def test_bench_refuses_counts_below_one(flag, capsys):
     with pytest.raises(SystemExit) as caught:
         client_main(["bench", "--server", "127.0.0.1:1", flag, "0"])
     assert caught.value.code == 2
-    assert f"{flag}: must be 1 or more, got 0" in capsys.readouterr().err
+    assert f"{flag}: must be > 0, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--sweep", "0,4"], "argument --sweep: must be a finite number above 0, got 0"),
-    (["--rate", "0"], "argument --rate: must be a finite number above 0, got 0"),
-    (["--rate", "inf"], "argument --rate: must be a finite number above 0, got inf"),
-    (["--duration", "0"], "argument --duration: must be a finite number above 0, got 0"),
-    (["--warmup", "-1"], "argument --warmup: must be a finite number of 0 or more, got -1"),
+    (["--sweep", "0,4"], "argument --sweep: must be a finite number > 0, got 0"),
+    (["--rate", "0"], "argument --rate: must be a finite number > 0, got 0"),
+    (["--rate", "inf"], "argument --rate: must be a finite number > 0, got inf"),
+    (["--duration", "0"], "argument --duration: must be a finite number > 0, got 0"),
+    (["--warmup", "-1"], "argument --warmup: must be a finite number >= 0, got -1"),
     (["--image-size", "224"], "argument --image-size: must be WxH in pixels, e.g. 224x224, got '224'"),
     (["--image-size", "0x48"], "argument --image-size: must be WxH in pixels, e.g. 224x224, got '0x48'"),
+    (["--timeout", "0"], "argument --timeout: must be a finite number > 0, got 0"),
+    (["--processes", "two"], "argument --processes: must be a whole number, got 'two'"),
 ])
 def test_bench_refuses_loads_and_sizes_it_cannot_run(flags, message, capsys):
     """Each of these used to end in a traceback, run forever or measure something else (0 or inf requests/s,
@@ -117,6 +119,19 @@ def test_bench_refuses_a_fractional_concurrency(capsys):
     assert client_main(["bench", "--server", "127.0.0.1:1", "--sweep", "1.5,4"]) == 2
     assert "resnet-client bench: error: argument --sweep: concurrencies are whole numbers, got 1.5, 4" in (
         capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--batch-sizes", "1,0"], "argument --batch-sizes: must be > 0, got 0"),
+    (["--duration", "0"], "argument --duration: must be a finite number > 0, got 0"),
+    (["--image-size", "3x"], "argument --image-size: must be WxH in pixels, e.g. 224x224, got '3x'"),
+])
+def test_bench_model_refuses_what_it_cannot_time(flags, message, capsys):
+    """Before, a traceback each (division by zero, the median of no calls) after loading the model."""
+    with pytest.raises(SystemExit) as caught:
+        server_main(["bench-model", *flags])
+    assert caught.value.code == 2
+    assert f"resnet-server bench-model: error: {message}" in capsys.readouterr().err
 
 
 def test_bench_model_refuses_a_compile_mode_without_compile(capsys):

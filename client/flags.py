@@ -1,0 +1,67 @@
+"""Argument types for the command lines of the client and the server (``argparse`` ``type=`` callables).
+
+Here, in the client package, because the client installs without torch and the server already depends on
+it. A value a command cannot run with is refused while parsing: exit code 2 and one line saying why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def _number(text: str, kind: type[int] | type[float]) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {'a whole number' if kind is int else 'a number'}, "
+                                         f"got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _number(text, int)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """Finite as well: a duration, rate or timeout of infinity never ends, NaN compares false to everything."""
+    value = _number(text, float)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(text, float)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """A type for 'a,b,c', each part checked by ``item``."""
+    def parse(text: str) -> list[T]:
+        return [item(part) for part in text.split(",")]
+
+    return parse
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """'WxH' as (width, height), both positive."""
+    width, _, height = text.lower().partition("x")
+    if not (width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+        raise argparse.ArgumentTypeError(f"must be WxH in pixels, e.g. 224x224, got {text!r}")
+    return int(width), int(height)
