@@ -30,6 +30,7 @@ from .api import classifier_pb2 as pb
 from .cli import connection
 from .client import AsyncClient, Client
 from .flags import comma_list, image_size, non_negative_float, positive_float, positive_int
+from .progress import ProgressBar
 
 
 @dataclass(frozen=True)
@@ -226,8 +227,8 @@ def run_point(args: argparse.Namespace, image: pb.Image, concurrency: int | None
     before = scrape(args.metrics)
     with multiprocessing.get_context("spawn").Pool(len(per_process)) as pool:
         pending = pool.map_async(_worker, per_process)
-        _progress(pending, args.warmup + args.duration, load_label({"concurrency": concurrency, "rate": rate}),
-                  shown=not args.quiet and sys.stderr.isatty())
+        label = load_label({"concurrency": concurrency, "rate": rate})
+        _wait(pending, args.warmup + args.duration, ProgressBar(f"{label:>8}", args.quiet))
         records = [record for chunk in pending.get() for record in chunk]
     after = scrape(args.metrics)
     latencies = sorted(latency for latency, code in records if code == "OK")
@@ -249,17 +250,14 @@ def _share(total: int | None, parts: int, index: int) -> int | None:
     return total // parts + (1 if index < total % parts else 0)
 
 
-def _progress(pending, seconds: float, label: str, shown: bool) -> None:
-    """Wait for the point's processes, drawing a bar on a terminal (a redirected stderr gets none)."""
+def _wait(pending, seconds: float, bar: ProgressBar) -> None:
+    """Wait for the point's processes, the bar showing the time gone of ``seconds``."""
     started = time.monotonic()
     while not pending.ready():
         pending.wait(0.5)
-        if shown:
-            done = min(1.0, (time.monotonic() - started) / seconds)
-            bar = "#" * int(30 * done)
-            print(f"\r  {label:>8} [{bar:<30}] {100 * done:5.1f}%", end="", file=sys.stderr, flush=True)
-    if shown:
-        print(file=sys.stderr)
+        done = (time.monotonic() - started) / seconds
+        bar.update(done, f"{100 * min(1.0, done):5.1f}%")
+    bar.close()
 
 
 def load_label(point: dict) -> str:

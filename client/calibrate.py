@@ -13,8 +13,9 @@ import csv
 import datetime
 import json
 import math
-import sys
 from pathlib import Path
+
+from .progress import ProgressBar
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".gif", ".webp"}
 ECE_BINS = 15
@@ -119,15 +120,12 @@ def labelled_images(data: Path, labels: list[str], wnids: list[str] | None) -> l
 
 def collect_logits(client, items: list[tuple[Path, int]], quiet: bool) -> list[list[float]]:
     logits: list[list[float]] = []
+    bar = ProgressBar("collecting logits", quiet)
     for start in range(0, len(items), CHUNK):
         chunk = [path for path, _ in items[start:start + CHUNK]]
         logits.extend(result.logits for result in client.classify(chunk, top_k=1, logits=True))
-        if not quiet:
-            done = len(logits) / len(items)
-            print(f"\r  collecting logits [{'#' * int(30 * done):<30}] {len(logits)}/{len(items)}",
-                  end="", file=sys.stderr, flush=True)
-    if not quiet:
-        print(file=sys.stderr)
+        bar.update(len(logits) / len(items), f"{len(logits)}/{len(items)}")
+    bar.close()
     return logits
 
 
@@ -162,7 +160,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     calibrate.add_argument("--wnids", help="file of the 1000 WordNet ids in class-index order")
     calibrate.add_argument("--json", action="store_true")
     calibrate.add_argument("--plot", help="write reliability diagrams before and after to this PNG")
-    calibrate.add_argument("--quiet", action="store_true", help="no progress bar")
+    calibrate.add_argument("--quiet", action="store_true", help="no progress bar (drawn only on a terminal)")
     calibrate.set_defaults(run=run_calibrate)
     return calibrate
 
