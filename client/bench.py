@@ -227,8 +227,8 @@ def run_point(args: argparse.Namespace, image: pb.Image, concurrency: int | None
     before = scrape(args.metrics)
     with multiprocessing.get_context("spawn").Pool(len(per_process)) as pool:
         pending = pool.map_async(_worker, per_process)
-        label = load_label({"concurrency": concurrency, "rate": rate})
-        _wait(pending, args.warmup + args.duration, ProgressBar(f"{label:>8}", args.quiet))
+        label = f"{load_label(concurrency, rate):>8}"
+        _wait(pending, args.warmup + args.duration, ProgressBar(label, args.quiet))
         records = [record for chunk in pending.get() for record in chunk]
     after = scrape(args.metrics)
     latencies = sorted(latency for latency, code in records if code == "OK")
@@ -260,15 +260,15 @@ def _wait(pending, seconds: float, bar: ProgressBar) -> None:
     bar.close()
 
 
-def load_label(point: dict) -> str:
-    return f"c={point['concurrency']}" if point["concurrency"] else f"r={point['rate']:g}"
+def load_label(concurrency: int | None, rate: float | None) -> str:
+    return f"c={concurrency}" if concurrency else f"r={rate:g}"
 
 
 def print_table(points: list[dict]) -> None:
     print(f"{'load':>10} {'req/s':>8} {'img/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} "
           f"{'batch':>6} {'queue ms':>9} {'compute ms':>10}  errors")
     for point in points:
-        load = load_label(point)
+        load = load_label(point["concurrency"], point["rate"])
         view = next(iter(point["server"].values()), {})
         print(f"{load:>10} {point['requests_per_s']:8.1f} {point['images_per_s']:8.1f} {point['p50_ms']:8.1f} "
               f"{point['p90_ms']:8.1f} {point['p99_ms']:8.1f} {point['max_ms']:8.1f} "
