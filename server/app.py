@@ -46,11 +46,12 @@ SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name,)
 
 
 class App:
-    """One server process: gRPC (classifier, health, reflection) and the metrics endpoint."""
+    """One server process: gRPC (classifier, health, reflection) and the metrics endpoint. ``metrics``: its
+    series and statistics, when made by the caller (a test reading them, a --workers worker sharing its totals)."""
 
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None) -> None:
         self.config = config
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(config.largest_batch)
         # Checked before binding, so a bad --device, --temperature-file or TLS file fails at once.
         self.devices = resolve_devices(config.devices)
         self.credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
@@ -288,13 +289,14 @@ def model_info(config: ServerConfig, replicas: list[Replica], temperature: float
 
 
 async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None = None,
-                on_serving: Callable[[], object] | None = None, load_first: bool = False) -> int:
+                on_serving: Callable[[], object] | None = None, load_first: bool = False,
+                metrics: Metrics | None = None) -> int:
     """Run until SIGTERM or SIGINT (exit code 0), or until no replica has been in rotation for
     --unhealthy-exit-after seconds (1), then drain within the grace period. ``on_bound`` and ``load_first``: see
-    App.start; ``on_serving`` hears when health says SERVING."""
+    App.start; ``on_serving`` hears when health says SERVING; ``metrics``: a --workers worker's (see App)."""
     use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (server.threads)
     sys.setswitchinterval(config.switch_interval_ms / 1000)
-    app = App(config)
+    app = App(config, metrics)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, app.request_stop, "signal received")
@@ -330,11 +332,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(config: ServerConfig, on_bound: Callable[[int], object] | None = None,
-        on_serving: Callable[[], object] | None = None, load_first: bool = False) -> int:
+        on_serving: Callable[[], object] | None = None, load_first: bool = False,
+        metrics: Metrics | None = None) -> int:
     """Serve until stopped and drain; serve()'s exit code, or exit 1 at once with the error in one line if
     start-up fails."""
     try:
-        return asyncio.run(serve(config, on_bound, on_serving, load_first))
+        return asyncio.run(serve(config, on_bound, on_serving, load_first, metrics))
     except StartupError as exc:
         worker = f"worker {config.worker}: " if config.workers > 1 else ""
         print(f"resnet-server: error: {worker}{exc}", file=sys.stderr)

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client import start_http_server as _start_http_server
 
 from .errors import StartupError
-from .statistics import ModelStatistics
+from .statistics import ModelStatistics, SharedRow
 
 # 0.5 ms to 10 s: a GPU batch takes a few ms, a CPU batch or a queued burst up to seconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -23,8 +23,8 @@ PREFIX = "resnet_"
 class Metrics:
     """All of the server's series, in one registry, and its ModelStatistics totals."""
 
-    def __init__(self) -> None:
-        self.statistics = ModelStatistics()
+    def __init__(self, largest_batch: int, shared_statistics: SharedRow | None = None) -> None:
+        self.statistics = ModelStatistics(largest_batch, shared_statistics)
         self.registry = CollectorRegistry()
         # The process's RSS, CPU, open fds and start time (which the restart alert and panel count), and Python's.
         ProcessCollector(registry=self.registry)

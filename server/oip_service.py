@@ -9,6 +9,7 @@ Outputs: ``probabilities`` FP32 [N, 1000] and, when ``top_k`` is asked, ``top_k_
 
 from __future__ import annotations
 
+import asyncio
 import math
 import struct
 from collections.abc import AsyncIterator
@@ -224,7 +225,8 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
         async def statistics():
             if request.name:  # an empty name asks for every model: this one
                 check_model(request.name, request.version)
-            return oip.ModelStatisticsResponse(model_stats=[model_statistics(self._statistics.snapshot())])
+            totals = await asyncio.to_thread(self._statistics.snapshot)  # may wait on a sibling worker's write
+            return oip.ModelStatisticsResponse(model_stats=[model_statistics(totals)])
         return await answer(context, request_id(context), statistics)
 
     async def _infer(self, request: oip.ModelInferRequest, context, rid: str) -> oip.ModelInferResponse:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .batcher import Batcher
-from .config import ServerConfig
+from .config import DEFAULT_MAX_BATCH_SIZE, ServerConfig
 from .errors import StartupError, Unavailable
 from .metrics import Metrics
 from .model import LoadedWeights, build_model, load_weights
@@ -26,14 +26,6 @@ log = logging.getLogger(__name__)
 
 # A replica whose batches fail this many times in a row leaves the rotation.
 FAILURES_BEFORE_EVICTION = 3
-
-# --max-batch-size 0 picks by device. On a GPU, ResNet18's throughput flattens around 32 images while a
-# batch still takes milliseconds. On a CPU the cost per image rises past a few images (bench-model on 2
-# cores: batch 4-8 fastest), and with a cap of 32, 16 callers split into a small batch (1-4 images) and a
-# big one (9-16) in turn instead of two even batches of 8 (measured: 2-18% fewer images/s, p99/p50
-# 1.33-1.44 against 1.20-1.26).
-DEFAULT_MAX_BATCH_SIZE = {"cuda": 32, "cpu": 8}
-
 
 def max_batch_size(config: ServerConfig, device: torch.device) -> int:
     return config.max_batch_size or DEFAULT_MAX_BATCH_SIZE.get(device.type, DEFAULT_MAX_BATCH_SIZE["cpu"])

@@ -4,16 +4,36 @@ Triton's clients and ``perf_analyzer`` read these to split a request's time in t
 queue, input, inference and output. Two writers feed them: each replica's worker thread records
 every batch it runs, and the core records every request it answers, so a lock guards them.
 A request's queue and compute times are those of its slowest image (it waits for all of them).
+
+The totals are one row of int64 counters per server process. With ``--workers N`` the rows of all N
+processes lie in one block of shared memory that the supervisor made (:func:`shared_rows`), so whichever
+worker takes a ``ModelStatistics`` call answers for the whole server, as Triton's one process does, and a
+worker that is replaced hands its row, counts intact, to the next one. Each process writes only its own
+row; a sibling reads it between two writes, told by the row's sequence number (odd while a write is under
+way; a seqlock). Stores reach memory in program order on x86-64, so a read is exact there; on a weakly
+ordered CPU (ARM) a read racing a write can, rarely, mix one record's old and new values.
 """
 
 from __future__ import annotations
 
-import copy
+import ctypes
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing.sharedctypes import RawArray
 from typing import Protocol
+
+import numpy as np
+
+# One process's row: these counters, then (count, ns) pairs.
+SEQUENCE, LAST_INFERENCE_MS, INFERENCE_COUNT, EXECUTION_COUNT = 0, 1, 2, 3
+SUCCESS, FAIL, QUEUE = 4, 6, 8  # each a (count, ns) pair
+COMPUTE = 10  # per request, its slowest image's batch: input, infer and output, three pairs
+BATCHES = 16  # then the same three pairs for every batch size from 1 to the largest
+PARTS = 6
+SETTLE_SECONDS = 0.1  # how long a reader waits for a sibling's write to end (its writer may have been killed)
 
 
 @dataclass(frozen=True)
@@ -36,31 +56,22 @@ class TimedOutput(Protocol):
     timing: BatchTiming
 
 
-@dataclass
+@dataclass(frozen=True)
 class Duration:
     count: int = 0
     ns: int = 0
 
-    def add(self, seconds: float) -> None:
-        self.count += 1
-        self.ns += round(seconds * 1e9)
 
-
-@dataclass
+@dataclass(frozen=True)
 class BatchTotals:
-    """One batch size's executions and their summed times."""
+    """Executions and their summed times, for one batch size or for requests."""
 
     compute_input: Duration = field(default_factory=Duration)
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
 
-    def add(self, timing: BatchTiming) -> None:
-        self.compute_input.add(timing.input)
-        self.compute_infer.add(timing.infer)
-        self.compute_output.add(timing.output)
 
-
-@dataclass
+@dataclass(frozen=True)
 class Totals:
     """Everything ``ModelStatistics`` reports, since the server started."""
 
@@ -74,29 +85,105 @@ class Totals:
     batches: dict[int, BatchTotals] = field(default_factory=dict)  # by batch size
 
 
+def row_width(largest_batch: int) -> int:
+    return BATCHES + PARTS * largest_batch
+
+
+def shared_rows(processes: int, largest_batch: int) -> ctypes.Array:
+    """Zeroed rows for ``processes`` server processes in shared memory, to hand to spawned workers."""
+    return RawArray(ctypes.c_int64, processes * row_width(largest_batch))
+
+
+@dataclass(frozen=True)
+class SharedRow:
+    """A worker's place in the supervisor's shared rows."""
+
+    rows: ctypes.Array
+    index: int
+
+
 class ModelStatistics:
-    def __init__(self) -> None:
+    def __init__(self, largest_batch: int, shared: SharedRow | None = None) -> None:
+        self._largest_batch = largest_batch
+        if shared is None:
+            self._table, index = np.zeros((1, row_width(largest_batch)), dtype=np.int64), 0
+        else:
+            self._table = np.frombuffer(shared.rows, dtype=np.int64).reshape(-1, row_width(largest_batch))
+            index = shared.index
+        self._index, self._row = index, self._table[index]
         self._lock = threading.Lock()
-        self._totals = Totals()
+        self._row[SEQUENCE] += self._row[SEQUENCE] % 2  # a predecessor killed mid-write left it odd
+
+    @contextmanager
+    def _writing(self) -> Iterator[np.ndarray]:
+        with self._lock:
+            self._row[SEQUENCE] += 1  # odd: a sibling reading the row waits
+            try:
+                yield self._row
+            finally:
+                self._row[SEQUENCE] += 1
 
     def record_batch(self, size: int, timing: BatchTiming) -> None:
         """Called by a replica's worker thread for every batch it computed."""
-        with self._lock:
-            self._totals.execution_count += 1
-            self._totals.last_inference_ms = int(time.time() * 1000)
-            self._totals.batches.setdefault(size, BatchTotals()).add(timing)
+        with self._writing() as row:
+            row[EXECUTION_COUNT] += 1
+            row[LAST_INFERENCE_MS] = int(time.time() * 1000)
+            _add_compute(row, BATCHES + PARTS * (size - 1), timing)
 
     def record_request(self, seconds: float, outputs: Sequence[TimedOutput] | None) -> None:
         """One answered request: its results, or None when it was answered with an error."""
-        with self._lock:
+        with self._writing() as row:
             if outputs is None:
-                self._totals.fail.add(seconds)
+                _add(row, FAIL, seconds)
                 return
-            self._totals.success.add(seconds)
-            self._totals.inference_count += len(outputs)
-            self._totals.queue.add(max(output.queue_seconds for output in outputs))
-            self._totals.compute.add(max((output.timing for output in outputs), key=lambda timing: timing.total))
+            _add(row, SUCCESS, seconds)
+            row[INFERENCE_COUNT] += len(outputs)
+            _add(row, QUEUE, max(output.queue_seconds for output in outputs))
+            _add_compute(row, COMPUTE, max((output.timing for output in outputs), key=lambda timing: timing.total))
 
     def snapshot(self) -> Totals:
+        """This server's totals: this process's row, plus its sibling workers' (waits up to SETTLE_SECONDS
+        for a sibling's write to end, so call it off the event loop)."""
         with self._lock:
-            return copy.deepcopy(self._totals)
+            rows = [self._row.copy()]
+        rows += [_settled(row) for index, row in enumerate(self._table) if index != self._index]
+        return _totals(np.sum(rows, axis=0), max(int(row[LAST_INFERENCE_MS]) for row in rows), self._largest_batch)
+
+
+def _add(row: np.ndarray, at: int, seconds: float) -> None:
+    row[at] += 1
+    row[at + 1] += round(seconds * 1e9)
+
+
+def _add_compute(row: np.ndarray, at: int, timing: BatchTiming) -> None:
+    _add(row, at, timing.input)
+    _add(row, at + 2, timing.infer)
+    _add(row, at + 4, timing.output)
+
+
+def _settled(row: np.ndarray) -> np.ndarray:
+    """A copy of a sibling's row taken between two of its writes; after SETTLE_SECONDS, as it stands (a writer
+    killed mid-write leaves its sequence odd until its replacement starts: at most that record is partial)."""
+    give_up_at = time.monotonic() + SETTLE_SECONDS
+    while True:
+        sequence = int(row[SEQUENCE])
+        copy = row.copy()
+        if (sequence % 2 == 0 and int(row[SEQUENCE]) == sequence) or time.monotonic() > give_up_at:
+            return copy
+        time.sleep(0)  # let the sibling's writer run, should it share this core
+
+
+def _totals(summed: np.ndarray, last_inference_ms: int, largest_batch: int) -> Totals:
+    def duration(at: int) -> Duration:
+        return Duration(int(summed[at]), int(summed[at + 1]))
+
+    def compute(at: int) -> BatchTotals:
+        return BatchTotals(duration(at), duration(at + 2), duration(at + 4))
+
+    sizes = [size for size in range(1, largest_batch + 1) if summed[BATCHES + PARTS * (size - 1)]]
+    return Totals(
+        last_inference_ms=last_inference_ms, inference_count=int(summed[INFERENCE_COUNT]),
+        execution_count=int(summed[EXECUTION_COUNT]), success=duration(SUCCESS), fail=duration(FAIL),
+        queue=duration(QUEUE), compute=compute(COMPUTE),
+        batches={size: compute(BATCHES + PARTS * (size - 1)) for size in sizes},
+    )

@@ -9,7 +9,9 @@ not calls: a client with one channel stays on one worker, so N workers need clie
 connections (several clients, or ``resnet-client bench --connections``).
 
 The supervisor serves ``/metrics`` on ``--metrics-port``: its workers' metrics, each sample labelled
-``worker`` (``server.worker_metrics``). Workers are spawned, not forked, so none inherits
+``worker`` (``server.worker_metrics``). The Open Inference Protocol's ``ModelStatistics`` totals lie in
+shared memory the supervisor makes, a row per worker, so any worker answers for all (``server.statistics``).
+Workers are spawned, not forked, so none inherits
 CUDA state; the first binds (and picks the port, for ``--port 0``) before the others start, and all load at
 the same time. The supervisor forwards SIGTERM/SIGINT (each worker drains within ``--grace-period``). A
 worker that ends on its own after it served (a crash, the kernel's OOM killer, or ``--unhealthy-exit-after``)
@@ -22,6 +24,7 @@ and a new one would fail the same way) makes the supervisor stop the rest and ex
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import multiprocessing
@@ -35,6 +38,7 @@ from multiprocessing.process import BaseProcess
 
 from .config import ServerConfig
 from .errors import StartupError
+from .statistics import SharedRow, shared_rows
 from .worker_metrics import WORKER_METRICS_HOST, serve_worker_metrics, worker_metrics_port
 
 log = logging.getLogger("server.workers")
@@ -96,8 +100,9 @@ def run_workers(config: ServerConfig) -> int:
         return 1
     stop_signal = _SignalPipe()
     workers: dict[int, _Worker] = {}
+    statistics = shared_rows(config.workers, config.largest_batch)
     try:
-        a_worker_failed = _start_and_supervise(config, stop_signal, workers)
+        a_worker_failed = _start_and_supervise(config, statistics, stop_signal, workers)
     finally:
         all_exited_cleanly = _stop_all([worker.process for worker in workers.values()], config.grace_period)
         stop_signal.close()
@@ -107,10 +112,11 @@ def run_workers(config: ServerConfig) -> int:
     return 1 if a_worker_failed or not all_exited_cleanly else 0
 
 
-def _start_and_supervise(config: ServerConfig, stop_signal: _SignalPipe, workers: dict[int, _Worker]) -> bool:
+def _start_and_supervise(config: ServerConfig, statistics: ctypes.Array, stop_signal: _SignalPipe,
+                         workers: dict[int, _Worker]) -> bool:
     """Start the workers into ``workers`` (worker 0 first: it picks the port for --port 0) and keep them
     running; return False when a signal comes, True when a worker ends before serving."""
-    workers[0] = first = _start(config, 0, config.port)
+    workers[0] = first = _start(config, statistics, 0, config.port)
     while not first.port:
         ready = wait([stop_signal.reader, first.process.sentinel, *([first.reports] if first.reports else [])])
         if stop_signal.reader in ready:
@@ -118,11 +124,12 @@ def _start_and_supervise(config: ServerConfig, stop_signal: _SignalPipe, workers
         first.read_reports()
         if not first.port and first.process.sentinel in ready:  # its own error is already on stderr
             return _ended_before_serving(first)
-    workers.update((index, _start(config, index, first.port)) for index in range(1, config.workers))
-    return _supervise(config, first.port, stop_signal, workers)
+    workers.update((index, _start(config, statistics, index, first.port)) for index in range(1, config.workers))
+    return _supervise(config, statistics, first.port, stop_signal, workers)
 
 
-def _supervise(config: ServerConfig, port: int, stop_signal: _SignalPipe, workers: dict[int, _Worker]) -> bool:
+def _supervise(config: ServerConfig, statistics: ctypes.Array, port: int, stop_signal: _SignalPipe,
+               workers: dict[int, _Worker]) -> bool:
     """Replace every worker that ends after it served (a crash, or --unhealthy-exit-after), so the others keep
     serving meanwhile, after restart_delay when it is crash-looping; a worker that ends before serving (it
     cannot load, and a new one would not either) ends the set. False when a signal comes, True in that case."""
@@ -152,7 +159,7 @@ def _supervise(config: ServerConfig, port: int, stop_signal: _SignalPipe, worker
         for index, (when, quick_ends) in list(due.items()):
             if when <= time.monotonic():
                 del due[index]
-                workers[index] = _start(config, index, port, load_first=True, quick_ends=quick_ends)
+                workers[index] = _start(config, statistics, index, port, load_first=True, quick_ends=quick_ends)
 
 
 def _ended_before_serving(worker: _Worker) -> bool:
@@ -162,25 +169,31 @@ def _ended_before_serving(worker: _Worker) -> bool:
     return True
 
 
-def _start(config: ServerConfig, index: int, port: int, load_first: bool = False, quick_ends: int = 0) -> _Worker:
+def _start(config: ServerConfig, statistics: ctypes.Array, index: int, port: int, load_first: bool = False,
+           quick_ends: int = 0) -> _Worker:
+    """Start worker ``index``; it writes its statistics into row ``index`` of ``statistics`` (a replacement
+    goes on from its predecessor's counts)."""
     receiver, sender = _spawn.Pipe(duplex=False)
-    process = _spawn.Process(target=_worker_main, args=(worker_config(config, index, port), sender, load_first),
-                             name=f"resnet-worker-{index}")
+    worker = worker_config(config, index, port)
+    process = _spawn.Process(target=_worker_main, name=f"resnet-worker-{index}",
+                             args=(worker, SharedRow(statistics, index), sender, load_first))
     process.start()
     sender.close()  # the worker holds the only sending end now: when it ends, ours reads end-of-file
     log.info("started worker %d of %d (pid %d)", index, config.workers, process.pid)
     return _Worker(index, process, receiver, quick_ends=quick_ends)
 
 
-def _worker_main(config: ServerConfig, reports: Connection, load_first: bool) -> None:
+def _worker_main(config: ServerConfig, statistics: SharedRow, reports: Connection, load_first: bool) -> None:
     """A worker process: a whole server (server.app.run) that reports its port once bound, then that it serves.
     A replacement loads before it binds (``load_first``): until then its siblings take every new connection."""
     from .app import run
     from .logs import configure_logging
+    from .metrics import Metrics
 
     configure_logging(config.log_level, config.log_format)
     raise SystemExit(run(config, on_bound=lambda port: reports.send(("bound", port)),
-                         on_serving=lambda: reports.send(("serving", 0)), load_first=load_first))
+                         on_serving=lambda: reports.send(("serving", 0)), load_first=load_first,
+                         metrics=Metrics(config.largest_batch, statistics)))
 
 
 def _stop_all(workers: list[BaseProcess], grace: float) -> bool:

@@ -60,7 +60,7 @@ class ServerThread:
     """An App running on its own asyncio loop in a daemon thread; tests talk to it over real gRPC."""
 
     def __init__(self, config: ServerConfig) -> None:
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.largest_batch)
         self.app = App(config, self.metrics)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)

@@ -5,6 +5,7 @@ Each test starts its own server, so every count is this test's traffic alone.
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 
 import grpc
@@ -14,7 +15,16 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 from client import Client
+from server.statistics import (
+    SETTLE_SECONDS,
+    BatchTotals,
+    Duration,
+    ModelStatistics,
+    SharedRow,
+    shared_rows,
+)
 from tests.helpers import encode, load_script, needs_perf_analyzer, random_rgb
+from tests.statistics_writer import record_in_another_process
 
 perf_analyzer = load_script("perf_analyzer")
 
@@ -83,3 +93,45 @@ def test_perf_analyzer_measures_the_server_and_reads_its_statistics(make_server)
         model = statistics(triton)
     assert "count" not in model["inference_stats"]["fail"]  # as JSON, a zero count is left out
     assert int(model["inference_count"]) >= figures["inferences"]
+
+
+def spawn(target, *args) -> multiprocessing.process.BaseProcess:
+    process = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    process.start()
+    return process
+
+
+def test_workers_statistics_add_up_across_processes_and_survive_a_replaced_worker():
+    """Rows in shared memory, as the --workers supervisor hands them out: any worker's snapshot holds every
+    process's counts; a worker's replacement goes on from its counts; one killed in the middle of a write holds
+    a snapshot up for at most SETTLE_SECONDS, and not at all once its replacement has started."""
+    rows = shared_rows(3, 8)
+    answering = ModelStatistics(8, SharedRow(rows, 0))
+    answering.record_request(0.01, None)  # one failed request in this process
+    for index, requests in ((1, 5), (2, 7), (1, 4)):  # the third: worker 1's replacement
+        worker = spawn(record_in_another_process, SharedRow(rows, index), requests)
+        worker.join(60)
+        assert worker.exitcode == 0
+    totals = answering.snapshot()
+    assert (totals.inference_count, totals.execution_count) == (2 * 16, 16)
+    assert totals.success == Duration(16, 16 * 4_000_000) and totals.fail == Duration(1, 10_000_000)
+    assert totals.queue == Duration(16, 16 * 1_000_000)  # each request's slowest image
+    assert totals.compute == BatchTotals(Duration(16, 16_000_000), Duration(16, 32_000_000), Duration(16, 8_000_000))
+    assert set(totals.batches) == {2} and totals.batches[2] == totals.compute
+    # Worker 2 killed inside a write: its row's sequence stays odd until a replacement starts.
+    stuck = multiprocessing.get_context("spawn").Event()
+    worker = spawn(record_in_another_process, SharedRow(rows, 2), 0, stuck)
+    try:
+        assert stuck.wait(60)
+    finally:
+        worker.kill()
+        worker.join()
+    started = time.monotonic()
+    partial = answering.snapshot()
+    assert SETTLE_SECONDS <= time.monotonic() - started < 10 * SETTLE_SECONDS
+    # The write it died in had counted the request and its image, not yet its queue time: that record alone.
+    assert (partial.success.count, partial.inference_count, partial.queue.count) == (17, 33, 16)
+    ModelStatistics(8, SharedRow(rows, 2))  # worker 2's replacement
+    started = time.monotonic()
+    assert answering.snapshot() == partial
+    assert time.monotonic() - started < SETTLE_SECONDS

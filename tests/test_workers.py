@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 import pytest
+import tritonclient.grpc as tc
 
 from client import Client
 from client.api import classifier_pb2 as pb
@@ -132,6 +133,12 @@ def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, 
         computed = after[("resnet_batch_size_sum", "cpu")] - before[("resnet_batch_size_sum", "cpu")]
         assert computed == sum(served) - 6
         assert len(records) <= computed <= len(records) + 16
+        # Triton's ModelStatistics, asked of whichever worker takes the call, counts both workers' images and
+        # batches (their totals share memory), as Prometheus does.
+        with tc.InferenceServerClient(target) as triton:
+            (model,) = triton.get_inference_statistics("resnet18", as_json=True)["model_stats"]
+        assert int(model["inference_count"]) == sum(served)
+        assert int(model["execution_count"]) == after[("resnet_batch_size_count", "cpu")]
         # A real Prometheus scraping the one metrics port sees both workers, counts the same requests, and
         # evaluates every alerting rule against their series, none firing.
         with Prometheus(f"127.0.0.1:{workers.metrics_port}", tmp_path) as prometheus:
@@ -156,6 +163,12 @@ def test_a_worker_that_dies_after_serving_is_replaced_while_the_other_keeps_serv
     workers = Workers(str(weights_file[0]))
     try:
         port, pids = workers.serving()
+        before_kill = 0  # calls on connections of their own until worker 1 has answered some (bounded: 64)
+        while not scraped_value(workers.metrics_port, served_by(1)) and before_kill < 64:
+            with Client(f"127.0.0.1:{port}", timeout=30, own_connection=True) as client:
+                client.classify([IMAGE])
+            before_kill += 1
+        assert scraped_value(workers.metrics_port, served_by(1)) > 0
         os.kill(pids[1], signal.SIGKILL)
         workers.read_until(1, f"resnet-worker-1 (pid {pids[1]}) ended with code -9 after serving; starting a new one")
         # The replacement loads before it binds, so every new connection meanwhile reaches worker 0: calls on
@@ -174,6 +187,10 @@ def test_a_worker_that_dies_after_serving_is_replaced_while_the_other_keeps_serv
             with Client(f"127.0.0.1:{port}", timeout=30, own_connection=True) as client:
                 client.classify([IMAGE])
         assert scraped_value(workers.metrics_port, served_by(1)) > 0
+        # ModelStatistics still counts the images the killed worker answered: its replacement took over its row.
+        with tc.InferenceServerClient(f"127.0.0.1:{port}") as triton:
+            (model,) = triton.get_inference_statistics("resnet18", as_json=True)["model_stats"]
+        assert int(model["inference_count"]) == before_kill + answered + 16
         # The replacement ends soon after it started too: the next one comes after a pause (a crash loop).
         os.kill(pids_now[2], signal.SIGKILL)
         workers.read_until(1, f"(pid {pids_now[2]}) ended with code -9 after serving; starting a new one in 1 s "
@@ -228,7 +245,7 @@ def test_a_lone_server_refuses_a_port_that_is_already_taken(server, weights_file
 @needs_promtool
 def test_the_supervisors_metrics_merge_its_workers_labelled_and_mark_one_that_does_not_answer():
     supervisor_port = free_port()
-    worker_0 = Metrics()
+    worker_0 = Metrics(largest_batch=8)
     worker_0.requests.labels("cpu", "OK").inc(3)
     worker_0.compute.labels("cpu").observe(0.2)
     worker_0_http = serve_metrics(worker_0, "127.0.0.1", worker_metrics_port(supervisor_port, 0))
