@@ -104,24 +104,24 @@ class SharedRow:
 
 class ModelStatistics:
     def __init__(self, largest_batch: int, shared: SharedRow | None = None) -> None:
-        self._largest_batch = largest_batch
-        if shared is None:
-            self._table, index = np.zeros((1, row_width(largest_batch)), dtype=np.int64), 0
-        else:
-            self._table = np.frombuffer(shared.rows, dtype=np.int64).reshape(-1, row_width(largest_batch))
-            index = shared.index
-        self._index, self._row = index, self._table[index]
+        self._largest_batch, width = largest_batch, row_width(largest_batch)
+        rows, index = (shared.rows, shared.index) if shared else (RawArray(ctypes.c_int64, width), 0)
+        self._table = np.frombuffer(rows, dtype=np.int64).reshape(-1, width)  # for reading: summed in one go
+        # For writing, the row's cells through a memoryview: a third of the time of NumPy's scalar item access
+        # (the core records on the event loop, per request).
+        self._cells = memoryview(rows).cast("B").cast("q")[index * width:(index + 1) * width]
+        self._index = index
         self._lock = threading.Lock()
-        self._row[SEQUENCE] += self._row[SEQUENCE] % 2  # a predecessor killed mid-write left it odd
+        self._cells[SEQUENCE] += self._cells[SEQUENCE] % 2  # a predecessor killed mid-write left it odd
 
     @contextmanager
-    def _writing(self) -> Iterator[np.ndarray]:
+    def _writing(self) -> Iterator[memoryview]:
         with self._lock:
-            self._row[SEQUENCE] += 1  # odd: a sibling reading the row waits
+            self._cells[SEQUENCE] += 1  # odd: a sibling reading the row waits
             try:
-                yield self._row
+                yield self._cells
             finally:
-                self._row[SEQUENCE] += 1
+                self._cells[SEQUENCE] += 1
 
     def record_batch(self, size: int, timing: BatchTiming) -> None:
         """Called by a replica's worker thread for every batch it computed."""
@@ -145,17 +145,17 @@ class ModelStatistics:
         """This server's totals: this process's row, plus its sibling workers' (waits up to SETTLE_SECONDS
         for a sibling's write to end, so call it off the event loop)."""
         with self._lock:
-            rows = [self._row.copy()]
+            rows = [self._table[self._index].copy()]
         rows += [_settled(row) for index, row in enumerate(self._table) if index != self._index]
         return _totals(np.sum(rows, axis=0), max(int(row[LAST_INFERENCE_MS]) for row in rows), self._largest_batch)
 
 
-def _add(row: np.ndarray, at: int, seconds: float) -> None:
+def _add(row: memoryview, at: int, seconds: float) -> None:
     row[at] += 1
     row[at + 1] += round(seconds * 1e9)
 
 
-def _add_compute(row: np.ndarray, at: int, timing: BatchTiming) -> None:
+def _add_compute(row: memoryview, at: int, timing: BatchTiming) -> None:
     _add(row, at, timing.input)
     _add(row, at + 2, timing.infer)
     _add(row, at + 4, timing.output)
