@@ -172,13 +172,16 @@ def percentile(sorted_values: list[float], q: float) -> float:
 _SAMPLE = re.compile(r'^(resnet_\w+)\{([^}]*)\} ([-+\deE.naif]+)$')
 
 
+def metrics_urls(urls: str | None) -> list[str]:
+    return [url.strip() for url in (urls or "").split(",") if url.strip()]
+
+
 def scrape(urls: str | None) -> dict[tuple[str, str], float]:
     """{(series, device): value} for the sums and counts the server view needs, summed over a comma-separated
     list of URLs (several servers) and over the other labels (a --workers server's ``worker``); {} without one."""
     values: Counter[tuple[str, str]] = Counter()
-    for url in (urls or "").split(","):
-        if url.strip():
-            values.update(_scrape_one(url.strip()))
+    for url in metrics_urls(urls):
+        values.update(_scrape_one(url))
     return dict(values)
 
 
@@ -325,7 +328,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--duration", type=positive_float, default=10.0, help="measured seconds per point")
     bench.add_argument("--warmup", type=non_negative_float, default=2.0, help="unmeasured seconds before each point")
     bench.add_argument("--metrics", help="server's /metrics URL, or a comma-separated list (several servers: "
-                                         "summed) (default http://HOST:8000/metrics)")
+                                         "summed); '' for none (default http://HOST:8000/metrics)")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", help="write throughput and latency against load to this PNG")
     bench.add_argument("--quiet", action="store_true", help="no progress bar (drawn only on a terminal)")
@@ -362,6 +365,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if failure:
         print(f"resnet-client bench: error: the first call, before any load, failed: {failure}", file=sys.stderr)
         return 1
+    silent = [url for url in metrics_urls(args.metrics) if not _scrape_one(url)]  # the first call made samples
+    if silent:
+        print(f"resnet-client bench: note: no server view (batch size, queue, compute) from {', '.join(silent)}: "
+              "no answer with this server's metrics; pass --metrics URL, or --metrics '' for none", file=sys.stderr)
     points = []
     for load in loads:
         concurrency, rate = (None, load) if args.rate else (int(load), None)

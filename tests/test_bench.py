@@ -37,7 +37,7 @@ def test_bench_closed_loop_reports_throughput_latency_and_the_server_view(make_s
                         "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"])
     assert code == 0
     captured = capsys.readouterr()
-    assert "%" not in captured.err  # no progress bar when stderr is not a terminal, even without --quiet
+    assert captured.err == ""  # no progress bar when stderr is not a terminal, even without --quiet; no note
     points = [json.loads(line) for line in captured.out.splitlines()]
     assert [point["concurrency"] for point in points] == [1, 4]
     for point in points:
@@ -50,12 +50,18 @@ def test_bench_closed_loop_reports_throughput_latency_and_the_server_view(make_s
 
 def test_bench_open_loop_counts_errors_by_code(make_server, capsys):
     """Calls refused under load are counted by their code, and the ones answered are still measured: a queue of
-    one and batches of one cannot take 200 requests a second."""
+    one and batches of one cannot take 200 requests a second. A metrics URL that does not answer: a note says
+    the server view is missing, and the run goes on."""
     running = make_server(max_queue=1, max_batch_size=1)
+    silent = f"http://127.0.0.1:{free_port()}/metrics"
     code = client_main(["bench", "--server", running.target, "--rate", "200", "--duration", "1", "--warmup", "0",
-                        "--input", "uint8", "--image-size", "64x48", "--json", "--quiet"])
+                        "--input", "uint8", "--image-size", "64x48", "--json", "--quiet", "--metrics", silent])
     assert code == 0
-    point = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    assert captured.err == (f"resnet-client bench: note: no server view (batch size, queue, compute) from {silent}: "
+                            "no answer with this server's metrics; pass --metrics URL, or --metrics '' for none\n")
+    point = json.loads(captured.out)
+    assert point["server"] == {}
     assert set(point["errors"]) == {"RESOURCE_EXHAUSTED"}
     assert point["ok"] > 0 and point["errors"]["RESOURCE_EXHAUSTED"] > 0
     assert point["ok"] + point["errors"]["RESOURCE_EXHAUSTED"] == point["requests"]
