@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -97,6 +98,18 @@ class Workers:
             self.process.wait()
 
 
+def statistics_while(triton: tc.InferenceServerClient, done: threading.Event) -> list[int]:
+    """ModelStatistics' inference_count, asked again and again until ``done``; each answer checked whole."""
+    counts = []
+    while not done.is_set():
+        (model,) = triton.get_inference_statistics("resnet18").model_stats
+        stats = model.inference_stats
+        assert stats.success.count == stats.queue.count == stats.compute_infer.count
+        assert model.execution_count == sum(batch.compute_infer.count for batch in model.batch_stats)
+        counts.append(model.inference_count)
+    return counts
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -125,8 +138,16 @@ def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, 
         url = f"http://127.0.0.1:{workers.metrics_port}/metrics"
         request = pb.ClassifyRequest(images=[pb.Image(encoded=IMAGE)], top_k=1).SerializeToString()
         before = scrape(url)
-        records = _closed_loop(LoadSpec(target, request, 16, None, 0.0, 1.0, {"timeout": 30}, connections=16))
+        with tc.InferenceServerClient(target) as triton, ThreadPoolExecutor(1) as pool:
+            # ModelStatistics asked over and over while both workers write: each answer whole (every request
+            # counted with its queue time, no torn row), and the counts never going back.
+            loading = threading.Event()
+            reading = pool.submit(statistics_while, triton, loading)
+            records = _closed_loop(LoadSpec(target, request, 16, None, 0.0, 1.0, {"timeout": 30}, connections=16))
+            loading.set()
+            counts = reading.result()
         after = scrape(url)
+        assert len(counts) >= 5 and counts == sorted(counts)
         served = [scraped_value(workers.metrics_port, served_by(i)) for i in range(2)]
         assert all(count > 0 for count in served), served
         assert [scraped_value(workers.metrics_port, f'resnet_worker_up{{worker="{i}"}}') for i in range(2)] == [1, 1]
