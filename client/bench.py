@@ -268,15 +268,22 @@ def load_label(concurrency: int | None, rate: float | None) -> str:
 
 
 def print_table(points: list[dict]) -> None:
+    """One line a point; the server's view per device (a line more for each device after the first; '-' where
+    there is no view: no --metrics answered)."""
     print(f"{'load':>10} {'req/s':>8} {'img/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} "
-          f"{'batch':>6} {'queue ms':>9} {'compute ms':>10}  errors")
+          f"{'device':>8} {'batch':>6} {'queue ms':>9} {'compute ms':>10}  errors")
     for point in points:
         load = load_label(point["concurrency"], point["rate"])
-        view = next(iter(point["server"].values()), {})
-        print(f"{load:>10} {point['requests_per_s']:8.1f} {point['images_per_s']:8.1f} {point['p50_ms']:8.1f} "
-              f"{point['p90_ms']:8.1f} {point['p99_ms']:8.1f} {point['max_ms']:8.1f} "
-              f"{view.get('mean_batch_size', float('nan')):6.2f} {view.get('mean_queue_ms', float('nan')):9.2f} "
-              f"{view.get('mean_compute_ms', float('nan')):10.2f}  {point['errors'] or ''}")
+        client = (f"{load:>10} {point['requests_per_s']:8.1f} {point['images_per_s']:8.1f} {point['p50_ms']:8.1f} "
+                  f"{point['p90_ms']:8.1f} {point['p99_ms']:8.1f} {point['max_ms']:8.1f}")
+        views = list(point["server"].items()) or [("-", {})]
+        for index, (device, view) in enumerate(views):
+            server = " ".join(f"{view[key]:{width}.2f}" if key in view else f"{'-':>{width}}"
+                              for key, width in (("mean_batch_size", 6), ("mean_queue_ms", 9),
+                                                 ("mean_compute_ms", 10)))
+            first = index == 0
+            errors = (point["errors"] or "") if first else ""
+            print(f"{client if first else ' ' * len(client)} {device:>8} {server}  {errors}".rstrip())
 
 
 def plot(points: list[dict], path: str, title: str) -> None:

@@ -48,6 +48,23 @@ def test_bench_closed_loop_reports_throughput_latency_and_the_server_view(make_s
     assert plot.stat().st_size > 0
 
 
+def test_bench_table_gives_the_server_view_of_every_device(make_server, capsys):
+    """Two replicas, both busy at c=4: the readable table's server columns, a line for each device."""
+    running = make_server(devices=("cpu", "cpu"), torch_threads=1, metrics_port=free_port())
+    code = client_main(["bench", "--server", running.target, "--concurrency", "4", "--duration", "2", "--warmup",
+                        "0.5", "--input", "uint8", "--image-size", "64x48",
+                        "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"])
+    assert code == 0
+    header, first, second = (line.split() for line in capsys.readouterr().out.splitlines())
+    assert header == ["load", "req/s", "img/s", "p50", "ms", "p90", "ms", "p99", "ms", "max", "ms", "device", "batch",
+                      "queue", "ms", "compute", "ms", "errors"]
+    assert first[0] == "c=4" and float(first[2]) > 0 and first[7] == "cpu#0"
+    assert second[0] == "cpu#1" and len(second) == 4
+    for view in (first[8:], second[1:]):
+        batch, queue_ms, compute_ms = map(float, view)
+        assert 1 <= batch <= 4 and queue_ms >= 0 and compute_ms > 0
+
+
 def test_bench_open_loop_counts_errors_by_code(make_server, capsys):
     """Calls refused under load are counted by their code, and the ones answered are still measured: a queue of
     one and batches of one cannot take 200 requests a second. A metrics URL that does not answer: a note says
