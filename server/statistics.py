@@ -89,6 +89,11 @@ def row_width(largest_batch: int) -> int:
     return BATCHES + PARTS * largest_batch
 
 
+def _batch_at(size: int) -> int:
+    """Where batch size ``size``'s three pairs start in a row."""
+    return BATCHES + PARTS * (size - 1)
+
+
 def shared_rows(processes: int, largest_batch: int) -> ctypes.Array:
     """Zeroed rows for ``processes`` server processes in shared memory, to hand to spawned workers."""
     return RawArray(ctypes.c_int64, processes * row_width(largest_batch))
@@ -104,11 +109,11 @@ class SharedRow:
 
 class ModelStatistics:
     def __init__(self, largest_batch: int, shared: SharedRow | None = None) -> None:
-        self._largest_batch, width = largest_batch, row_width(largest_batch)
+        width = row_width(largest_batch)
         rows, index = (shared.rows, shared.index) if shared else ((ctypes.c_int64 * width)(), 0)
         self._table = np.frombuffer(rows, dtype=np.int64).reshape(-1, width)  # for reading: summed in one go
         # For writing, the row's cells through a memoryview: the core records on the event loop, and a request
-        # took 4.0 us so against 7.1 through NumPy's scalar item access (timeit, this VM).
+        # took 4.0 us this way against 7.1 through NumPy's scalar item access (timeit, this VM).
         self._cells = memoryview(rows).cast("B").cast("q")[index * width:(index + 1) * width]
         self._index = index
         self._lock = threading.Lock()
@@ -128,7 +133,7 @@ class ModelStatistics:
         with self._writing() as row:
             row[EXECUTION_COUNT] += 1
             row[LAST_INFERENCE_MS] = int(time.time() * 1000)
-            _add_compute(row, BATCHES + PARTS * (size - 1), timing)
+            _add_compute(row, _batch_at(size), timing)
 
     def record_request(self, seconds: float, outputs: Sequence[TimedOutput] | None) -> None:
         """One answered request: its results, or None when it was answered with an error."""
@@ -147,7 +152,7 @@ class ModelStatistics:
         with self._lock:
             rows = [self._table[self._index].copy()]
         rows += [_settled(row) for index, row in enumerate(self._table) if index != self._index]
-        return _totals(np.sum(rows, axis=0), max(int(row[LAST_INFERENCE_MS]) for row in rows), self._largest_batch)
+        return _totals(np.sum(rows, axis=0), max(int(row[LAST_INFERENCE_MS]) for row in rows))
 
 
 def _add(row: memoryview, at: int, seconds: float) -> None:
@@ -173,17 +178,18 @@ def _settled(row: np.ndarray) -> np.ndarray:
         time.sleep(0)  # let the sibling's writer run, should it share this core
 
 
-def _totals(summed: np.ndarray, last_inference_ms: int, largest_batch: int) -> Totals:
+def _totals(summed: np.ndarray, last_inference_ms: int) -> Totals:
     def duration(at: int) -> Duration:
         return Duration(int(summed[at]), int(summed[at + 1]))
 
     def compute(at: int) -> BatchTotals:
         return BatchTotals(duration(at), duration(at + 2), duration(at + 4))
 
-    sizes = [size for size in range(1, largest_batch + 1) if summed[BATCHES + PARTS * (size - 1)]]
+    largest_batch = (len(summed) - BATCHES) // PARTS
+    sizes = [size for size in range(1, largest_batch + 1) if summed[_batch_at(size)]]
     return Totals(
         last_inference_ms=last_inference_ms, inference_count=int(summed[INFERENCE_COUNT]),
         execution_count=int(summed[EXECUTION_COUNT]), success=duration(SUCCESS), fail=duration(FAIL),
         queue=duration(QUEUE), compute=compute(COMPUTE),
-        batches={size: compute(BATCHES + PARTS * (size - 1)) for size in sizes},
+        batches={size: compute(_batch_at(size)) for size in sizes},
     )
