@@ -22,16 +22,17 @@ import server
 import torch
 from server.model import build_model, load_weights
 from server.runner import ModelRunner
-from server.memory import keep_freed_memory
+from server.memory import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_memory
+from server.threads import use_torch_threads
 if sys.argv[1] in ("undo", "undo-then-keep"):
     mallopt = ctypes.CDLL(None).mallopt
-    mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: glibc's starting value
-    mallopt(-1, 0)  # M_TRIM_THRESHOLD: return any free memory at a heap's top
+    mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # glibc's starting value
+    mallopt(M_TRIM_THRESHOLD, 0)  # return any free memory at a heap's top
 if sys.argv[1] == "undo-then-keep":
     keep_freed_memory()
 faults = []
 def passes():
-    torch.set_num_threads(2)
+    use_torch_threads(2)
     torch.manual_seed(0)
     runner = ModelRunner(build_model(load_weights("random", torch.device("cpu")), torch.device("cpu")),
                          torch.device("cpu"), "fp32")
