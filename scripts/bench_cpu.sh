@@ -16,6 +16,11 @@
 # BENCH_PRECISION (default fp32) the precision of both (bf16: AMX on recent Xeons, AVX-512 BF16 on AMD Zen 4).
 # Talks only to a server it starts on 127.0.0.1 and stops it (by PID) when done.
 set -euo pipefail
+# The tools come from the project's install: the active environment's, else the checkout's .venv.
+venv_bin="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin"
+if ! command -v resnet-server >/dev/null && [ -x "$venv_bin/resnet-server" ]; then PATH="$venv_bin:$PATH"; fi
+command -v resnet-server >/dev/null || {
+  echo "resnet-server is not on PATH: install the project first (pip install -e '.[server,test]')" >&2; exit 1; }
 out=${1:-results}
 mkdir -p "$out"
 duration=${BENCH_DURATION:-15}

@@ -12,12 +12,16 @@ the peak working set kept in the process (tens of MB more resident memory).
 
 glibc only: ``mallopt`` elsewhere (musl) does nothing or is missing, and this then reports False. Blocks
 above 32 MB, glibc's largest mmap threshold, are still unmapped when freed (on the CPU the first
-activation from a batch of 16 up).
+activation from a batch of 16 up). An operator who sets either threshold with glibc's own settings
+(``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES=glibc.malloc.trim_threshold=...``) keeps those values: this
+then changes nothing and reports False (``MALLOC_TRIM_THRESHOLD_=131072``, glibc's default value, turns it off).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+from collections.abc import Mapping
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
 M_MMAP_THRESHOLD = -3
@@ -25,11 +29,23 @@ MMAP_THRESHOLD = 32 * 1024 * 1024  # the largest glibc accepts on 64-bit (HEAP_M
 TRIM_THRESHOLD = 1024 * 1024 * 1024  # free memory at a heap's top is kept up to this much
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
     """Set this process's malloc to keep freed blocks up to 32 MB and not trim its heaps; True if it took."""
+    if thresholds_set_by_operator(environ):
+        return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+
+
+# glibc's own ways to set the same two thresholds, at process start: where any is set, the operator's values stand.
+OPERATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+OPERATOR_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
+
+
+def thresholds_set_by_operator(environ: Mapping[str, str]) -> bool:
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    return any(name in environ for name in OPERATOR_VARIABLES) or any(name in tunables for name in OPERATOR_TUNABLES)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
 
 import pytest
 
+from server.memory import thresholds_set_by_operator
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning is glibc malloc's")
@@ -49,9 +51,9 @@ print(json.dumps({"kept": server.KEPT_FREED_MEMORY, "faults": faults}))
 """
 
 
-def _probe(mode: str) -> dict:
+def _probe(mode: str, **environ: str) -> dict:
     done = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, check=True)
+                          timeout=120, check=True, env={**os.environ, **environ})
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -69,3 +71,22 @@ def test_keeping_freed_memory_mends_a_heap_that_hands_it_back():
     assert min(handed_back["faults"]) > 5_000, handed_back["faults"]
     mended = _probe("undo-then-keep")
     assert max(mended["faults"]) < 500, mended["faults"]
+
+
+def test_the_operators_own_thresholds_stand():
+    """glibc's environment settings for the same thresholds, here the regime that hands memory back: the server
+    leaves them be (and says so), so the passes fault as the operator asked."""
+    operators = _probe("keep", MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="0")
+    assert operators["kept"] is False
+    assert min(operators["faults"]) > 5_000, operators["faults"]
+
+
+@pytest.mark.parametrize(("environ", "set_by_operator"), [
+    ({}, False),
+    ({"MALLOC_ARENA_MAX": "2", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, False),  # other settings: ours apply
+    ({"MALLOC_TRIM_THRESHOLD_": "131072"}, True),
+    ({"MALLOC_MMAP_THRESHOLD_": "65536"}, True),
+    ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0:glibc.malloc.mmap_threshold=65536"}, True),
+])
+def test_which_settings_are_the_operators(environ, set_by_operator):
+    assert thresholds_set_by_operator(environ) is set_by_operator
