@@ -1,20 +1,26 @@
 """Keep the host memory a forward pass frees for the next pass (glibc malloc), rather than fault it back in.
 
-A ResNet18 forward pass on the CPU allocates and frees tens of MB of activations (a batch of eight: 26 MB
-for the first convolution's output alone). glibc hands large freed blocks back to the kernel: blocks above
-its mmap threshold are unmapped, and free memory at the top of a heap beyond its trim threshold is returned.
-The next pass then takes that memory back a page at a time. Whether that happens depends on the heap's state
-when the model loads, since glibc raises its mmap threshold as it goes: measured on the 2-core VM, the same
-batch-8 pass took about 19,000 minor page faults (76 MB) in one process and about 3,500 in another that
-differed only in the order it imported its modules, and ran 10-20% slower (docs/performance.md, "Found and
-fixed: page faults in the forward pass"). Fixing both thresholds makes it 0 whatever the heap's state, for
-the peak working set kept in the process (tens of MB more resident memory).
+A ResNet18 forward pass on the CPU allocates and frees tens to hundreds of MB of activations (the first
+convolution's output alone: 26 MB at batch 8, 51 MB at 16, 103 MB at 32). glibc hands large freed blocks back
+to the kernel, and the next pass takes that memory back a page at a time: blocks above its mmap threshold
+(32 MB at most) are unmapped when freed, a thread's arena is made of heaps of at most 64 MB that are given back
+when empty, and free memory at the top of a heap beyond its trim threshold is returned. Measured on the 2-core
+VM (docs/performance.md, "Found and fixed: page faults in the forward pass"): a batch-8 pass took about
+19,000 minor page faults (76 MB) in one process and 3,500 in another that differed only in the order it
+imported its modules, and ran 10-20% slower; with the mmap and trim thresholds fixed, batch 8 took none but
+batch 16 still took 15,700 a pass and batch 32 62,700 (in process 6-17% slower than without them).
 
-glibc only: ``mallopt`` elsewhere (musl) does nothing or is missing, and this then reports False. Blocks
-above 32 MB, glibc's largest mmap threshold, are still unmapped when freed (on the CPU the first
-activation from a batch of 16 up). An operator who sets either threshold with glibc's own settings
-(``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES=glibc.malloc.trim_threshold=...``) keeps those values: this
-then changes nothing and reports False (``MALLOC_TRIM_THRESHOLD_=131072``, glibc's default value, turns it off).
+So the process keeps one arena, the main one, which grows in one piece (brk) with no cap per heap; blocks never
+get their own mapping, however large; and the heap's top is trimmed only past 1 GB. Measured on the VM: no
+faults at batch 8, 16 or 32, and a served process 60 MB smaller (one arena instead of one per thread). The
+threads that allocate at once (the event loop, gRPC's, the replica's) then share one arena's lock; serving was
+level with the per-thread arenas at c=1 and c=16.
+
+glibc only: ``mallopt`` elsewhere (musl) does nothing or is missing, and this then reports False. Set before any
+thread starts (the server package does it when imported): a thread that has allocated already keeps its arena.
+An operator who tunes any of these with glibc's own settings (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_MAX_``,
+``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or their ``glibc.malloc`` tunables in ``GLIBC_TUNABLES``)
+keeps malloc as set: this then changes nothing and reports False (``MALLOC_ARENA_MAX=8``, say, turns it off).
 """
 
 from __future__ import annotations
@@ -24,28 +30,30 @@ import os
 from collections.abc import Mapping
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
-M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 32 * 1024 * 1024  # the largest glibc accepts on 64-bit (HEAP_MAX_SIZE / 2)
-TRIM_THRESHOLD = 1024 * 1024 * 1024  # free memory at a heap's top is kept up to this much
+M_MMAP_MAX = -4
+M_ARENA_MAX = -8
+TRIM_THRESHOLD = 1024 * 1024 * 1024  # free memory at the heap's top is kept up to this much
+SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+# glibc's own ways to set the same parameters, at process start: where any is set, the operator's malloc stands.
+OPERATOR_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+OPERATOR_TUNABLES = ("glibc.malloc.arena_max", "glibc.malloc.mmap_max", "glibc.malloc.mmap_threshold",
+                     "glibc.malloc.trim_threshold")
 
 
 def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
-    """Set this process's malloc to keep freed blocks up to 32 MB and not trim its heaps; True if it took."""
-    if thresholds_set_by_operator(environ):
+    """Set this process's malloc to one arena, no block mapped on its own, the heap not trimmed below 1 GB;
+    True if it took."""
+    if malloc_set_by_operator(environ):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    return all(mallopt(parameter, value) == 1 for parameter, value in SETTINGS)
 
 
-# glibc's own ways to set the same two thresholds, at process start: where any is set, the operator's values stand.
-OPERATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-OPERATOR_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
-
-
-def thresholds_set_by_operator(environ: Mapping[str, str]) -> bool:
+def malloc_set_by_operator(environ: Mapping[str, str]) -> bool:
     tunables = environ.get("GLIBC_TUNABLES", "")
     return any(name in environ for name in OPERATOR_VARIABLES) or any(name in tunables for name in OPERATOR_TUNABLES)

@@ -10,40 +10,44 @@ import sys
 
 import pytest
 
-from server.memory import thresholds_set_by_operator
+from server.memory import malloc_set_by_operator
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning is glibc malloc's")
 
-# Batch-8 passes on a thread of their own, as a replica's; prints the minor page faults of each pass after two
-# warm-up passes. "undo" sets glibc to hand freed memory back at once (its starting mmap threshold, heaps trimmed
-# at once): the control that shows the count sees faults, and the state keep_freed_memory must then mend.
+# Batch-8 and batch-16 passes on a thread of their own, as a replica's; prints the minor page faults of each pass
+# after three warm-up passes, by batch size. "undo" sets glibc to hand freed memory back at once (its starting mmap
+# threshold, heaps trimmed at once): the control that shows the count sees faults, and the state keep_freed_memory
+# must then mend.
 PROBE = """
 import ctypes, json, resource, sys, threading
 import server
 import torch
 from server.model import build_model, load_weights
 from server.runner import ModelRunner
-from server.memory import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_memory
+from server.memory import M_ARENA_MAX, M_MMAP_MAX, M_TRIM_THRESHOLD, keep_freed_memory
 from server.threads import use_torch_threads
 if sys.argv[1] in ("undo", "undo-then-keep"):
     mallopt = ctypes.CDLL(None).mallopt
-    mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # glibc's starting value
+    mallopt(M_ARENA_MAX, 0)  # glibc's default: an arena per thread, up to 8 a core
+    mallopt(M_MMAP_MAX, 65536)  # glibc's default: large blocks mapped on their own ...
+    mallopt(-3, 128 * 1024)  # ... from M_MMAP_THRESHOLD's starting value up
     mallopt(M_TRIM_THRESHOLD, 0)  # return any free memory at a heap's top
 if sys.argv[1] == "undo-then-keep":
     keep_freed_memory()
-faults = []
+faults = {}
 def passes():
     use_torch_threads(2)
     torch.manual_seed(0)
     runner = ModelRunner(build_model(load_weights("random", torch.device("cpu")), torch.device("cpu")),
                          torch.device("cpu"), "fp32")
-    batch, temperatures = torch.rand(8, 3, 224, 224), torch.ones(8)
-    for index in range(6):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        runner(batch, temperatures)
-        if index >= 2:
-            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    for size in (8, 16):
+        batch, temperatures = torch.rand(size, 3, 224, 224), torch.ones(size)
+        for index in range(8):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            runner(batch, temperatures)
+            if index >= 3:
+                faults.setdefault(size, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 thread = threading.Thread(target=passes)
 thread.start()
 thread.join()
@@ -57,36 +61,47 @@ def _probe(mode: str, **environ: str) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+def _typical(faults: list[int]) -> int:
+    """The median pass's faults. Kept memory still grows now and then as the heap settles (a pass's blocks no
+    longer fit where they were, and the heap grows by one of them: first touches, seen with the heap's end
+    moving), where memory handed back faults every pass."""
+    return sorted(faults)[len(faults) // 2]
+
+
 def test_a_forward_pass_faults_in_no_memory_once_warm():
     result = _probe("keep")
     assert result["kept"] is True
-    # A batch-8 pass frees and reallocates about 76 MB (19,000 pages) of activations; kept, none of it faults.
-    assert max(result["faults"]) < 500, result["faults"]
+    # A batch-8 pass frees and reallocates about 76 MB (19,000 pages) of activations, a batch-16 pass blocks of
+    # up to 51 MB, over the largest mmap threshold glibc takes (18,800 pages a pass with only the thresholds set).
+    assert _typical(result["faults"]["8"]) < 500, result["faults"]
+    assert _typical(result["faults"]["16"]) < 500, result["faults"]
 
 
 def test_keeping_freed_memory_mends_a_heap_that_hands_it_back():
-    """Whether glibc's own thresholds fault depends on the heap's state, so the regime that does is set on purpose:
+    """Whether glibc's own settings fault depends on the heap's state, so the regime that does is set on purpose:
     the passes then fault (the count can see it), and keep_freed_memory called after it brings them to none."""
     handed_back = _probe("undo")
-    assert min(handed_back["faults"]) > 5_000, handed_back["faults"]
+    assert min(handed_back["faults"]["8"]) > 5_000, handed_back["faults"]
     mended = _probe("undo-then-keep")
-    assert max(mended["faults"]) < 500, mended["faults"]
+    assert _typical(mended["faults"]["8"]) < 500, mended["faults"]
+    assert _typical(mended["faults"]["16"]) < 500, mended["faults"]
 
 
-def test_the_operators_own_thresholds_stand():
-    """glibc's environment settings for the same thresholds, here the regime that hands memory back: the server
-    leaves them be (and says so), so the passes fault as the operator asked."""
+def test_the_operators_own_settings_stand():
+    """glibc's environment settings, here the regime that hands memory back: the server leaves malloc be (and
+    says so), so the passes fault as the operator asked."""
     operators = _probe("keep", MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="0")
     assert operators["kept"] is False
-    assert min(operators["faults"]) > 5_000, operators["faults"]
+    assert min(operators["faults"]["8"]) > 5_000, operators["faults"]
 
 
 @pytest.mark.parametrize(("environ", "set_by_operator"), [
     ({}, False),
-    ({"MALLOC_ARENA_MAX": "2", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, False),  # other settings: ours apply
+    ({"MALLOC_CHECK_": "3", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}, False),  # others: ours apply
     ({"MALLOC_TRIM_THRESHOLD_": "131072"}, True),
+    ({"MALLOC_ARENA_MAX": "2"}, True),
     ({"MALLOC_MMAP_THRESHOLD_": "65536"}, True),
-    ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0:glibc.malloc.mmap_threshold=65536"}, True),
+    ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0:glibc.malloc.arena_max=4"}, True),
 ])
 def test_which_settings_are_the_operators(environ, set_by_operator):
-    assert thresholds_set_by_operator(environ) is set_by_operator
+    assert malloc_set_by_operator(environ) is set_by_operator
