@@ -340,7 +340,8 @@ def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsy
     """scripts/bench_table.py on files written as scripts/bench_cpu.sh writes them, by short CPU runs of the
     same commands: the JPEG ratio is over the JPEG run's own ceiling (the best forward pass in series with
     decode), and the alternating rounds give the JPEG point its own line."""
-    running = make_server(max_batch_size=2)
+    running = make_server(max_batch_size=2, metrics_port=free_port())
+    metrics = f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"  # the mean batch size served
 
     def ceiling(name: str, kind: str, sizes: str) -> dict:
         assert server_main(["bench-model", "--batch-sizes", sizes, "--duration", "0.2", "--image-size", "64x48",
@@ -349,8 +350,9 @@ def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsy
         return json.loads(output)
 
     def served(name: str, kind: str, sweep: str) -> list[dict]:
-        assert client_main(["bench", "--server", running.target, "--sweep", sweep, "--duration", "0.4",
-                            "--warmup", "0", "--input", kind, "--image-size", "64x48", "--json", "--quiet"]) == 0
+        assert client_main(["bench", "--server", running.target, "--sweep", sweep, "--duration", "1",
+                            "--warmup", "0", "--input", kind, "--image-size", "64x48", "--json", "--quiet",
+                            "--metrics", metrics]) == 0
         (tmp_path / f"{name}.json").write_text(output := capsys.readouterr().out)
         return [json.loads(line) for line in output.splitlines()]
 
@@ -381,6 +383,12 @@ def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsy
     assert (f"Alternating rounds, served JPEG c=16 / in-process ceiling with JPEG decode: {pairs} images/s; "
             f"ratio median {sum(ratios) / 2:.2f} (range {ratios[0]:.2f}-{ratios[1]:.2f})") in table
     assert "Alternating rounds, served uint8 c=16 / in-process forward ceiling:" in table
+    # Against the forward pass at the batch the server formed (a cap of 2: batch 2 of the measured 1 and 2).
+    uint8_c16 = json.loads((tmp_path / "served_uint8.json").read_text().splitlines()[-1])
+    at_batch_2 = json.loads((tmp_path / "ceiling_uint8.json").read_text())["forward_images_per_s"]["2"]
+    assert (f"; {uint8_c16['images_per_s'] / at_batch_2:.2f} x the forward pass at batch 2, the batch served) |"
+            in table)
+    assert "Alternating rounds, served uint8 c=16 / in-process forward at batch 2, the batch served: " in table
 
 
 def test_the_pairs_batch_size_is_the_rounds_best_by_median(tmp_path):
