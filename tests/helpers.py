@@ -7,6 +7,7 @@ import ctypes.util
 import importlib.util
 import io
 import os
+import random
 import shutil
 import socket
 import threading
@@ -147,6 +148,28 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_port_block(count: int) -> int:
+    """The first of ``count`` consecutive free ports (a supervisor's /metrics and its workers' after it), taken
+    below the kernel's ephemeral range: a port in that range, free when checked, may become an outgoing
+    connection's own port before the server binds it (seen once in CI, 'Address already in use')."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768  # Linux's default elsewhere
+    for _ in range(200):
+        first = random.randrange(10_000, low - count)
+        if all(_bindable(port) for port in range(first, first + count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports found below {low}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def scrape(port: int) -> str:

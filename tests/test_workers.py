@@ -28,7 +28,7 @@ from tests.helpers import (
     ServerThread,
     base_config,
     encode,
-    free_port,
+    free_port_block,
     needs_promtool,
     random_rgb,
     scraped_value,
@@ -49,7 +49,7 @@ class Workers:
     """``python -m server --workers 2`` on 127.0.0.1, port 0; its log lines collected as they come."""
 
     def __init__(self, weights: str, *extra: str) -> None:
-        self.metrics_port = free_port()
+        self.metrics_port = free_port_block(3)  # the supervisor's, then each worker's
         self.process = subprocess.Popen(
             [sys.executable, "-m", "server", "--workers", "2", "--host", "127.0.0.1", "--port", "0",
              "--metrics-port", str(self.metrics_port), "--device", "cpu", "--weights", weights,
@@ -265,7 +265,7 @@ def test_a_lone_server_refuses_a_port_that_is_already_taken(server, weights_file
 
 @needs_promtool
 def test_the_supervisors_metrics_merge_its_workers_labelled_and_mark_one_that_does_not_answer():
-    supervisor_port = free_port()
+    supervisor_port = free_port_block(3)
     worker_0 = Metrics(largest_batch=8)
     worker_0.requests.labels("cpu", "OK").inc(3)
     worker_0.compute.labels("cpu").observe(0.2)
