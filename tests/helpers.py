@@ -145,9 +145,8 @@ class Reference:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port for a server a test starts later (a port 0 server needs none)."""
+    return free_port_block(1)
 
 
 def free_port_block(count: int) -> int:
@@ -158,9 +157,14 @@ def free_port_block(count: int) -> int:
     low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768  # Linux's default elsewhere
     for _ in range(200):
         first = random.randrange(10_000, low - count)
-        if all(_bindable(port) for port in range(first, first + count)):
+        block = range(first, first + count)
+        if _HANDED_OUT.isdisjoint(block) and all(_bindable(port) for port in block):
+            _HANDED_OUT.update(block)  # two picks in one test before either binds must differ
             return first
     raise RuntimeError(f"no {count} consecutive free ports found below {low}")
+
+
+_HANDED_OUT: set[int] = set()
 
 
 def _bindable(port: int) -> bool:

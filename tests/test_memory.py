@@ -35,7 +35,9 @@ if sys.argv[1] in ("undo", "undo-then-keep"):
     mallopt(M_TRIM_THRESHOLD, 0)  # return any free memory at a heap's top
 if sys.argv[1] == "undo-then-keep":
     keep_freed_memory()
-faults = {}
+sbrk = ctypes.CDLL(None).sbrk
+sbrk.restype, sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
+faults, grown = {}, {}
 def passes():
     use_torch_threads(2)
     torch.manual_seed(0)
@@ -43,15 +45,16 @@ def passes():
                          torch.device("cpu"), "fp32")
     for size in (8, 16):
         batch, temperatures = torch.rand(size, 3, 224, 224), torch.ones(size)
-        for index in range(8):
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for index in range(10):
+            before, heap_end = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, sbrk(0)
             runner(batch, temperatures)
             if index >= 3:
                 faults.setdefault(size, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+                grown.setdefault(size, []).append(sbrk(0) != heap_end)
 thread = threading.Thread(target=passes)
 thread.start()
 thread.join()
-print(json.dumps({"kept": server.KEPT_FREED_MEMORY, "faults": faults}))
+print(json.dumps({"kept": server.KEPT_FREED_MEMORY, "faults": faults, "grown": grown}))
 """
 
 
@@ -61,11 +64,15 @@ def _probe(mode: str, **environ: str) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def _typical(faults: list[int]) -> int:
-    """The median pass's faults. Kept memory still grows now and then as the heap settles (a pass's blocks no
-    longer fit where they were, and the heap grows by one of them: first touches, seen with the heap's end
-    moving), where memory handed back faults every pass."""
-    return sorted(faults)[len(faults) // 2]
+def _handed_back(result: dict, size: int) -> list[int]:
+    """The faults of the passes at ``size`` that ended with the heap's end where it began. Kept memory still
+    grows now and then as the heap settles (a pass's blocks no longer fit where they were and the heap grows by
+    one of them: first touches, seen with its end moving), where memory handed back faults every pass, the heap
+    no larger for it. Enough such passes must be left for the check to say anything."""
+    faults = [count for count, grown in zip(result["faults"][str(size)], result["grown"][str(size)], strict=True)
+              if not grown]
+    assert len(faults) >= 4, result
+    return faults
 
 
 def test_a_forward_pass_faults_in_no_memory_once_warm():
@@ -73,8 +80,8 @@ def test_a_forward_pass_faults_in_no_memory_once_warm():
     assert result["kept"] is True
     # A batch-8 pass frees and reallocates about 76 MB (19,000 pages) of activations, a batch-16 pass blocks of
     # up to 51 MB, over the largest mmap threshold glibc takes (18,800 pages a pass with only the thresholds set).
-    assert _typical(result["faults"]["8"]) < 500, result["faults"]
-    assert _typical(result["faults"]["16"]) < 500, result["faults"]
+    assert max(_handed_back(result, 8)) < 500, result
+    assert max(_handed_back(result, 16)) < 500, result
 
 
 def test_keeping_freed_memory_mends_a_heap_that_hands_it_back():
@@ -83,8 +90,7 @@ def test_keeping_freed_memory_mends_a_heap_that_hands_it_back():
     handed_back = _probe("undo")
     assert min(handed_back["faults"]["8"]) > 5_000, handed_back["faults"]
     mended = _probe("undo-then-keep")
-    assert _typical(mended["faults"]["8"]) < 500, mended["faults"]
-    assert _typical(mended["faults"]["16"]) < 500, mended["faults"]
+    assert max(_handed_back(mended, 8) + _handed_back(mended, 16)) < 500, mended
 
 
 def test_the_operators_own_settings_stand():
