@@ -144,6 +144,9 @@ class Reference:
         return torch.softmax(logits / temperature, dim=0).numpy()
 
 
+_HANDED_OUT: set[int] = set()  # the ports free_port_block has given in this run
+
+
 def free_port() -> int:
     """A port for a server a test starts later (a port 0 server needs none)."""
     return free_port_block(1)
@@ -162,9 +165,6 @@ def free_port_block(count: int) -> int:
             _HANDED_OUT.update(block)  # two picks in one test before either binds must differ
             return first
     raise RuntimeError(f"no {count} consecutive free ports found below {low}")
-
-
-_HANDED_OUT: set[int] = set()
 
 
 def _bindable(port: int) -> bool:
