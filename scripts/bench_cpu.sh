@@ -14,6 +14,8 @@
 # BENCH_DEVICE (default cpu) and BENCH_TORCH_THREADS (default 0: every core) set the replica layout of
 # both sides, e.g. BENCH_DEVICE=cpu,cpu BENCH_TORCH_THREADS=1 for two single-thread replicas;
 # BENCH_PRECISION (default fp32) the precision of both (bf16: AMX on recent Xeons, AVX-512 BF16 on AMD Zen 4).
+# BENCH_SERVER_FLAGS adds server flags to every server it starts (the batching-off one's --max-batch-size 1
+# still wins), e.g. BENCH_SERVER_FLAGS="--max-batch-size 16 --wait-for-callers-ms 30".
 # Talks only to a server it starts on 127.0.0.1 and stops it (by PID) when done.
 set -euo pipefail
 # The tools come from the project's install: the active environment's, else the checkout's .venv.
@@ -23,6 +25,7 @@ command -v resnet-server >/dev/null || {
   echo "resnet-server is not on PATH: install the project first (pip install -e '.[server,test]')" >&2; exit 1; }
 out=${1:-results}
 mkdir -p "$out"
+echo "${BENCH_SERVER_FLAGS:-}" > "$out/server_flags.txt"  # for the table's header
 duration=${BENCH_DURATION:-15}
 port=${BENCH_PORT:-50151}
 metrics=${BENCH_METRICS_PORT:-8151}
@@ -45,7 +48,8 @@ ceiling 1,4,8,16,32 jpeg > "$out/ceiling_jpeg.json"
 
 serve() {  # serve [extra flags...]: start a server in the background, wait for SERVING
   resnet-server --host 127.0.0.1 --port $port --metrics-port $metrics --device $device \
-    --torch-threads $threads --precision $precision --weights random --log-level WARNING "${graph[@]}" "$@" &
+    --torch-threads $threads --precision $precision --weights random --log-level WARNING "${graph[@]}" \
+    ${BENCH_SERVER_FLAGS:-} "$@" &
   server_pid=$!
   for _ in $(seq 400); do  # --compile compiles every batch size before SERVING
     resnet-client health --server 127.0.0.1:$port --timeout 1 >/dev/null 2>&1 && return 0

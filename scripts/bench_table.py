@@ -50,10 +50,13 @@ def main(folder: Path, size: str) -> None:
     served = {name: {p["concurrency"]: p for p in load(folder, name)}
               for name in ("served_uint8", "served_jpeg", "served_uint8_nobatch")}
     graph = " with --compile" if uint8.get("compiled") else " with --torchscript" if uint8.get("torchscript") else ""
+    flags_file = folder / "server_flags.txt"
+    flags = flags_file.read_text().strip() if flags_file.exists() else ""
+    served_with = f", server flags {flags}" if flags else ""
     print(f"Measured {time.strftime('%Y-%m-%d')} on {platform.node()} ({cpu_model()}, "
           f"device {uint8.get('device', 'cpu')}, {uint8.get('precision', 'fp32')}, "
           f"torch threads {uint8['torch_threads']}), "
-          f"scripts/bench_cpu.sh{graph}, {size} images, "
+          f"scripts/bench_cpu.sh{graph}{served_with}, {size} images, "
           "seeded random weights.\n")
     print("| what | images/s | p50 ms | p99 ms | mean batch | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")

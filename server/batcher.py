@@ -4,9 +4,13 @@ The event loop calls :meth:`Batcher.submit` (never blocks, refuses at once when 
 each item's future. The worker thread takes whatever is waiting, up to ``max_batch_size``, and
 runs it at once: a lone request pays no batching delay, and under load batches grow by
 themselves while the previous batch computes. ``max_batch_delay_ms`` lets the worker wait for a
-fuller batch, but never past that long after the oldest waiting image arrived. Cancelled and
-expired images are dropped before compute. Results go back to the loop with one
-``call_soon_threadsafe`` per batch.
+fuller batch, but never past that long after the oldest waiting image arrived.
+``wait_for_callers_ms`` lets it wait, after answering a batch, for as many new images as that batch
+held: a closed loop's callers send again one round trip after their answers, and without the wait
+they split into two batches that take turns (sixteen callers: two batches of eight, each computing
+while the other's callers are away). A wait that runs out says the callers are not such a loop, and
+the next batches start at once. Cancelled and expired images are dropped before compute.
+Results go back to the loop with one ``call_soon_threadsafe`` per batch.
 
 A batcher whose batches fail ``failures_before_eviction`` times in a row is out of rotation (the
 router sends it nothing). Every ``probe_interval`` seconds its worker then runs one blank image
@@ -38,6 +42,11 @@ if TYPE_CHECKING:
     from .runner import ModelInput, ModelRunner
 
 log = logging.getLogger(__name__)
+
+# After a wait for answered callers runs out (open-loop traffic, or callers that pause between calls),
+# this many batches start without one: such traffic then pays the wait once in that many batches
+# rather than on every batch, and a closed loop that merely straggled once is waited for again soon.
+BATCHES_WITHOUT_WAIT_AFTER_TIMEOUT = 10
 
 
 @dataclass(frozen=True)
@@ -85,7 +94,7 @@ class Batcher:
 
     def __init__(self, name: str, setup: Callable[[], ModelRunner], metrics: Metrics, *, max_batch_size: int,
                  max_batch_delay_ms: float, max_queue: int, failures_before_eviction: int, probe_interval: float,
-                 on_rejoin: Callable[[], None]) -> None:
+                 on_rejoin: Callable[[], None], wait_for_callers_ms: float = 0.0) -> None:
         self.name = name
         self._setup = setup
         self._compute: ComputeFn | None = None  # the runner's forward pass; tests swap it to inject faults
@@ -94,6 +103,10 @@ class Batcher:
         self._setup_error: BaseException | None = None
         self.max_batch_size = max_batch_size
         self._max_delay = max_batch_delay_ms / 1000.0
+        self._wait_for_callers = wait_for_callers_ms / 1000.0
+        self._answered = 0  # images in the last batch answered
+        self._answered_at = 0.0  # time.monotonic() just before they were handed back
+        self._batches_before_next_wait = 0
         self._max_queue = max_queue
         self._queue: collections.deque[WorkItem] = collections.deque()
         self._cond = threading.Condition()
@@ -182,6 +195,8 @@ class Batcher:
                 return None
             if self._max_delay > 0:
                 self._wait_for_fuller_batch()
+            if self._wait_for_callers > 0:
+                self._wait_for_answered_callers()
             size = min(len(self._queue), self.max_batch_size)
             batch = [self._queue.popleft() for _ in range(size)]
             self._queue_depth.set(len(self._queue))
@@ -229,6 +244,30 @@ class Batcher:
                 return
             self._cond.wait(remaining)
 
+    def _wait_for_answered_callers(self) -> None:
+        """Until as many images have come since the last answer as it held, the batch is full, or
+        ``wait_for_callers_ms`` after that answer: at most that long a batch, and once in
+        BATCHES_WITHOUT_WAIT_AFTER_TIMEOUT batches for traffic whose callers do not come back."""
+        if self._batches_before_next_wait > 0:
+            self._batches_before_next_wait -= 1
+            return
+        wait_until = self._answered_at + self._wait_for_callers
+        while (len(self._queue) < self.max_batch_size and not self._stopping
+               and self._arrived_since_answer() < self._answered):
+            remaining = wait_until - time.monotonic()
+            if remaining <= 0:
+                self._batches_before_next_wait = BATCHES_WITHOUT_WAIT_AFTER_TIMEOUT
+                return
+            self._cond.wait(remaining)
+
+    def _arrived_since_answer(self) -> int:
+        count = 0
+        for item in reversed(self._queue):  # newest first: items queue in the order they were made
+            if item.enqueued < self._answered_at:
+                break
+            count += 1
+        return count
+
     def _drop_dead(self, batch: list[WorkItem]) -> list[WorkItem]:
         now = time.monotonic()
         live, expired = [], []
@@ -259,6 +298,7 @@ class Batcher:
         if batch:
             self._batch_passed()
             self._record(batch, started, outputs[0].timing)
+            self._answered, self._answered_at = len(batch), time.monotonic()
             _resolve(batch, outputs)
 
     def _outputs(self, batch: list[WorkItem], started: float) -> tuple[list[WorkItem], list[ImageOutput]]:

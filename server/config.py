@@ -46,6 +46,7 @@ class ServerConfig:
     temperature_file: str | None = None
     max_batch_size: int = 0  # 0: per device (DEFAULT_MAX_BATCH_SIZE)
     max_batch_delay_ms: float = 0.0
+    wait_for_callers_ms: float = 0.0
     max_queue: int = 256
     max_images_per_request: int = 64
     max_pixels: int = 40_000_000
@@ -132,6 +133,9 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("temperature-file", str, "JSON file with a fitted temperature (resnet-client calibrate); overrides --temperature"),
     ("max-batch-size", non_negative_int, "most images in one forward pass; 0 = 32 on CUDA, 8 on the CPU"),
     ("max-batch-delay-ms", non_negative_float, "longest the oldest queued image waits for a fuller batch"),
+    ("wait-for-callers-ms", non_negative_float, "after answering a batch, longest a replica waits for as many new "
+                                                 "images as it answered before starting a smaller batch: for "
+                                                 "closed-loop callers, who send again once answered (0: off)"),
     ("max-queue", positive_int, "images accepted per replica and not yet answered; beyond it new requests get "
                                  "RESOURCE_EXHAUSTED at once"),
     ("max-images-per-request", positive_int, "most images in one request"),

@@ -88,7 +88,8 @@ def load_replica(name: str, device: torch.device, config: ServerConfig, metrics:
     batcher = Batcher(name, setup, metrics, max_batch_size=batch_limit,
                       max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue,
                       failures_before_eviction=FAILURES_BEFORE_EVICTION,
-                      probe_interval=config.replica_probe_interval, on_rejoin=on_rejoin)
+                      probe_interval=config.replica_probe_interval, on_rejoin=on_rejoin,
+                      wait_for_callers_ms=config.wait_for_callers_ms)
     try:
         batcher.start()
     except StartupError:

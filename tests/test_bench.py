@@ -367,10 +367,12 @@ def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsy
     (tmp_path / "rounds_served.json").write_text((tmp_path / "rounds_served.json").read_text() * 2)
     jpeg_rounds = [served("round_jpeg", "jpeg", "16")[0] for _ in rounds]
     (tmp_path / "rounds_served_jpeg.json").write_text("".join(json.dumps(one) + "\n" for one in jpeg_rounds))
+    (tmp_path / "server_flags.txt").write_text("--max-batch-size 2\n")  # BENCH_SERVER_FLAGS, as the script keeps it
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     load_script("bench_table").main(tmp_path, "64x48")
     table = capsys.readouterr().out
     assert "device cpu, fp32, torch threads" in table.splitlines()[0]
+    assert "scripts/bench_cpu.sh, server flags --max-batch-size 2, 64x48 images" in table.splitlines()[0]
     jpeg_ceiling = jpeg["ceiling_with_preprocess_images_per_s"]
     assert jpeg_ceiling == pytest.approx(1 / (1 / max(jpeg["forward_images_per_s"].values())
                                               + 1 / jpeg["preprocess_images_per_s"]))

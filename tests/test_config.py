@@ -35,6 +35,8 @@ def test_env_twins_and_flags_win():
     assert parse_config(["--max-connection-age", "60"], env={}).max_connection_age == 60.0
     assert parse_config([], env={}).switch_interval_ms == 0.5
     assert parse_config([], env={"RESNET_SERVER_SWITCH_INTERVAL_MS": "5"}).switch_interval_ms == 5.0
+    assert parse_config([], env={}).wait_for_callers_ms == 0.0
+    assert parse_config([], env={"RESNET_SERVER_WAIT_FOR_CALLERS_MS": "30"}).wait_for_callers_ms == 30.0
 
 
 def test_a_boolean_flag_alone_means_true():
