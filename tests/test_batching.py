@@ -82,6 +82,7 @@ def test_a_lone_caller_waits_for_no_one(make_server):
     running = make_server(max_batch_size=4, wait_for_callers_ms=600_000.0)
     before, waited_before = batches(running), queue_seconds(running)
     with Client(running.target, timeout=60) as client:
+        assert client.model_info().batching.wait_for_callers_ms == 600_000.0
         for image in IMAGES:
             client.classify([image])
         client.classify(IMAGES[:3])  # more images than the last batch held: no wait either

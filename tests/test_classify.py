@@ -139,7 +139,7 @@ def test_model_info(client, weights_file):
     assert len(info.labels) == 1000 and info.labels[0] == "tench"
     assert list(info.devices) == ["cpu"]
     assert info.default_temperature == 1.0 and info.temperature_source == "flag"
-    assert info.batching.max_batch_size == 8
+    assert info.batching.max_batch_size == 8 and info.batching.wait_for_callers_ms == 0.0
     assert info.weights == str(weights_file[0]) and info.warning == ""
     assert info.input.crop_size == 224 and info.input.resize_size == 256
     assert info.input.max_pixels == 40_000_000

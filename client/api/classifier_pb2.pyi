@@ -107,14 +107,16 @@ class InputSpec(_message.Message):
     def __init__(self, encodings: _Optional[_Iterable[str]] = ..., raw_formats: _Optional[_Iterable[str]] = ..., max_pixels: _Optional[int] = ..., max_images_per_request: _Optional[int] = ..., crop_size: _Optional[int] = ..., resize_size: _Optional[int] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class BatchingSpec(_message.Message):
-    __slots__ = ("max_batch_size", "max_batch_delay_ms", "max_queue")
+    __slots__ = ("max_batch_size", "max_batch_delay_ms", "max_queue", "wait_for_callers_ms")
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_CALLERS_MS_FIELD_NUMBER: _ClassVar[int]
     max_batch_size: int
     max_batch_delay_ms: float
     max_queue: int
-    def __init__(self, max_batch_size: _Optional[int] = ..., max_batch_delay_ms: _Optional[float] = ..., max_queue: _Optional[int] = ...) -> None: ...
+    wait_for_callers_ms: float
+    def __init__(self, max_batch_size: _Optional[int] = ..., max_batch_delay_ms: _Optional[float] = ..., max_queue: _Optional[int] = ..., wait_for_callers_ms: _Optional[float] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "version", "labels", "input", "devices", "default_temperature", "temperature_source", "batching", "weights", "warning", "precision")
