@@ -252,13 +252,17 @@ class Batcher:
             self._batches_before_next_wait -= 1
             return
         wait_until = self._answered_at + self._wait_for_callers
+        waited = False
         while (len(self._queue) < self.max_batch_size and not self._stopping
                and self._arrived_since_answer() < self._answered):
             remaining = wait_until - time.monotonic()
             if remaining <= 0:
-                self._batches_before_next_wait = BATCHES_WITHOUT_WAIT_AFTER_TIMEOUT
+                # Only a wait that held a batch back says so: work arriving after an idle spell cost nothing.
+                if waited:
+                    self._batches_before_next_wait = BATCHES_WITHOUT_WAIT_AFTER_TIMEOUT
                 return
             self._cond.wait(remaining)
+            waited = True
 
     def _arrived_since_answer(self) -> int:
         count = 0

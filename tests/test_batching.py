@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 
@@ -89,3 +90,17 @@ def test_a_lone_caller_waits_for_no_one(make_server):
     after = batches(running)
     assert (after[0] - before[0], after[1] - before[1]) == (5, 7)
     assert queue_seconds(running) - waited_before < 5.0  # none of the five waited out the ten-minute limit
+
+
+def test_work_after_an_idle_spell_does_not_count_as_callers_that_never_came_back(make_server):
+    running = make_server(max_batch_size=4, wait_for_callers_ms=1000.0)
+    batcher = running.app.core.router.replicas[0].batcher
+    with Client(running.target, timeout=60) as client:
+        client.classify(IMAGES)
+        # Idle past the limit: the next call finds the wait over before it began, and held nothing back.
+        wait_for(lambda: time.monotonic() > batcher._answered_at + 1.0, timeout=10)
+        client.classify([IMAGES[0]])
+        client.classify(IMAGES)
+        before = queue_seconds(running)
+        client.classify([IMAGES[1]])  # so the replica still waits for the other three
+        assert 0.5 <= queue_seconds(running) - before < 1.0
