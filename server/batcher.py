@@ -236,13 +236,18 @@ class Batcher:
                       self.consecutive_failures,
                       f"; probing it every {self._probe_interval:g}s" if self._probe_interval else "")
 
-    def _wait_for_fuller_batch(self) -> None:
-        fill_by = self._queue[0].enqueued + self._max_delay
-        while len(self._queue) < self.max_batch_size and not self._stopping:
-            remaining = fill_by - time.monotonic()
+    def _wait_while(self, short: Callable[[], bool], until: float) -> bool:
+        """Wait for more work while ``short()`` and the batch is not full, not past ``until`` (a
+        time.monotonic() value) nor past stopping; True if the wait ran out."""
+        while len(self._queue) < self.max_batch_size and short() and not self._stopping:
+            remaining = until - time.monotonic()
             if remaining <= 0:
-                return
+                return True
             self._cond.wait(remaining)
+        return False
+
+    def _wait_for_fuller_batch(self) -> None:
+        self._wait_while(lambda: True, self._queue[0].enqueued + self._max_delay)
 
     def _wait_for_answered_callers(self) -> None:
         """Until as many images have come since the last answer as it held, the batch is full, or
@@ -252,17 +257,11 @@ class Batcher:
             self._batches_before_next_wait -= 1
             return
         wait_until = self._answered_at + self._wait_for_callers
-        waited = False
-        while (len(self._queue) < self.max_batch_size and not self._stopping
-               and self._arrived_since_answer() < self._answered):
-            remaining = wait_until - time.monotonic()
-            if remaining <= 0:
-                # Only a wait that held a batch back says so: work arriving after an idle spell cost nothing.
-                if waited:
-                    self._batches_before_next_wait = BATCHES_WITHOUT_WAIT_AFTER_TIMEOUT
-                return
-            self._cond.wait(remaining)
-            waited = True
+        # Only a wait that held a batch back says so: work arriving after an idle spell cost nothing.
+        holds_back = time.monotonic() < wait_until
+        ran_out = self._wait_while(lambda: self._arrived_since_answer() < self._answered, wait_until)
+        if ran_out and holds_back:
+            self._batches_before_next_wait = BATCHES_WITHOUT_WAIT_AFTER_TIMEOUT
 
     def _arrived_since_answer(self) -> int:
         count = 0
