@@ -76,7 +76,7 @@ def main(folder: Path, size: str) -> None:
         ratio = f"{point['images_per_s'] / ceiling:.2f} x ceiling" if ceiling else ""
         if ceiling == ceiling_uint8:
             ratio += f" ({point['images_per_s'] / ceiling_uint8_pre:.2f} x with preprocess"
-            if served_batch := nearest_batch(uint8["forward_images_per_s"], point):
+            if served_batch := nearest_batch(uint8["forward_images_per_s"], batch):
                 ratio += (f"; {point['images_per_s'] / uint8['forward_images_per_s'][served_batch]:.2f} x the "
                           f"forward pass at batch {served_batch}, the batch served")
             ratio += ")"
@@ -118,10 +118,9 @@ def mean_batch(point: dict) -> float | None:
     return statistics.mean(sizes) if sizes else None
 
 
-def nearest_batch(measured: dict[str, object], point: dict) -> str | None:
-    """Of the batch sizes measured in process, the one nearest the served point's mean batch; None where the
-    server reported none."""
-    served_batch = mean_batch(point)
+def nearest_batch(measured: dict[str, object], served_batch: float | None) -> str | None:
+    """Of the batch sizes measured in process, the one nearest a served point's mean batch (``mean_batch``);
+    None where the server reported none."""
     if not measured or served_batch is None:
         return None
     return min(measured, key=lambda size: abs(int(size) - served_batch))
@@ -132,7 +131,7 @@ def in_process_spread(ceiling: dict, point: dict) -> tuple[str, float] | None:
     (the spread this machine puts on a fixed amount of work, to set beside the served p99/p50), with that
     batch size; None where bench-model did not record calls."""
     calls = ceiling.get("forward_call_ms")
-    size = nearest_batch(calls or {}, point)
+    size = nearest_batch(calls or {}, mean_batch(point))
     return None if size is None else (size, calls[size]["p99"] / calls[size]["p50"])
 
 
@@ -148,8 +147,8 @@ def print_rounds(folder: Path) -> None:
     best = [max(ceiling["forward_images_per_s"].values()) for ceiling in ceilings]
     print("\n" + rate_pairs_line("served uint8 c=16 / in-process forward ceiling", c16, best))
     # The ceiling is the best batch size's; sixteen closed-loop callers may form smaller batches than that.
-    sizes = [nearest_batch(ceiling["forward_images_per_s"], point) for point, ceiling in zip(c16, ceilings,
-                                                                                               strict=True)]
+    sizes = [nearest_batch(ceiling["forward_images_per_s"], mean_batch(point))
+             for point, ceiling in zip(c16, ceilings, strict=True)]
     if sizes and None not in sizes and len(set(sizes)) == 1:
         at_served = [ceiling["forward_images_per_s"][sizes[0]] for ceiling in ceilings]
         print(rate_pairs_line(f"served uint8 c=16 / in-process forward at batch {sizes[0]}, the batch served",
