@@ -142,9 +142,7 @@ class App:
         info = model_info(config, replicas, self.temperature, self.temperature_source)
         self._record_model_info(replicas)
         self.classifier.attach(self.core, info)
-        self.inference.attach(self.core, LABELS, oip_model_config(
-            config.max_images_per_request, info.batching.max_batch_size, config.max_batch_delay_ms,
-            list(info.devices)))
+        self.inference.attach(self.core, LABELS, oip_model_config(info))
         self._suggest_bf16()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 

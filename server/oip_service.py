@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
+from client.api import classifier_pb2 as pb
 from client.api import grpc_predict_v2_pb2 as oip
 from client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 from client.api import model_config_pb2 as mc
@@ -290,12 +291,18 @@ def model_statistics(totals: Totals) -> oip.ModelStatistics:
     )
 
 
-def model_config(max_images: int, max_batch_size: int, delay_ms: float, devices: list[str]) -> mc.ModelConfig:
-    gpus = sorted({int(name.split(":")[1].split("#")[0]) for name in devices if name.startswith("cuda")})
+def model_config(info: pb.ModelInfo) -> mc.ModelConfig:
+    """Triton's view of the served model, from the ModelInfo our own API reports; settings Triton's config has
+    no field for (the default temperature, the wait for closed-loop callers) go in its parameters."""
+    gpus = sorted({int(name.split(":")[1].split("#")[0]) for name in info.devices if name.startswith("cuda")})
     group = (mc.ModelInstanceGroup(name="gpu", kind=mc.ModelInstanceGroup.KIND_GPU, count=1, gpus=gpus) if gpus
-             else mc.ModelInstanceGroup(name="cpu", kind=mc.ModelInstanceGroup.KIND_CPU, count=len(devices)))
+             else mc.ModelInstanceGroup(name="cpu", kind=mc.ModelInstanceGroup.KIND_CPU, count=len(info.devices)))
+    batching = info.batching
+    parameters = {"default_temperature": f"{info.default_temperature:g}",
+                  "wait_for_callers_ms": f"{batching.wait_for_callers_ms:g}"}
     return mc.ModelConfig(
-        name=MODEL_NAME, platform="pytorch_libtorch", backend="pytorch", max_batch_size=max_images,
+        name=MODEL_NAME, platform="pytorch_libtorch", backend="pytorch",
+        max_batch_size=info.input.max_images_per_request,
         input=[mc.ModelInput(name=INPUT_NAME, data_type=mc.TYPE_FP32, format=mc.ModelInput.FORMAT_NCHW,
                              dims=[3, CROP, CROP])],
         output=[mc.ModelOutput(name=PROBABILITIES, data_type=mc.TYPE_FP32, dims=[1000]),
@@ -303,6 +310,8 @@ def model_config(max_images: int, max_batch_size: int, delay_ms: float, devices:
                 mc.ModelOutput(name="top_k_probabilities", data_type=mc.TYPE_FP32, dims=[-1]),
                 mc.ModelOutput(name="top_k_labels", data_type=mc.TYPE_STRING, dims=[-1])],
         instance_group=[group],
-        dynamic_batching=mc.ModelDynamicBatching(preferred_batch_size=[max_batch_size],
-                                                 max_queue_delay_microseconds=int(delay_ms * 1000)),
+        dynamic_batching=mc.ModelDynamicBatching(
+            preferred_batch_size=[batching.max_batch_size],
+            max_queue_delay_microseconds=int(batching.max_batch_delay_ms * 1000)),
+        parameters={name: mc.ModelParameter(string_value=value) for name, value in parameters.items()},
     )

@@ -28,10 +28,10 @@ from server.runner import ModelRunner
 from server.memory import M_ARENA_MAX, M_MMAP_MAX, M_TRIM_THRESHOLD, keep_freed_memory
 from server.threads import use_torch_threads
 if sys.argv[1] in ("undo", "undo-then-keep"):
-    mallopt = ctypes.CDLL(None).mallopt
+    mallopt, M_MMAP_THRESHOLD = ctypes.CDLL(None).mallopt, -3  # the one parameter server.memory leaves alone
     mallopt(M_ARENA_MAX, 0)  # glibc's default: an arena per thread, up to 8 a core
     mallopt(M_MMAP_MAX, 65536)  # glibc's default: large blocks mapped on their own ...
-    mallopt(-3, 128 * 1024)  # ... from M_MMAP_THRESHOLD's starting value up
+    mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # ... from M_MMAP_THRESHOLD's starting value up
     mallopt(M_TRIM_THRESHOLD, 0)  # return any free memory at a heap's top
 if sys.argv[1] == "undo-then-keep":
     keep_freed_memory()

@@ -68,6 +68,19 @@ def test_model_config(triton):
     assert config["input"][0]["dims"] == ["3", "224", "224"] and config["input"][0]["data_type"] == "TYPE_FP32"
     assert config["dynamic_batching"]["preferred_batch_size"] == [8]
     assert config["instance_group"][0]["kind"] == "KIND_CPU"
+    assert config["parameters"] == {"default_temperature": {"string_value": "1"},
+                                    "wait_for_callers_ms": {"string_value": "0"}}
+
+
+def test_model_config_reports_the_served_settings(make_server):
+    running = make_server(max_batch_size=4, max_batch_delay_ms=2.5, wait_for_callers_ms=30.0, temperature=0.5,
+                          max_images_per_request=16)
+    with tc.InferenceServerClient(running.target) as triton:
+        config = triton.get_model_config("resnet18", as_json=True)["config"]
+    assert config["max_batch_size"] == 16
+    assert config["dynamic_batching"] == {"preferred_batch_size": [4], "max_queue_delay_microseconds": "2500"}
+    assert config["parameters"] == {"default_temperature": {"string_value": "0.5"},
+                                    "wait_for_callers_ms": {"string_value": "30"}}
 
 
 @pytest.mark.parametrize("call", ["is_model_ready", "get_model_metadata", "get_model_config"])
