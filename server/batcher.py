@@ -123,6 +123,8 @@ class Batcher:
         self._compute_time = metrics.compute.labels(name)
         self._batch_size = metrics.batch_size.labels(name)
         self._dropped = metrics.dropped
+        self._callers_came_back = metrics.caller_waits.labels(name, "came_back")
+        self._caller_wait_ran_out = metrics.caller_waits.labels(name, "ran_out")
         self._statistics = metrics.statistics
 
     @property
@@ -257,11 +259,18 @@ class Batcher:
             self._batches_before_next_wait -= 1
             return
         wait_until = self._answered_at + self._wait_for_callers
-        # Only a wait that held a batch back says so: work arriving after an idle spell cost nothing.
-        holds_back = time.monotonic() < wait_until
-        ran_out = self._wait_while(lambda: self._arrived_since_answer() < self._answered, wait_until)
-        if ran_out and holds_back:
+        # Only a wait that holds a batch back counts: work arriving after an idle spell finds it over already.
+        if not self._callers_missing() or time.monotonic() >= wait_until:
+            return
+        if self._wait_while(self._callers_missing, wait_until):
+            self._caller_wait_ran_out.inc()
             self._batches_before_next_wait = BATCHES_WITHOUT_WAIT_AFTER_TIMEOUT
+        elif not self._stopping:  # a wait cut short by shutdown says nothing about the callers
+            self._callers_came_back.inc()
+
+    def _callers_missing(self) -> bool:
+        """Fewer images have come since the last answer than it held, and the batch is not full."""
+        return len(self._queue) < self.max_batch_size and self._arrived_since_answer() < self._answered
 
     def _arrived_since_answer(self) -> int:
         count = 0

@@ -48,6 +48,11 @@ class Metrics:
         self.dropped = Counter(
             PREFIX + "dropped_images", "Queued images dropped before compute, by reason (deadline, cancelled)",
             labelnames=["device", "reason"], registry=self.registry)
+        self.caller_waits = Counter(
+            PREFIX + "caller_waits", "With --wait-for-callers-ms: waits for the callers of the batch just answered, "
+            "by outcome (came_back: as many images came as it held, or a full batch; ran_out: the wait held a "
+            "batch back until its limit, and the next batches start without one)",
+            labelnames=["device", "outcome"], registry=self.registry)
         self.queue_depth = Gauge(PREFIX + "queue_depth", "Images waiting in the device queue", **by_device)
         self.in_flight = Gauge(PREFIX + "requests_in_flight", "Requests being served", **by_device)
         self.healthy = Gauge(PREFIX + "replica_healthy", "1 while the replica is in rotation, else 0", **by_device)

@@ -25,6 +25,12 @@ def queue_seconds(running) -> float:
     return running.sample("resnet_queue_wait_seconds_sum", device="cpu")
 
 
+def waits(running) -> tuple[float, float]:
+    """Waits that held a batch back so far: (the callers came back, the wait ran out)."""
+    return tuple(running.sample("resnet_caller_waits_total", device="cpu", outcome=outcome)
+                 for outcome in ("came_back", "ran_out"))
+
+
 def test_callers_a_batch_answered_share_the_next_batch_however_they_straggle(make_server, reference):
     # The limit is far longer than the test: the batch must close because all four came back.
     running = make_server(max_batch_size=4, wait_for_callers_ms=600_000.0)
@@ -44,6 +50,7 @@ def test_callers_a_batch_answered_share_the_next_batch_however_they_straggle(mak
     results = asyncio.run(straggle())
     after = batches(running)
     assert (after[0] - before[0], after[1] - before[1]) == (1, 4)
+    assert waits(running) == (1, 0)  # the first batch had no answer before it to wait for
     for image, (result,) in zip(IMAGES, results, strict=True):
         expected = reference.probabilities(reference.input_from_bytes(image))
         np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
@@ -66,6 +73,7 @@ def test_the_wait_ends_at_its_limit_and_then_rests_for_some_batches(make_server,
         assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
         # It waited for the limit after the answer, less the moment the caller took to send again.
         assert 0.5 <= queue_seconds(running) - waited_before < 1.0
+        assert waits(running) == (0, 1)
         # The callers did not come back, so the next batches start at once, even where one would wait...
         client.classify(IMAGES)
         assert waited(client, [IMAGES[0]]) < 0.5
@@ -74,6 +82,7 @@ def test_the_wait_ends_at_its_limit_and_then_rests_for_some_batches(make_server,
         # ...and after that many batches the replica waits again.
         client.classify(IMAGES)
         assert 0.5 <= waited(client, [IMAGES[0]]) < 1.0
+        assert waits(running) == (0, 2)
     np.testing.assert_allclose(result.probabilities, reference.probabilities(reference.input_from_bytes(IMAGES[0])),
                                atol=TOLERANCE, rtol=0)
 
@@ -90,6 +99,7 @@ def test_a_lone_caller_waits_for_no_one(make_server):
     after = batches(running)
     assert (after[0] - before[0], after[1] - before[1]) == (5, 7)
     assert queue_seconds(running) - waited_before < 5.0  # none of the five waited out the ten-minute limit
+    assert waits(running) == (0, 0)  # none held back at all
 
 
 def test_work_after_an_idle_spell_does_not_count_as_callers_that_never_came_back(make_server):
@@ -100,7 +110,9 @@ def test_work_after_an_idle_spell_does_not_count_as_callers_that_never_came_back
         # Idle past the limit: the next call finds the wait over before it began, and held nothing back.
         wait_for(lambda: time.monotonic() > batcher._answered_at + 1.0, timeout=10)
         client.classify([IMAGES[0]])
+        assert waits(running) == (0, 0)
         client.classify(IMAGES)
         before = queue_seconds(running)
         client.classify([IMAGES[1]])  # so the replica still waits for the other three
         assert 0.5 <= queue_seconds(running) - before < 1.0
+        assert waits(running) == (0, 1)
