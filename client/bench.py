@@ -170,6 +170,7 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 _SAMPLE = re.compile(r'^(resnet_\w+)\{([^}]*)\} ([-+\deE.naif]+)$')
+_CALLER_WAITS = "resnet_caller_waits_total"
 
 
 def metrics_urls(urls: str | None) -> list[str]:
@@ -194,16 +195,27 @@ def _scrape_one(url: str) -> dict[tuple[str, str], float]:
     values: dict[tuple[str, str], float] = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
-        if match and match.group(1).endswith(("_sum", "_count")):
-            device = re.search(r'device="([^"]*)"', match.group(2))
-            if device:
-                key = (match.group(1), device.group(1))
-                values[key] = values.get(key, 0.0) + float(match.group(3))
+        if not match:
+            continue
+        series, labels, value = match.groups()
+        if series == _CALLER_WAITS:  # a counter by outcome: the outcome goes in the key
+            series += ":" + _label(labels, "outcome")
+        elif not series.endswith(("_sum", "_count")):
+            continue
+        device = _label(labels, "device")
+        if device is not None:
+            values[(series, device)] = values.get((series, device), 0.0) + float(value)
     return values
 
 
+def _label(labels: str, name: str) -> str | None:
+    found = re.search(rf'(?:^|,){name}="([^"]*)"', labels)
+    return found.group(1) if found else None
+
+
 def server_view(before: dict, after: dict) -> dict[str, dict[str, float]]:
-    """Per device: mean batch size and mean queue wait / compute time (ms) over the run."""
+    """Per device: mean batch size and mean queue wait / compute time (ms) over the run; with
+    --wait-for-callers-ms, how many of its waits held a batch back until the callers came back or it ran out."""
     def delta(series: str, device: str) -> float:
         return after.get((series, device), 0.0) - before.get((series, device), 0.0)
 
@@ -218,6 +230,9 @@ def server_view(before: dict, after: dict) -> dict[str, dict[str, float]]:
             "mean_queue_ms": 1000 * delta("resnet_queue_wait_seconds_sum", device) / max(images, 1),
             "mean_compute_ms": 1000 * delta("resnet_batch_compute_seconds_sum", device) / batches,
         }
+        waits = {outcome: delta(f"{_CALLER_WAITS}:{outcome}", device) for outcome in ("came_back", "ran_out")}
+        if any(waits.values()):
+            view[device].update({f"caller_waits_{outcome}": count for outcome, count in waits.items()})
     return view
 
 
@@ -269,7 +284,7 @@ def load_label(concurrency: int | None, rate: float | None) -> str:
 
 def print_table(points: list[dict]) -> None:
     """One line a point; the server's view per device (a line more for each device after the first; '-' where
-    there is no view: no --metrics answered)."""
+    there is no view: no --metrics answered), and a line for its waits for callers where it made any."""
     print(f"{'load':>10} {'req/s':>8} {'img/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} "
           f"{'device':>8} {'batch':>6} {'queue ms':>9} {'compute ms':>10}  errors")
     for point in points:
@@ -284,6 +299,9 @@ def print_table(points: list[dict]) -> None:
             first = index == 0
             errors = (point["errors"] or "") if first else ""
             print(f"{client if first else ' ' * len(client)} {device:>8} {server}  {errors}".rstrip())
+            if "caller_waits_came_back" in view:
+                print(f"{'':>10} {device}: waits for callers: {view['caller_waits_came_back']:.0f} came back, "
+                      f"{view['caller_waits_ran_out']:.0f} ran out")
 
 
 def plot(points: list[dict], path: str, title: str) -> None:

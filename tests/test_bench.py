@@ -15,6 +15,7 @@ import torch
 import tritonclient.grpc as tc
 
 from client import Client
+from client.bench import print_table
 from client.cli import main as client_main
 from server.app import main as server_main
 from server.bench_model import Replicas, add_model_arguments
@@ -45,7 +46,25 @@ def test_bench_closed_loop_reports_throughput_latency_and_the_server_view(make_s
         assert 0 < point["p50_ms"] <= point["p99_ms"] <= point["max_ms"]
         assert point["server"]["cpu"]["mean_batch_size"] >= 1
     assert points[1]["server"]["cpu"]["mean_batch_size"] > 1  # four in flight share forward passes
+    assert "caller_waits_came_back" not in points[1]["server"]["cpu"]  # this server does not wait for callers
     assert plot.stat().st_size > 0
+
+
+def test_bench_reports_the_waits_for_callers(make_server, capsys):
+    """Four closed-loop callers and a server that waits for them: every wait that held a batch back saw them
+    come back, but perhaps the last (a caller's final call, sent as the run ended, waits out the second)."""
+    running = make_server(max_batch_size=4, wait_for_callers_ms=1000.0, metrics_port=free_port())
+    code = client_main(["bench", "--server", running.target, "--concurrency", "4", "--duration", "2", "--warmup",
+                        "0.5", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet",
+                        "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"])
+    assert code == 0
+    point = json.loads(capsys.readouterr().out)
+    view = point["server"]["cpu"]
+    assert view["caller_waits_came_back"] >= 1 and view["caller_waits_ran_out"] in (0, 1)
+    print_table([point])
+    waits_line = capsys.readouterr().out.splitlines()[-1]
+    assert waits_line.split() == ["cpu:", "waits", "for", "callers:", f"{view['caller_waits_came_back']:.0f}",
+                                  "came", "back,", f"{view['caller_waits_ran_out']:.0f}", "ran", "out"]
 
 
 def test_bench_table_gives_the_server_view_of_every_device(make_server, capsys):
