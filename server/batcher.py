@@ -43,10 +43,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# After a wait for answered callers runs out (open-loop traffic, or callers that pause between calls),
-# this many batches start without one: such traffic then pays the wait once in that many batches
-# rather than on every batch, and a closed loop that merely straggled once is waited for again soon.
-BATCHES_WITHOUT_WAIT_AFTER_TIMEOUT = 10
+# After a wait for answered callers runs out, the next waits are skipped: one after the first, twice as
+# many after each that runs out in a row, at most this many; back to one once callers come back. Traffic
+# whose callers do not come back (open loop, callers that pause) then pays the wait once in this many
+# batches rather than on every batch, while a closed loop that straggled once is waited for again after a
+# single batch (ten batches of turns cost it a tenth of its throughput and its latency's spread).
+MOST_WAITS_SKIPPED = 10
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ class Batcher:
         self._wait_for_callers = wait_for_callers_ms / 1000.0
         self._answered = 0  # images in the last batch answered
         self._answered_at = 0.0  # time.monotonic() just before they were handed back
-        self._batches_before_next_wait = 0
+        self._waits_to_skip = 0
+        self._skip_after_ran_out = 1  # waits to skip once the next wait runs out
         self._max_queue = max_queue
         self._queue: collections.deque[WorkItem] = collections.deque()
         self._cond = threading.Condition()
@@ -253,20 +256,22 @@ class Batcher:
 
     def _wait_for_answered_callers(self) -> None:
         """Until as many images have come since the last answer as it held, the batch is full, or
-        ``wait_for_callers_ms`` after that answer: at most that long a batch, and once in
-        BATCHES_WITHOUT_WAIT_AFTER_TIMEOUT batches for traffic whose callers do not come back."""
-        if self._batches_before_next_wait > 0:
-            self._batches_before_next_wait -= 1
-            return
+        ``wait_for_callers_ms`` after that answer: at most that long a batch, and for traffic whose
+        callers do not come back once in MOST_WAITS_SKIPPED + 1 batches."""
         wait_until = self._answered_at + self._wait_for_callers
         # Only a wait that holds a batch back counts: work arriving after an idle spell finds it over already.
         if not self._callers_missing() or time.monotonic() >= wait_until:
             return
+        if self._waits_to_skip > 0:
+            self._waits_to_skip -= 1
+            return
         if self._wait_while(self._callers_missing, wait_until):
             self._caller_wait_ran_out.inc()
-            self._batches_before_next_wait = BATCHES_WITHOUT_WAIT_AFTER_TIMEOUT
+            self._waits_to_skip = self._skip_after_ran_out
+            self._skip_after_ran_out = min(2 * self._skip_after_ran_out, MOST_WAITS_SKIPPED)
         elif not self._stopping:  # a wait cut short by shutdown says nothing about the callers
             self._callers_came_back.inc()
+            self._skip_after_ran_out = 1
 
     def _callers_missing(self) -> bool:
         """Fewer images have come since the last answer than it held, and the batch is not full."""

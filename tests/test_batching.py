@@ -8,7 +8,6 @@ import time
 import numpy as np
 
 from client import AsyncClient, Client
-from server.batcher import BATCHES_WITHOUT_WAIT_AFTER_TIMEOUT
 from tests.helpers import encode, random_rgb, wait_for
 
 IMAGES = [encode(random_rgb(900 + i)) for i in range(4)]
@@ -31,14 +30,9 @@ def waits(running) -> tuple[float, float]:
                  for outcome in ("came_back", "ran_out"))
 
 
-def test_callers_a_batch_answered_share_the_next_batch_however_they_straggle(make_server, reference):
-    # The limit is far longer than the test: the batch must close because all four came back.
-    running = make_server(max_batch_size=4, wait_for_callers_ms=600_000.0)
-    with Client(running.target, timeout=60) as client:
-        client.classify(IMAGES)  # one batch of four answered: four callers are expected back
-    before = batches(running)
-
-    async def straggle():
+def straggle(running) -> list:
+    """IMAGES' callers come back one by one, the first alone in the queue for a moment; their results."""
+    async def calls():
         async with AsyncClient(running.target, timeout=60) as aclient:
             first = asyncio.ensure_future(aclient.classify([IMAGES[0]], full=True))
             # The first caller is back alone; without the wait its batch would run now, with one image.
@@ -47,7 +41,16 @@ def test_callers_a_batch_answered_share_the_next_batch_however_they_straggle(mak
             rest = [aclient.classify([image], full=True) for image in IMAGES[1:]]
             return await asyncio.gather(first, *rest)
 
-    results = asyncio.run(straggle())
+    return asyncio.run(calls())
+
+
+def test_callers_a_batch_answered_share_the_next_batch_however_they_straggle(make_server, reference):
+    # The limit is far longer than the test: the batch must close because all four came back.
+    running = make_server(max_batch_size=4, wait_for_callers_ms=600_000.0)
+    with Client(running.target, timeout=60) as client:
+        client.classify(IMAGES)  # one batch of four answered: four callers are expected back
+    before = batches(running)
+    results = straggle(running)
     after = batches(running)
     assert (after[0] - before[0], after[1] - before[1]) == (1, 4)
     assert waits(running) == (1, 0)  # the first batch had no answer before it to wait for
@@ -56,33 +59,37 @@ def test_callers_a_batch_answered_share_the_next_batch_however_they_straggle(mak
         np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
 
 
-def test_the_wait_ends_at_its_limit_and_then_rests_for_some_batches(make_server, reference):
+def test_a_wait_that_runs_out_skips_the_next_waits_more_of_them_while_they_keep_running_out(make_server, reference):
     running = make_server(max_batch_size=4, wait_for_callers_ms=1000.0)
 
-    def waited(client, images) -> float:
-        """Seconds the call's images waited in the queue, in all."""
+    def lone_caller_back(client) -> float:
+        """A batch of four answered, then one of its callers back alone: seconds its image waited in the queue."""
+        client.classify(IMAGES)
         before = queue_seconds(running)
-        client.classify(images)
+        client.classify([IMAGES[0]])
         return queue_seconds(running) - before
 
+    def ran_out(client) -> bool:
+        """Whether the lone caller waited out the limit (less the moment it took to send again), or not at all."""
+        seconds = lone_caller_back(client)
+        assert seconds < 1.0
+        return seconds >= 0.5
+
     with Client(running.target, timeout=60) as client:
+        # The other three never come back: the wait runs out, then one wait is skipped...
+        assert [ran_out(client) for _ in range(2)] == [True, False]
+        # ...then, running out again in a row, two; and so on, up to MOST_WAITS_SKIPPED.
+        assert [ran_out(client) for _ in range(4)] == [True, False, False, True]
+        assert waits(running) == (0, 3)
+        # Callers that come back start it over: after the next wait that runs out only one is skipped.
+        for _ in range(4):  # the four skipped
+            assert not ran_out(client)
         client.classify(IMAGES)
-        before, waited_before = batches(running), queue_seconds(running)
-        (result,) = client.classify([IMAGES[0]], full=True)  # one of the four comes back; the others never do
-        after = batches(running)
-        assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
-        # It waited for the limit after the answer, less the moment the caller took to send again.
-        assert 0.5 <= queue_seconds(running) - waited_before < 1.0
-        assert waits(running) == (0, 1)
-        # The callers did not come back, so the next batches start at once, even where one would wait...
-        client.classify(IMAGES)
-        assert waited(client, [IMAGES[0]]) < 0.5
-        for _ in range(BATCHES_WITHOUT_WAIT_AFTER_TIMEOUT - 2):
-            assert waited(client, [IMAGES[1]]) < 0.5
-        # ...and after that many batches the replica waits again.
-        client.classify(IMAGES)
-        assert 0.5 <= waited(client, [IMAGES[0]]) < 1.0
-        assert waits(running) == (0, 2)
+        straggle(running)
+        assert waits(running) == (1, 3)
+        assert [ran_out(client) for _ in range(3)] == [True, False, True]
+        assert waits(running) == (1, 5)
+        (result,) = client.classify([IMAGES[0]], full=True)
     np.testing.assert_allclose(result.probabilities, reference.probabilities(reference.input_from_bytes(IMAGES[0])),
                                atol=TOLERANCE, rtol=0)
 
