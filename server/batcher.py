@@ -43,11 +43,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# After a wait for answered callers runs out, the next waits are skipped: one after the first, twice as
-# many after each that runs out in a row, at most this many; back to one once callers come back. Traffic
-# whose callers do not come back (open loop, callers that pause) then pays the wait once in this many
-# batches rather than on every batch, while a closed loop that straggled once is waited for again after a
-# single batch (ten batches of turns cost it a tenth of its throughput and its latency's spread).
+# After a wait for answered callers runs out, the next waits are skipped: as many as the skip stands at,
+# which starts at one, doubles with each wait that runs out (at most this many) and halves with each whose
+# callers come back. Traffic whose callers do not come back (open loop, callers that pause) then pays the
+# wait about once in this many batches rather than on every batch (its chance arrivals that look like
+# callers coming back only slow the climb, where starting over at one would wait twice as often), while a
+# closed loop that straggled once is waited for again after a single batch (ten batches of turns cost it a
+# tenth of its throughput and its latency's spread).
 MOST_WAITS_SKIPPED = 10
 
 
@@ -109,7 +111,7 @@ class Batcher:
         self._answered = 0  # images in the last batch answered
         self._answered_at = 0.0  # time.monotonic() just before they were handed back
         self._waits_to_skip = 0
-        self._skip_after_ran_out = 1  # waits to skip once the next wait runs out
+        self._skip_after_ran_out = 1  # waits to skip once the next wait runs out (see MOST_WAITS_SKIPPED)
         self._max_queue = max_queue
         self._queue: collections.deque[WorkItem] = collections.deque()
         self._cond = threading.Condition()
@@ -271,7 +273,7 @@ class Batcher:
             self._skip_after_ran_out = min(2 * self._skip_after_ran_out, MOST_WAITS_SKIPPED)
         elif not self._stopping:  # a wait cut short by shutdown says nothing about the callers
             self._callers_came_back.inc()
-            self._skip_after_ran_out = 1
+            self._skip_after_ran_out = max(1, self._skip_after_ran_out // 2)
 
     def _callers_missing(self) -> bool:
         """Fewer images have come since the last answer than it held, and the batch is not full."""

@@ -59,7 +59,7 @@ def test_callers_a_batch_answered_share_the_next_batch_however_they_straggle(mak
         np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
 
 
-def test_a_wait_that_runs_out_skips_the_next_waits_more_of_them_while_they_keep_running_out(make_server, reference):
+def test_a_wait_that_runs_out_skips_the_next_waits_more_of_them_while_they_run_out(make_server, reference):
     running = make_server(max_batch_size=4, wait_for_callers_ms=1000.0)
 
     def lone_caller_back(client) -> float:
@@ -81,13 +81,13 @@ def test_a_wait_that_runs_out_skips_the_next_waits_more_of_them_while_they_keep_
         # ...then, running out again in a row, two; and so on, up to MOST_WAITS_SKIPPED.
         assert [ran_out(client) for _ in range(4)] == [True, False, False, True]
         assert waits(running) == (0, 3)
-        # Callers that come back start it over: after the next wait that runs out only one is skipped.
+        # Callers that come back halve it: after the next wait that runs out four are skipped, not eight.
         for _ in range(4):  # the four skipped
             assert not ran_out(client)
         client.classify(IMAGES)
         straggle(running)
         assert waits(running) == (1, 3)
-        assert [ran_out(client) for _ in range(3)] == [True, False, True]
+        assert [ran_out(client) for _ in range(6)] == [True, False, False, False, False, True]
         assert waits(running) == (1, 5)
         (result,) = client.classify([IMAGES[0]], full=True)
     np.testing.assert_allclose(result.probabilities, reference.probabilities(reference.input_from_bytes(IMAGES[0])),
