@@ -259,7 +259,7 @@ class Batcher:
     def _wait_for_answered_callers(self) -> None:
         """Until as many images have come since the last answer as it held, the batch is full, or
         ``wait_for_callers_ms`` after that answer: at most that long a batch, and for traffic whose
-        callers do not come back once in MOST_WAITS_SKIPPED + 1 batches."""
+        callers do not come back about once in MOST_WAITS_SKIPPED + 1 batches."""
         wait_until = self._answered_at + self._wait_for_callers
         # Only a wait that holds a batch back counts: work arriving after an idle spell finds it over already.
         if not self._callers_missing() or time.monotonic() >= wait_until:
