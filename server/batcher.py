@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .config import MOST_WAITS_SKIPPED
 from .errors import ComputeFailed, DeadlineExpired, Overloaded, ServingError, Unavailable
 from .metrics import Metrics
 from .postprocess import top_k
@@ -42,15 +43,6 @@ if TYPE_CHECKING:
     from .runner import ModelInput, ModelRunner
 
 log = logging.getLogger(__name__)
-
-# After a wait for answered callers runs out, the next waits are skipped: as many as the skip stands at,
-# which starts at one, doubles with each wait that runs out (at most this many) and halves with each whose
-# callers come back. Traffic whose callers do not come back (open loop, callers that pause) then pays the
-# wait about once in this many batches rather than on every batch (its chance arrivals that look like
-# callers coming back only slow the climb, where starting over at one would wait twice as often), while a
-# closed loop that straggled once is waited for again after a single batch (ten batches of turns cost it a
-# tenth of its throughput and its latency's spread).
-MOST_WAITS_SKIPPED = 10
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, PlatformCollector, ProcessCollector
 from prometheus_client import start_http_server as _start_http_server
 
+from .config import MOST_WAITS_SKIPPED
 from .errors import StartupError
 from .statistics import ModelStatistics, SharedRow
 
@@ -51,7 +52,7 @@ class Metrics:
         self.caller_waits = Counter(
             PREFIX + "caller_waits", "With --wait-for-callers-ms: waits for the callers of the batch just answered, "
             "by outcome (came_back: as many images came as it held, or a full batch; ran_out: the wait held a "
-            "batch back until its limit, and the next 1 to 10 waits are skipped)",
+            f"batch back until its limit, and the next 1 to {MOST_WAITS_SKIPPED} waits are skipped)",
             labelnames=["device", "outcome"], registry=self.registry)
         self.queue_depth = Gauge(PREFIX + "queue_depth", "Images waiting in the device queue", **by_device)
         self.in_flight = Gauge(PREFIX + "requests_in_flight", "Requests being served", **by_device)
