@@ -20,12 +20,14 @@ from .files import CONCURRENCY, IMAGES_PER_REQUEST, FileError, classify_files
 from .flags import positive_float
 from .messages import Classification
 
+SERVER_ENV = "RESNET_CLIENT_SERVER"
 TOKEN_ENV = "RESNET_CLIENT_TOKEN"
 
 
 def add_connection_flags(parser: argparse.ArgumentParser, attempts: int = DEFAULT_ATTEMPTS) -> None:
-    parser.add_argument("--server", default="localhost:50051",
-                        help="host:port, a comma-separated list of IP:port, or dns:///name:port (default %(default)s)")
+    parser.add_argument("--server", default=os.environ.get(SERVER_ENV, "localhost:50051"),
+                        help="host:port, a comma-separated list of IP:port, or dns:///name:port "
+                             f"(default %(default)s) [env {SERVER_ENV}]")
     parser.add_argument("--timeout", type=positive_float, default=30.0, help="seconds per call (default %(default)s)")
     parser.add_argument("--tls-ca", help="CA certificate (PEM) that signed the server's certificate; enables TLS")
     parser.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.cli import main
+from client.cli import SERVER_ENV, main
 from tests.helpers import encode, random_rgb
 
 
@@ -55,6 +56,17 @@ def test_info_and_health(server, capsys):
     assert info["name"] == "resnet18" and len(info["labels"]) == 1000 and info["devices"] == ["cpu"]
     assert main(["health", "--server", server.target]) == 0
     assert capsys.readouterr().out.strip() == "SERVING"
+
+
+def test_server_from_the_environment(server):
+    """RESNET_CLIENT_SERVER names the server when --server does not (containers, scripts)."""
+    env = {**os.environ, SERVER_ENV: server.target}
+    done = subprocess.run([sys.executable, "-m", "client.cli", "health"], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert (done.returncode, done.stdout.strip()) == (0, "SERVING")
+    named = subprocess.run([sys.executable, "-m", "client.cli", "health", "--server", "127.0.0.1:1", "--timeout",
+                            "5"], capture_output=True, text=True, timeout=60, env=env)
+    assert named.returncode == 1 and named.stderr.startswith("resnet-client: error: UNAVAILABLE: ")  # the flag wins
 
 
 def test_failure_exits_non_zero_with_the_status_code(server, tmp_path):
