@@ -342,19 +342,25 @@ def add_parser(commands) -> argparse.ArgumentParser:
     load.add_argument("--rate", type=positive_float, help="open loop: requests per second, Poisson arrivals")
     bench.add_argument("--sweep", type=comma_list(positive_float),
                        help="several concurrencies (or rates with --rate), e.g. 1,4,16,64")
-    bench.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="jpeg")
+    bench.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="jpeg",
+                       help="what each image is sent as: encoded, or a raw tensor (default %(default)s)")
     bench.add_argument("--image", help="send this file instead of a generated image")
-    bench.add_argument("--image-size", type=image_size, default=(640, 480), help="WxH of the generated image")
-    bench.add_argument("--images-per-request", type=positive_int, default=1)
-    bench.add_argument("--processes", type=positive_int, default=1, help="client processes sharing the load")
+    bench.add_argument("--image-size", type=image_size, default=(640, 480),
+                       help="WxH of the generated image (default 640x480)")
+    bench.add_argument("--images-per-request", type=positive_int, default=1,
+                       help="copies of the image in each request (default %(default)s)")
+    bench.add_argument("--processes", type=positive_int, default=1,
+                       help="client processes sharing the load (default %(default)s)")
     bench.add_argument("--connections", type=positive_int, default=1,
                        help="connections per process, its requests spread over them (a --workers server hands "
-                            "each connection to one of its workers)")
-    bench.add_argument("--duration", type=positive_float, default=10.0, help="measured seconds per point")
-    bench.add_argument("--warmup", type=non_negative_float, default=2.0, help="unmeasured seconds before each point")
+                            "each connection to one of its workers; default %(default)s)")
+    bench.add_argument("--duration", type=positive_float, default=10.0,
+                       help="measured seconds per point (default %(default)s)")
+    bench.add_argument("--warmup", type=non_negative_float, default=2.0,
+                       help="unmeasured seconds before each point (default %(default)s)")
     bench.add_argument("--metrics", help="server's /metrics URL, or a comma-separated list (several servers: "
                                          "summed); '' for none (default http://HOST:8000/metrics)")
-    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--json", action="store_true", help="one JSON object a point, a line each, instead of the table")
     bench.add_argument("--plot", help="write throughput and latency against load to this PNG")
     bench.add_argument("--quiet", action="store_true", help="no progress bar (drawn only on a terminal)")
     bench.set_defaults(run=run_bench)
