@@ -163,11 +163,14 @@ def _timed_forward(runner: ModelRunner, model_input: torch.Tensor, size: int, du
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that say which model runs where, as resnet-server takes them."""
     parser.add_argument("--device", type=_device_list, default=("cpu",),
-                        help="device list as resnet-server takes it; several replicas are timed at once")
+                        help="device list as resnet-server takes it; several replicas are timed at once "
+                             "(default cpu)")
     parser.add_argument("--torch-threads", type=non_negative_int, default=0,
                         help="torch threads per replica, as resnet-server --torch-threads (0: every core)")
-    parser.add_argument("--precision", type=_precision, default="fp32")
-    parser.add_argument("--weights", default="random")
+    parser.add_argument("--precision", type=_precision, default="fp32",
+                        help="fp32, fp16 or bf16, as resnet-server --precision (default %(default)s)")
+    parser.add_argument("--weights", default="random",
+                        help="as resnet-server --weights (default %(default)s: speed does not depend on them)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model, as resnet-server --compile")
     parser.add_argument("--compile-mode", type=_compile_mode, default="default",
                         help="as resnet-server --compile-mode (needs --compile)")
@@ -191,11 +194,15 @@ def parse_model_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] |
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="resnet-server bench-model", description=__doc__)
     add_model_arguments(parser)
-    parser.add_argument("--batch-sizes", type=comma_list(positive_int), default=[1, 4, 8, 16, 32])
-    parser.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="uint8")
-    parser.add_argument("--image-size", type=image_size, default=(640, 480), help="WxH of the sample image")
-    parser.add_argument("--duration", type=positive_float, default=5.0, help="seconds per measurement")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--batch-sizes", type=comma_list(positive_int), default=[1, 4, 8, 16, 32],
+                        help="forward-pass batch sizes to time (default 1,4,8,16,32)")
+    parser.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="uint8",
+                        help="the input kind whose decode + preprocess is timed (default %(default)s)")
+    parser.add_argument("--image-size", type=image_size, default=(640, 480),
+                        help="WxH of the sample image (default 640x480)")
+    parser.add_argument("--duration", type=positive_float, default=5.0,
+                        help="seconds per measurement (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="the results as one JSON object")
     args = parse_model_arguments(parser, argv)
     result = run(args)
     if args.json:
