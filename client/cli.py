@@ -21,22 +21,45 @@ from .flags import positive_float
 from .messages import Classification
 
 SERVER_ENV = "RESNET_CLIENT_SERVER"
+DEFAULT_SERVER = "localhost:50051"
+DEFAULT_TIMEOUT = 30.0
+# A load generator reports every failure as it happens: no retries unless asked for.
+BENCH_ATTEMPTS = 1
 TOKEN_ENV = "RESNET_CLIENT_TOKEN"
 
 
-def add_connection_flags(parser: argparse.ArgumentParser, attempts: int = DEFAULT_ATTEMPTS) -> None:
-    parser.add_argument("--server", default=os.environ.get(SERVER_ENV, "localhost:50051"),
+def add_connection_flags(parser: argparse.ArgumentParser, attempts: int = DEFAULT_ATTEMPTS,
+                         attempts_default_text: str | None = None) -> None:
+    """The connection flags, on the top-level parser and on each subcommand's, so they may come before or
+    after the subcommand (after wins). Each defaults to SUPPRESS: argparse copies every attribute of a
+    subcommand's namespace over the top level's, defaults included, which would undo a flag given before
+    it; ``fill_connection_defaults`` supplies the defaults after parsing."""
+    parser.add_argument("--server", default=argparse.SUPPRESS,
                         help="host:port, a comma-separated list of IP:port, or dns:///name:port "
-                             f"(default %(default)s) [env {SERVER_ENV}]")
-    parser.add_argument("--timeout", type=positive_float, default=30.0, help="seconds per call (default %(default)s)")
-    parser.add_argument("--tls-ca", help="CA certificate (PEM) that signed the server's certificate; enables TLS")
-    parser.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
-    parser.add_argument("--tls-key", help="client private key (PEM) for mutual TLS")
-    parser.add_argument("--token", default=os.environ.get(TOKEN_ENV),
-                        help=f"bearer token sent as 'authorization: Bearer ...' [env {TOKEN_ENV}]")
-    parser.add_argument("--attempts", type=int, default=attempts, choices=range(1, 6), metavar="1-5",
+                             f"(default: env {SERVER_ENV}, else {DEFAULT_SERVER})")
+    parser.add_argument("--timeout", type=positive_float, default=argparse.SUPPRESS,
+                        help=f"seconds per call (default {DEFAULT_TIMEOUT})")
+    parser.add_argument("--tls-ca", default=argparse.SUPPRESS,
+                        help="CA certificate (PEM) that signed the server's certificate; enables TLS")
+    parser.add_argument("--tls-cert", default=argparse.SUPPRESS, help="client certificate (PEM) for mutual TLS")
+    parser.add_argument("--tls-key", default=argparse.SUPPRESS, help="client private key (PEM) for mutual TLS")
+    parser.add_argument("--token", default=argparse.SUPPRESS,
+                        help=f"bearer token sent as 'authorization: Bearer ...' (default: env {TOKEN_ENV})")
+    parser.add_argument("--attempts", type=int, default=argparse.SUPPRESS, choices=range(1, 6), metavar="1-5",
                         help="tries per call when a server answers UNAVAILABLE, each on the next server "
-                             f"(default {attempts}; 1: no retries)")
+                             f"(default {attempts_default_text or attempts}; 1: no retries)")
+    parser.set_defaults(default_attempts=attempts)
+
+
+def fill_connection_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Give each connection flag given neither before nor after the subcommand its default."""
+    defaults = {"server": os.environ.get(SERVER_ENV, DEFAULT_SERVER), "timeout": DEFAULT_TIMEOUT, "tls_ca": None,
+                "tls_cert": None, "tls_key": None, "token": os.environ.get(TOKEN_ENV),
+                "attempts": args.default_attempts}
+    for name, value in defaults.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    return args
 
 
 def connection(args: argparse.Namespace) -> dict:
@@ -51,6 +74,7 @@ def connect(args: argparse.Namespace) -> Client:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="resnet-client", description="Client of the ResNet18 gRPC service")
+    add_connection_flags(parser, attempts_default_text=f"{DEFAULT_ATTEMPTS}, bench {BENCH_ATTEMPTS}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     classify = commands.add_parser("classify", help="classify image files")
@@ -84,8 +108,7 @@ def _add_optional_commands(commands) -> None:
     """Commands with their own modules register themselves here."""
     from . import bench, calibrate
 
-    # A load generator reports every failure as it happens: no retries unless asked for.
-    for module, attempts in ((bench, 1), (calibrate, DEFAULT_ATTEMPTS)):
+    for module, attempts in ((bench, BENCH_ATTEMPTS), (calibrate, DEFAULT_ATTEMPTS)):
         sub = module.add_parser(commands)
         add_connection_flags(sub, attempts)
 
@@ -163,7 +186,7 @@ def run_health(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = fill_connection_defaults(build_parser().parse_args(argv))
     try:
         return args.run(args)
     except ClassifierError as exc:

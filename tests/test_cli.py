@@ -69,6 +69,17 @@ def test_server_from_the_environment(server):
     assert named.returncode == 1 and named.stderr.startswith("resnet-client: error: UNAVAILABLE: ")  # the flag wins
 
 
+def test_connection_flags_before_or_after_the_subcommand(server, capsys):
+    """`resnet-client --server X info` works as `resnet-client info --server X`; given in both places, the
+    one after the subcommand wins, and a flag before it is not undone by the subcommand's defaults."""
+    assert main(["--server", server.target, "health"]) == 0
+    assert main(["--server", "127.0.0.1:1", "--timeout", "5", "health", "--server", server.target]) == 0
+    assert main(["--server", server.target, "--timeout", "5", "info", "--json"]) == 0
+    assert capsys.readouterr().out.splitlines()[:2] == ["SERVING", "SERVING"]
+    assert main(["--server", server.target, "health", "--server", "127.0.0.1:1", "--timeout", "5"]) == 1
+    assert capsys.readouterr().err.startswith("resnet-client: error: UNAVAILABLE: ")
+
+
 def test_failure_exits_non_zero_with_the_status_code(server, tmp_path):
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(b"definitely not a jpeg")
