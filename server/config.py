@@ -43,6 +43,7 @@ DEFAULT_MAX_BATCH_SIZE = {"cuda": 32, "cpu": 8}
 # tenth of its throughput and its latency's spread).
 MOST_WAITS_SKIPPED = 10
 
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "0.0.0.0"
