@@ -33,7 +33,7 @@ def add_connection_flags(parser: argparse.ArgumentParser, attempts: int = DEFAUL
     """The connection flags, on the top-level parser and on each subcommand's, so they may come before or
     after the subcommand (after wins). Each defaults to SUPPRESS: argparse copies every attribute of a
     subcommand's namespace over the top level's, defaults included, which would undo a flag given before
-    it; ``fill_connection_defaults`` supplies the defaults after parsing."""
+    it; ``parse_args`` supplies the defaults after parsing."""
     parser.add_argument("--server", default=argparse.SUPPRESS,
                         help="host:port, a comma-separated list of IP:port, or dns:///name:port "
                              f"(default: env {SERVER_ENV}, else {DEFAULT_SERVER})")
@@ -185,8 +185,13 @@ def run_health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line parsed, each connection flag given nowhere at its default."""
+    return fill_connection_defaults(build_parser().parse_args(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = fill_connection_defaults(build_parser().parse_args(argv))
+    args = parse_args(argv)
     try:
         return args.run(args)
     except ClassifierError as exc:

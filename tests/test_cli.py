@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.cli import SERVER_ENV, main
+from client.cli import BENCH_ATTEMPTS, DEFAULT_TIMEOUT, SERVER_ENV, TOKEN_ENV, main, parse_args
 from tests.helpers import encode, random_rgb
 
 
@@ -78,6 +78,18 @@ def test_connection_flags_before_or_after_the_subcommand(server, capsys):
     assert capsys.readouterr().out.splitlines()[:2] == ["SERVING", "SERVING"]
     assert main(["--server", server.target, "health", "--server", "127.0.0.1:1", "--timeout", "5"]) == 1
     assert capsys.readouterr().err.startswith("resnet-client: error: UNAVAILABLE: ")
+
+
+def test_parse_args_fills_each_connection_flag_given_nowhere(monkeypatch):
+    """What a caller of ``parse_args`` gets: the flags given, wherever given, and the defaults (the
+    environment's first) for the rest; bench keeps its own one try."""
+    monkeypatch.setenv(SERVER_ENV, "10.0.0.5:50051")
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    args = parse_args(["--timeout", "7", "info", "--tls-ca", "ca.pem"])
+    assert (args.server, args.timeout, args.tls_ca, args.tls_cert, args.token, args.attempts) == (
+        "10.0.0.5:50051", 7.0, "ca.pem", None, "from-env", 3)
+    bench = parse_args(["bench", "--server", "127.0.0.1:9"])
+    assert (bench.server, bench.timeout, bench.attempts) == ("127.0.0.1:9", DEFAULT_TIMEOUT, BENCH_ATTEMPTS)
 
 
 def test_failure_exits_non_zero_with_the_status_code(server, tmp_path):
