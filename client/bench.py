@@ -410,8 +410,9 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         print_table(points)
     if args.plot:
+        images = "1 image" if args.images_per_request == 1 else f"{args.images_per_request} images"
         plot(points, args.plot, f"{args.server}: {args.input} {args.image_size[0]}x{args.image_size[1]}, "
-                                f"{args.images_per_request} image(s) a request")
+                                f"{images} a request")
     if all(point["ok"] == 0 for point in points):
         print(f"resnet-client: error: no request succeeded: {points[-1]['errors']}", file=sys.stderr)
         return 1
