@@ -30,7 +30,15 @@ from .api import classifier_pb2 as pb
 from .cli import connection
 from .client import AsyncClient, Client
 from .errors import ClassifierError
-from .flags import comma_list, image_size, non_negative_float, positive_float, positive_int
+from .flags import (
+    DEFAULT_IMAGE_SIZE,
+    comma_list,
+    image_size,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    size_text,
+)
 from .progress import ProgressBar
 
 
@@ -345,8 +353,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="jpeg",
                        help="what each image is sent as: encoded, or a raw tensor (default %(default)s)")
     bench.add_argument("--image", help="send this file instead of a generated image")
-    bench.add_argument("--image-size", type=image_size, default=(640, 480),
-                       help="WxH of the generated image (default 640x480)")
+    bench.add_argument("--image-size", type=image_size, default=DEFAULT_IMAGE_SIZE,
+                       help=f"WxH of the generated image (default {size_text(DEFAULT_IMAGE_SIZE)})")
     bench.add_argument("--images-per-request", type=positive_int, default=1,
                        help="copies of the image in each request (default %(default)s)")
     bench.add_argument("--processes", type=positive_int, default=1,
@@ -411,8 +419,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print_table(points)
     if args.plot:
         images = "1 image" if args.images_per_request == 1 else f"{args.images_per_request} images"
-        plot(points, args.plot, f"{args.server}: {args.input} {args.image_size[0]}x{args.image_size[1]}, "
-                                f"{images} a request")
+        plot(points, args.plot, f"{args.server}: {args.input} {size_text(args.image_size)}, {images} a request")
     if all(point["ok"] == 0 for point in points):
         print(f"resnet-client: error: no request succeeded: {points[-1]['errors']}", file=sys.stderr)
         return 1

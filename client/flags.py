@@ -59,6 +59,16 @@ def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
     return parse
 
 
+# The image both benchmarks use unless told: bench sends it, bench-model times its decode, so their figures
+# compare as they stand.
+DEFAULT_IMAGE_SIZE = (640, 480)
+
+
+def size_text(size: tuple[int, int]) -> str:
+    """(width, height) as 'WxH', the form ``image_size`` reads."""
+    return f"{size[0]}x{size[1]}"
+
+
 def image_size(text: str) -> tuple[int, int]:
     """'WxH' as (width, height), both positive."""
     width, _, height = text.lower().partition("x")

@@ -24,7 +24,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from client.flags import comma_list, image_size, non_negative_int, positive_float, positive_int
+from client.flags import (
+    DEFAULT_IMAGE_SIZE,
+    comma_list,
+    image_size,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    size_text,
+)
 
 from .config import _boolean, _compile_mode, _device_list, _precision, graph_problem
 from .devices import resolve_devices
@@ -198,8 +206,8 @@ def main(argv: Sequence[str]) -> int:
                         help="forward-pass batch sizes to time (default 1,4,8,16,32)")
     parser.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="uint8",
                         help="the input kind whose decode + preprocess is timed (default %(default)s)")
-    parser.add_argument("--image-size", type=image_size, default=(640, 480),
-                        help="WxH of the sample image (default 640x480)")
+    parser.add_argument("--image-size", type=image_size, default=DEFAULT_IMAGE_SIZE,
+                        help=f"WxH of the sample image (default {size_text(DEFAULT_IMAGE_SIZE)})")
     parser.add_argument("--duration", type=positive_float, default=5.0,
                         help="seconds per measurement (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="the results as one JSON object")
@@ -214,7 +222,7 @@ def main(argv: Sequence[str]) -> int:
         call = result["forward_call_ms"][size]
         print(f"  forward batch {size:>4}: {rate:9.1f} images/s  one call p50 {call['p50']:.1f} ms, "
               f"p99 {call['p99']:.1f} ms")
-    print(f"  decode+preprocess ({args.input} {args.image_size[0]}x{args.image_size[1]}): "
+    print(f"  decode+preprocess ({args.input} {size_text(args.image_size)}): "
           f"{result['preprocess_images_per_s']:9.1f} images/s")
     print(f"  ceiling with preprocess (best batch {result['best_batch_size']}): "
           f"{result['ceiling_with_preprocess_images_per_s']:9.1f} images/s")
