@@ -11,6 +11,8 @@ from pathlib import Path
 
 from perf_analyzer import REQUEST_PARTS, part_label
 
+from client.flags import DEFAULT_IMAGE_SIZE, size_text
+
 
 def load(folder: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (folder / f"{name}.json").read_text().splitlines() if line.strip()]
@@ -277,4 +279,5 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--rounds-best-batch"]:  # bench_cpu.sh: the batch size its c=16 pairs time in process
         print(rounds_best_batch(Path(sys.argv[2])))
     else:
-        main(Path(sys.argv[1] if len(sys.argv) > 1 else "results"), sys.argv[2] if len(sys.argv) > 2 else "640x480")
+        size = sys.argv[2] if len(sys.argv) > 2 else size_text(DEFAULT_IMAGE_SIZE)
+        main(Path(sys.argv[1] if len(sys.argv) > 1 else "results"), size)
