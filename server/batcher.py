@@ -119,6 +119,7 @@ class Batcher:
         self._queue_wait = metrics.queue_wait.labels(name)
         self._compute_time = metrics.compute.labels(name)
         self._batch_size = metrics.batch_size.labels(name)
+        self._padded = metrics.padded.labels(name)
         self._dropped = metrics.dropped
         self._callers_came_back = metrics.caller_waits.labels(name, "came_back")
         self._caller_wait_ran_out = metrics.caller_waits.labels(name, "ran_out")
@@ -357,6 +358,7 @@ class Batcher:
 
     def _record(self, batch: list[WorkItem], started: float, timing: BatchTiming) -> None:
         self._batch_size.observe(len(batch))
+        self._padded.inc(self._runner.padding_for(len(batch)))
         self._compute_time.observe(timing.total)
         self._statistics.record_batch(len(batch), timing)
         for item in batch:

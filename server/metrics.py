@@ -44,6 +44,9 @@ class Metrics:
             "copy back to the CPU", buckets=LATENCY_BUCKETS, **by_device)
         self.batch_size = Histogram(
             PREFIX + "batch_size", "Images per forward pass", buckets=BATCH_SIZE_BUCKETS, **by_device)
+        self.padded = Counter(
+            PREFIX + "padded_images", "Zero rows added to batches to reach a size warmed at start-up (CUDA pads "
+            "each batch up to its next bucket; the CPU splits instead)", **by_device)
         self.requests = Counter(PREFIX + "requests", "Classification requests answered, by gRPC status code", **by_code)
         self.images = Counter(PREFIX + "images", "Images answered, by gRPC status code", **by_code)
         self.dropped = Counter(

@@ -19,7 +19,7 @@ from .config import DEFAULT_MAX_BATCH_SIZE, ServerConfig
 from .errors import StartupError, Unavailable
 from .metrics import Metrics
 from .model import LoadedWeights, build_model, load_weights
-from .runner import ModelRunner, warm_up_sizes
+from .runner import ModelRunner, bucket_sizes
 from .threads import use_torch_threads
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class _ReplicaSetup:
         self.runner = ModelRunner(build_model(self.weights, device), device, config.precision, config.channels_last,
                                   compiled=config.compile, compile_mode=config.compile_mode,
                                   torchscript=config.torchscript)
-        sizes = warm_up_sizes(self.batch_limit, device.type == "cuda" or config.compile)
+        sizes = bucket_sizes(self.batch_limit, device.type == "cuda")
         try:
             self.runner.warm_up(sizes)
         except Exception as exc:

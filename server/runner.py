@@ -5,13 +5,16 @@ optional reduced precision, and exactly one synchronisation per batch (when the 
 pinned CPU memory). On the CPU it is a plain forward pass. On both, batch norms are folded into the
 convolutions before them, and the model runs ``channels_last`` unless told otherwise.
 
+Every batch runs at a size warmed before the server reports SERVING (its *buckets*, ``bucket_sizes``):
+cuDNN autotunes (``cudnn.benchmark``), inductor compiles and CUDA graphs record once per shape, and a
+shape first met while serving paid that on a user's batch (measured on an H100: a batch of 28 took
+167 ms instead of about 2.5 ms at c=64). On CUDA a batch is padded with zero rows up to the next
+bucket (one launch; the padding is counted in ``resnet_padded_images_total``); on the CPU, where a
+pass costs in proportion to its rows, it is split into buckets instead (measured at c=16 with max
+batch 32: 28.9 images/s padded against 34.5 split), and the CPU's buckets hold every size up to 8.
 With ``compiled=True`` the model goes through ``torch.compile`` (inductor, weights frozen as
-constants) once per warm-up batch size (powers of two), with static shapes. A batch of another
-size is split into compiled sizes on the CPU, where the cost of a forward pass grows linearly
-with the batch, so padding would be wasted work (measured at c=16 with max batch 32: 28.9 images/s
-padded against 34.5 split); on CUDA it is padded with zero rows up to the next size, one launch
-instead of several. ``compile_mode="reduce-overhead"`` makes inductor record each CUDA graph at
-warm-up and replay it per batch: one launch for the whole forward pass instead of one per kernel.
+constants) once per bucket, with static shapes; ``compile_mode="reduce-overhead"`` makes inductor
+record each CUDA graph at warm-up and replay it per batch.
 
 With ``torchscript=True`` the model and the temperature softmax after it are traced once and frozen into a
 TorchScript graph, which runs a whole batch in C++ with the GIL released once. Eager PyTorch releases and
@@ -59,7 +62,8 @@ class ModelRunner:
         self.compile_mode = compile_mode if compiled else None
         self.torchscript = torchscript
         self._network = self._graph()
-        self.compiled_sizes: list[int] = []  # filled by warm_up
+        self.buckets: list[int] = []  # the batch sizes warmed up, filled by warm_up
+        self.sizes_run: set[int] = set()  # every batch size the network has run since warm-up (tests check it)
         self._batch_buffer: torch.Tensor | None = None  # see _stack
 
     def _graph(self) -> torch.nn.Module:
@@ -133,30 +137,45 @@ class ModelRunner:
         return _scores(self._run_network(inputs), temperatures)
 
     def _run_network(self, inputs: torch.Tensor) -> torch.Tensor:
-        if not self.compiled_sizes:
+        if not self.buckets:  # warm-up itself, or a runner used without one
             return self._network(inputs)
-        # A new batch: the last batch's outputs are dead, so CUDA graphs (reduce-overhead) may reuse their memory.
-        torch.compiler.cudagraph_mark_step_begin()
+        if self.compiled:  # A new batch: the last one's outputs are dead, so CUDA graphs may reuse their memory.
+            torch.compiler.cudagraph_mark_step_begin()
         if self.cuda:
-            size = next((s for s in self.compiled_sizes if s >= len(inputs)), None)
-            if size is None:
-                raise ValueError(f"batch of {len(inputs)} is over the largest compiled size {self.compiled_sizes[-1]}")
-            return self._network(_fresh_batch(inputs, size, self.memory_format))[: len(inputs)]
+            padding = self.padding_for(len(inputs))
+            if padding or self.compiled:
+                inputs = _fresh_batch(inputs, len(inputs) + padding, self.memory_format)
+            return self._run_bucket(inputs)[: len(inputs) - padding]
         outputs, start = [], 0
-        for size in _split(len(inputs), self.compiled_sizes):
-            outputs.append(self._network(_fresh_batch(inputs[start:start + size], size, self.memory_format)))
+        for size in _split(len(inputs), self.buckets):
+            piece = inputs[start:start + size]
+            outputs.append(self._run_bucket(_fresh_batch(piece, size, self.memory_format) if self.compiled else piece))
             start += size
-        return torch.cat(outputs)
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _run_bucket(self, batch: torch.Tensor) -> torch.Tensor:
+        self.sizes_run.add(len(batch))
+        return self._network(batch)
+
+    def padding_for(self, count: int) -> int:
+        """Zero rows added to a batch of ``count`` images: up to the next bucket on CUDA, none on the CPU."""
+        if not self.cuda or not self.buckets:
+            return 0
+        size = next((s for s in self.buckets if s >= count), None)
+        if size is None:
+            raise ValueError(f"batch of {count} is over the largest warmed size {self.buckets[-1]}")
+        return size - count
 
     def warm_up(self, batch_sizes: list[int]) -> None:
-        """Run every batch size, so autotuning (cudnn.benchmark) and compilation are paid before SERVING.
-        Call it on the thread that will run the batches: CUDA graphs are recorded per thread."""
-        sizes = sorted({1, *batch_sizes} if self.compiled else set(batch_sizes))  # 1: any batch splits into them
+        """Run every batch size, so autotuning (cudnn.benchmark) and compilation are paid before SERVING; from
+        then on every batch runs at one of these sizes (its buckets). Call it on the thread that will run the
+        batches: CUDA graphs are recorded per thread."""
+        sizes = sorted({1, *batch_sizes})  # 1: any batch splits into them
         if self.compiled:
             _allow_recompiles(len(sizes))
-            self.compiled_sizes = sizes  # warm-up batches take the path served ones will
         if self.compile_mode == "reduce-overhead":
             cuda_graph_state_for_this_thread()  # the thread that warms up is the one that serves
+        self.buckets = sizes  # warm-up batches take the path served ones will
         # CUDA graphs are recorded on a graph's second call (the first runs it plainly); a third call replays it.
         # TorchScript's executor profiles a graph's first call for a shape and optimises it for the second.
         repeats = 3 if self.compile_mode == "reduce-overhead" else 2 if self.torchscript else 1
@@ -167,6 +186,7 @@ class ModelRunner:
         # served batch pays for them (on CUDA, placing the constants is a blocking copy).
         side = FLOAT_SHAPE[1]
         self.prepare([RawImage("uint8", (side, side, 3), bytes(side * side * 3))])
+        self.sizes_run.clear()
 
     def memory(self) -> tuple[int, int]:
         """(allocated, reserved) bytes on the device; (0, 0) off CUDA."""
@@ -290,13 +310,15 @@ def _allow_recompiles(shapes: int) -> None:
     setattr(dynamo_config, name, max(getattr(dynamo_config, name), shapes + 1))
 
 
-def warm_up_sizes(max_batch_size: int, every_power_of_two: bool) -> list[int]:
-    """Powers of two up to the maximum on CUDA or when compiling (every size cudnn will see often, or
-    every graph a padded batch can land on); 1 and the maximum otherwise."""
-    if not every_power_of_two:
-        return sorted({1, max_batch_size})
-    sizes, size = [], 1
+def bucket_sizes(max_batch_size: int, cuda: bool) -> list[int]:
+    """The batch sizes a device warms up and runs: 1, 2, 4, 8, then steps of a half or a third (16, 24, 32, 48,
+    64, 96, 128 ...) up to the maximum, which is always one. Padding up to the next one wastes at most a third
+    of a CUDA batch. The CPU splits instead of padding, so its buckets also hold every size up to 8 (its
+    default maximum): a batch there never splits below that."""
+    sizes, size = {max_batch_size}, 1
     while size < max_batch_size:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, max_batch_size]
+        sizes.add(size)
+        size = size * 2 if size < 16 else size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    if not cuda:
+        sizes.update(range(1, min(8, max_batch_size) + 1))
+    return sorted(sizes)

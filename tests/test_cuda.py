@@ -93,7 +93,7 @@ def test_torchscript_on_cuda_matches_the_cpu_reference(make_server, reference, p
 @pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])
 def test_compiled_cuda_batches_are_padded_and_match_the_cpu_reference(make_server, reference, compile_mode):
     running = make_server(devices=("cuda:0",), compile=True, compile_mode=compile_mode, max_batch_size=4)
-    assert running.app.core.router.replicas[0].runner.compiled_sizes == [1, 2, 4]
+    assert running.app.core.router.replicas[0].runner.buckets == [1, 2, 4]
     with Client(running.target) as client:
         first = client.classify(PIXELS, full=True, logits=True)  # one batch of 3, padded up to the graph of 4
         second = client.classify(PIXELS[:1], full=True, logits=True)  # the graph of 1 (CUDA graphs reuse their memory)

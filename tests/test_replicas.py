@@ -17,7 +17,7 @@ from client import AsyncClient, ClassifierError, Client
 from server.config import ServerConfig
 from server.devices import cpu_bf16_unit
 from server.replicas import FAILURES_BEFORE_EVICTION, max_batch_size
-from server.runner import ModelRunner, _split, cuda_graph_state_for_this_thread, warm_up_sizes
+from server.runner import ModelRunner, _split, bucket_sizes, cuda_graph_state_for_this_thread
 from tests.helpers import (
     break_until_evicted,
     device_fell_off,
@@ -215,7 +215,7 @@ def test_without_probes_an_evicted_replica_stays_out(make_server):
     assert running.sample("resnet_replica_probes_total", device="cpu#0", result="failed") == 0
 
 
-def test_cpu_runner_returns_probabilities_and_logits_and_warm_up_sizes(weights_file):
+def test_cpu_runner_returns_probabilities_and_logits_and_bucket_sizes(weights_file):
     from torchvision.models import resnet18
 
     model = resnet18()
@@ -225,9 +225,10 @@ def test_cpu_runner_returns_probabilities_and_logits_and_warm_up_sizes(weights_f
     probabilities, logits = fp32(batch, torch.ones(4))
     assert probabilities.shape == logits.shape == (4, 1000)
     np.testing.assert_allclose(probabilities.sum(1).numpy(), 1.0, atol=1e-5)
-    assert warm_up_sizes(32, every_power_of_two=True) == [1, 2, 4, 8, 16, 32]
-    assert warm_up_sizes(24, every_power_of_two=True) == [1, 2, 4, 8, 16, 24]
-    assert warm_up_sizes(32, every_power_of_two=False) == [1, 32]
+    assert bucket_sizes(128, cuda=True) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
+    assert bucket_sizes(40, cuda=True) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert bucket_sizes(8, cuda=False) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert bucket_sizes(32, cuda=False) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32]
     assert _split(13, [1, 2, 4, 8]) == [8, 4, 1] and _split(3, [1, 4]) == [1, 1, 1]
 
 
@@ -276,14 +277,14 @@ def test_cpu_runner_is_channels_last_by_default_with_the_plain_layouts_answers(w
 
 @pytest.mark.slow
 @pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])  # on the CPU: no CUDA graphs, same answers
-def test_compiled_model_splits_an_odd_batch_and_matches_torchvision(make_server, reference, compile_mode):
+def test_compiled_model_runs_a_warmed_graph_and_matches_torchvision(make_server, reference, compile_mode):
     running = make_server(compile=True, compile_mode=compile_mode, max_batch_size=4)
     runner = running.app.core.router.replicas[0].runner
-    assert runner.compiled_sizes == [1, 2, 4] and runner.compile_mode == compile_mode
+    assert runner.buckets == [1, 2, 3, 4] and runner.compile_mode == compile_mode
     images = [encode(random_rgb(seed)) for seed in (1, 2, 3)]
     with Client(running.target) as client:
         results = client.classify(images, full=True)
-    # One batch of 3, run by the runner as compiled graphs of 2 and 1 (on CUDA: padded to 4).
+    # One batch of 3, run by the graph compiled for 3 at warm-up.
     assert running.sample("resnet_batch_size_count", device="cpu") == 1
     assert running.sample("resnet_batch_size_sum", device="cpu") == 3
     for image, result in zip(images, results, strict=True):
@@ -391,3 +392,26 @@ def test_an_fp32_cpu_server_on_a_bf16_cpu_logs_the_bf16_hint_once(make_server, c
     caplog.clear()
     make_server(precision="bf16")
     assert hints() == 0
+
+
+def test_random_batch_sizes_run_only_warmed_shapes_and_match_the_unsplit_answer(weights_file):
+    """Past warm-up the network sees no shape it was not warmed with: a batch whose size is no bucket is split
+    into buckets on the CPU, and its answers equal one pass over the whole batch."""
+    from torchvision.models import resnet18
+
+    model = resnet18()
+    model.load_state_dict(weights_file[1])
+    runner = ModelRunner(model, torch.device("cpu"))
+    plain = ModelRunner(resnet18().eval(), torch.device("cpu"))
+    plain.model.load_state_dict(runner.model.state_dict())
+    runner.warm_up(bucket_sizes(24, cuda=False)[5:])  # [1, 6, 7, 8, 16, 24]: 2 to 5 and 9 to 15 are no bucket
+    assert runner.buckets == [1, 6, 7, 8, 16, 24] and not runner.sizes_run
+    generator = torch.Generator().manual_seed(3)
+    for size in torch.randint(1, 25, (6,), generator=generator).tolist():
+        batch = torch.randn(size, 3, 224, 224, generator=generator)
+        probabilities, logits = runner(batch, torch.full((size,), 2.0))
+        expected_probabilities, expected_logits = plain(batch, torch.full((size,), 2.0))
+        torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-4)
+        torch.testing.assert_close(probabilities, expected_probabilities, rtol=0, atol=1e-6)
+        assert runner.padding_for(size) == 0  # the CPU splits, never pads
+    assert runner.sizes_run and runner.sizes_run <= set(runner.buckets)
