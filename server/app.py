@@ -24,6 +24,8 @@ from client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 from . import __version__
 from .config import ConfigError, ServerConfig, parse_config
 from .devices import cpu_bf16_unit, replica_names, resolve_devices
+from .engine import EngineLink
+from .engine_client import EngineClient
 from .errors import StartupError
 from .inference import InferenceCore, Limits
 from .logs import configure_logging
@@ -35,9 +37,9 @@ from .preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
 from .replicas import Replica, Router, load_replica
 from .security import TokenAuthInterceptor, load_tokens, server_credentials
 from .service import ClassifierService
+from .supervisor import run_server
 from .temperature import default_temperature
 from .threads import use_torch_threads
-from .workers import run_workers
 
 log = logging.getLogger("server")
 T = TypeVar("T")
@@ -49,8 +51,12 @@ class App:
     """One server process: gRPC (classifier, health, reflection) and the metrics endpoint. ``metrics``: its
     series and statistics, when made by the caller (a test reading them, a --workers worker sharing its totals)."""
 
-    def __init__(self, config: ServerConfig, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: ServerConfig, metrics: Metrics | None = None, engines: Sequence[EngineLink] = (),
+                 owner: int = 1) -> None:
         self.config = config
+        # A front-end's engine processes (one per device) and its number in their slabs; none: the replicas
+        # load in this process (tests of the layers above the engine).
+        self.engines, self.owner = list(engines), owner
         self.metrics = metrics or Metrics(config.largest_batch)
         # Checked before binding, so a bad --device, --temperature-file or TLS file fails at once.
         self.devices = resolve_devices(config.devices)
@@ -90,7 +96,7 @@ class App:
     def log_serving(self) -> None:
         """The line that says the server is up (scripts and tests wait for it)."""
         config = self.config
-        worker = f"; worker {config.worker} of {config.workers}" if config.workers > 1 else ""
+        worker = f"; front-end {config.worker} of {config.frontends}" if config.frontends > 1 else ""
         log.info("serving %s on %s:%d (devices %s%s)", MODEL_NAME, config.host, self.port,
                  ", ".join(replica.name for replica in self.core.router.replicas), worker)
 
@@ -108,7 +114,7 @@ class App:
             ("grpc.max_concurrent_streams", config.max_concurrent_streams),
             # The port is shared only among this server's own workers. gRPC allows SO_REUSEPORT by default, so
             # a second server started on a port already in use would otherwise take half its connections.
-            ("grpc.so_reuseport", int(config.workers > 1)),
+            ("grpc.so_reuseport", int(config.frontends > 1)),
             *_connection_age_options(config),
         ])
         pb_grpc.add_ClassifierServicer_to_server(self.classifier, self._server)
@@ -131,11 +137,7 @@ class App:
         """Load and warm every replica off the loop, all at the same time (start-up on several GPUs then
         lasts as long as the slowest one, not their sum), then report SERVING."""
         config = self.config
-        loop = asyncio.get_running_loop()
-        rejoined = functools.partial(loop.call_soon_threadsafe, self._replica_rejoined)
-        replicas = list(await asyncio.gather(*(
-            in_own_thread(f"load-{name}", load_replica, name, device, config, self.metrics, rejoined)
-            for name, device in zip(replica_names(self.devices), self.devices, strict=True))))
+        replicas = await (self._connect_engines() if self.engines else self._load_replicas())
         limits = Limits(config.max_images_per_request, config.max_pixels, config.max_queue)
         self.core = InferenceCore(Router(replicas), self.metrics, limits, self.temperature,
                                   config.preprocess_threads, self._no_replica_left)
@@ -146,6 +148,22 @@ class App:
         self._suggest_bf16()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
+    async def _load_replicas(self) -> list[Replica]:
+        loop = asyncio.get_running_loop()
+        rejoined = functools.partial(loop.call_soon_threadsafe, self._replica_rejoined)
+        return list(await asyncio.gather(*(
+            in_own_thread(f"load-{name}", load_replica, name, device, self.config, self.metrics, rejoined)
+            for name, device in zip(replica_names(self.devices), self.devices, strict=True))))
+
+    async def _connect_engines(self) -> list[EngineClient]:
+        clients = [EngineClient(link, self.owner, self._engine_lost, self._replica_rejoined) for link in self.engines]
+        await asyncio.gather(*(client.open() for client in clients))
+        return clients
+
+    def _engine_lost(self) -> None:
+        if self.core is not None and not self.core.router.any_healthy():
+            self._no_replica_left()
+
     def _suggest_bf16(self) -> None:
         """One line per process (not per replica) where fp32 runs on a CPU that computes bf16 much faster."""
         if self.config.precision == "fp32" and any(device.type == "cpu" for device in self.devices) \
@@ -153,7 +171,7 @@ class App:
             log.info("this CPU has %s here, with logits within about 0.5%% of fp32's range (README, Performance)",
                      unit)
 
-    def _record_model_info(self, replicas: list[Replica]) -> None:
+    def _record_model_info(self, replicas: list[Replica] | list[EngineClient]) -> None:
         for replica in replicas:
             self.metrics.model.labels(replica.name).info(
                 {"model": MODEL_NAME, "version": MODEL_VERSION, "weights": replica.weights.source,
@@ -289,13 +307,13 @@ def model_info(config: ServerConfig, replicas: list[Replica], temperature: float
 
 async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None = None,
                 on_serving: Callable[[], object] | None = None, load_first: bool = False,
-                metrics: Metrics | None = None) -> int:
+                metrics: Metrics | None = None, engines: Sequence[EngineLink] = (), owner: int = 1) -> int:
     """Run until SIGTERM or SIGINT (exit code 0), or until no replica has been in rotation for
     --unhealthy-exit-after seconds (1), then drain within the grace period. ``on_bound`` and ``load_first``: see
     App.start; ``on_serving`` hears when health says SERVING; ``metrics``: a --workers worker's (see App)."""
     use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (server.threads)
     sys.setswitchinterval(config.switch_interval_ms / 1000)
-    app = App(config, metrics)
+    app = App(config, metrics, engines, owner)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, app.request_stop, "signal received")
@@ -327,18 +345,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"resnet-server: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
-    return run_workers(config) if config.workers > 1 else run(config)
+    return run_server(config)
 
 
 def run(config: ServerConfig, on_bound: Callable[[int], object] | None = None,
         on_serving: Callable[[], object] | None = None, load_first: bool = False,
-        metrics: Metrics | None = None) -> int:
+        metrics: Metrics | None = None, engines: Sequence[EngineLink] = (), owner: int = 1) -> int:
     """Serve until stopped and drain; serve()'s exit code, or exit 1 at once with the error in one line if
     start-up fails."""
     try:
-        return asyncio.run(serve(config, on_bound, on_serving, load_first, metrics))
+        return asyncio.run(serve(config, on_bound, on_serving, load_first, metrics, engines, owner))
     except StartupError as exc:
-        worker = f"worker {config.worker}: " if config.workers > 1 else ""
+        worker = f"front-end {config.worker}: " if config.frontends > 1 else ""
         print(f"resnet-server: error: {worker}{exc}", file=sys.stderr)
         exit_at_once(1)
 

@@ -10,7 +10,8 @@ held: a closed loop's callers send again one round trip after their answers, and
 they split into two batches that take turns (sixteen callers: two batches of eight, each computing
 while the other's callers are away). A wait that runs out says the callers are not such a loop, and
 the next batches start at once. Cancelled and expired images are dropped before compute.
-Results go back to the loop with one ``call_soon_threadsafe`` per batch.
+Results go back to the loop with one ``call_soon_threadsafe`` per batch; an engine process
+(``server.engine``) passes hooks of its own that write them to shared memory instead.
 
 A batcher whose batches fail ``failures_before_eviction`` times in a row is out of rotation (the
 router sends it nothing). Every ``probe_interval`` seconds its worker then runs one blank image
@@ -66,7 +67,7 @@ class WorkItem:
     temperature: float
     top_k: int
     deadline: float | None  # time.monotonic() value, or None for no deadline
-    future: asyncio.Future
+    future: asyncio.Future | Ticket  # done() once the caller has gone (cancelled)
     request_id: str = ""
     enqueued: float = field(default_factory=time.monotonic)
 
@@ -77,6 +78,25 @@ class WorkItem:
         if self.deadline is not None and now >= self.deadline:
             return "deadline"
         return None
+
+
+class Ticket:
+    """An item's caller in another process: no future here, only whether that caller has gone."""
+
+    __slots__ = ("cancelled", "owner", "slot")
+
+    def __init__(self, owner: object, slot: int) -> None:
+        self.owner = owner  # who to answer (server.engine's front-end connection)
+        self.slot = slot  # where its image and answer lie (server.slab)
+        self.cancelled = False
+
+    def done(self) -> bool:
+        return self.cancelled
+
+
+# Where a batch's answers go: (items, their outputs), and (items, the error that fails them).
+Deliver = Callable[[list[WorkItem], list[ImageOutput]], None]
+Fail = Callable[[list[WorkItem], BaseException], None]
 
 
 # (inputs [B, 3, 224, 224] on the CPU or the device, temperatures [B]) -> (probabilities, logits), [B, 1000] on the CPU.
@@ -90,8 +110,13 @@ class Batcher:
 
     def __init__(self, name: str, setup: Callable[[], ModelRunner], metrics: Metrics, *, max_batch_size: int,
                  max_batch_delay_ms: float, max_queue: int, failures_before_eviction: int, probe_interval: float,
-                 on_rejoin: Callable[[], None], wait_for_callers_ms: float = 0.0) -> None:
+                 on_rejoin: Callable[[], None], wait_for_callers_ms: float = 0.0, deliver: Deliver | None = None,
+                 fail: Fail | None = None, on_dropped: Callable[[list[WorkItem]], None] | None = None) -> None:
         self.name = name
+        # By default answers settle asyncio futures on their loop; an engine process passes its own.
+        self._deliver = deliver or _resolve
+        self._fail = fail or _fail
+        self._on_dropped = on_dropped or (lambda items: None)  # cancelled items left out of a batch
         self._setup = setup
         self._compute: ComputeFn | None = None  # the runner's forward pass; tests swap it to inject faults
         self._runner: ModelRunner | None = None
@@ -158,8 +183,8 @@ class Batcher:
             self._queue_depth.set(len(self._queue))
             self._cond.notify()
 
-    def withdraw(self, items: Sequence[WorkItem]) -> None:
-        """Free the queue slots of a cancelled call's items that have not been taken yet."""
+    def withdraw(self, items: Sequence[WorkItem]) -> list[WorkItem]:
+        """Free the queue slots of a cancelled call's items that have not been taken yet; those items."""
         with self._cond:
             waiting = [item for item in items if item in self._queue]
             for item in waiting:
@@ -167,6 +192,7 @@ class Batcher:
             self._queue_depth.set(len(self._queue))
         if waiting:
             self._dropped.labels(self.name, "cancelled").inc(len(waiting))
+        return waiting
 
     def _run(self) -> None:
         try:
@@ -282,16 +308,18 @@ class Batcher:
 
     def _drop_dead(self, batch: list[WorkItem]) -> list[WorkItem]:
         now = time.monotonic()
-        live, expired = [], []
+        live, expired, cancelled = [], [], []
         for item in batch:
             reason = item.is_dead(now)
             if reason is None:
                 live.append(item)
                 continue
             self._dropped.labels(self.name, reason).inc()
-            if reason == "deadline":
-                expired.append(item)
-        _fail(expired, DeadlineExpired("deadline passed while the image waited in the queue"))
+            (expired if reason == "deadline" else cancelled).append(item)
+        if expired:
+            self._fail(expired, DeadlineExpired("deadline passed while the image waited in the queue"))
+        if cancelled:
+            self._on_dropped(cancelled)
         return live
 
     def _execute(self, batch: list[WorkItem]) -> None:
@@ -299,19 +327,19 @@ class Batcher:
         try:
             batch, outputs = self._outputs(batch, started)
         except ServingError as exc:
-            _fail(batch, exc)
+            self._fail(batch, exc)
             return
         except Exception:  # anything at all: a failure here must fail the batch, never end the worker
             self._batch_failed()
             ids = sorted({item.request_id for item in batch})
             log.exception("batch of %d on %s failed (requests %s)", len(batch), self.name, ", ".join(ids))
-            _fail(batch, ComputeFailed(f"inference failed on {self.name} (request id {ids[0]})"))
+            self._fail(batch, ComputeFailed(f"inference failed on {self.name} (request id {ids[0]})"))
             return
         if batch:
             self._batch_passed()
             self._record(batch, started, outputs[0].timing)
             self._answered, self._answered_at = len(batch), time.monotonic()
-            _resolve(batch, outputs)
+            self._deliver(batch, outputs)
 
     def _outputs(self, batch: list[WorkItem], started: float) -> tuple[list[WorkItem], list[ImageOutput]]:
         """The batch's images that could be prepared, and their results."""
@@ -336,7 +364,7 @@ class Batcher:
         """Stack the batch's inputs, decoding deferred JPEGs; an image that cannot be decoded fails alone."""
         inputs, rejected = self._runner.prepare([item.model_input for item in batch])
         for index, error in rejected.items():
-            _fail([batch[index]], error)
+            self._fail([batch[index]], error)
         return [item for i, item in enumerate(batch) if i not in rejected], inputs
 
     def _compute_split_on_oom(self, inputs: torch.Tensor, temperatures: torch.Tensor

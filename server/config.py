@@ -83,8 +83,8 @@ class ServerConfig:
     compile_mode: str = "default"
     torchscript: bool = False
     decode_on_device: str = "auto"
-    workers: int = 1
-    worker: int = 0  # this process's index among the workers (set by server.workers, not a flag)
+    frontends: int = 0  # 0: auto (server.supervisor.frontend_count)
+    worker: int = 0  # a front-end process's index (set by server.supervisor, not a flag)
 
     @property
     def largest_batch(self) -> int:
@@ -124,6 +124,11 @@ def _auto_boolean(text: str) -> str:
     return "true" if _boolean(text) else "false"
 
 
+def _auto_count(text: str) -> int:
+    """A positive count, or auto (0)."""
+    return 0 if text.strip().lower() == "auto" else positive_int(text)
+
+
 def _device_list(text: str) -> tuple[str, ...]:
     devices = tuple(part.strip() for part in text.split(",") if part.strip())
     if not devices:
@@ -160,8 +165,9 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("switch-interval-ms", positive_float, "how long a Python thread holds the GIL while another waits for it "
                                             "(sys.setswitchinterval); shorter lets a replica's worker launch its "
                                             "next GPU kernel sooner while the event loop is busy"),
-    ("workers", positive_int, "server processes sharing the gRPC port (SO_REUSEPORT), for more cores than one "
-                               "event loop's; --metrics-port serves all workers' metrics, labelled worker"),
+    ("frontends", _auto_count, "gRPC front-end processes sharing the port (SO_REUSEPORT) and feeding one engine "
+                               "process per device through shared memory; auto: half the cores left after one "
+                               "per device, 1 to 8 (--workers is the old name)"),
     ("grace-period", non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
     ("replica-probe-interval", non_negative_float, "seconds between test batches (one blank image) on a replica "
                                                     "taken out of rotation; it rejoins when one passes (0: it "
@@ -193,6 +199,10 @@ _FLAGS: list[tuple[str, object, str]] = [
 ]
 
 
+# Old names that still work: --workers was whole server processes before there were engine processes.
+_ALIASES = {"frontends": ("--workers",)}
+
+
 def env_name(flag: str) -> str:
     return ENV_PREFIX + flag.upper().replace("-", "_")
 
@@ -211,13 +221,16 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     for flag, kind, help_text in _FLAGS:
         name = env_name(flag)
         default = getattr(defaults, _field_name(flag))
-        if name in env:
-            default = _from_env(name, env[name], kind)
+        for alias in (name, *(env_name(old.removeprefix("--")) for old in _ALIASES.get(flag, ()))):
+            if alias in env:
+                default = _from_env(alias, env[alias], kind)
+                break
         shown = ",".join(default) if isinstance(default, tuple) else default
         # A boolean flag alone means true: `--compile` is `--compile true`.
         optional_value = {"nargs": "?", "const": kind("true")} if kind in (_boolean, _auto_boolean) else {}
-        parser.add_argument(f"--{flag}", dest=_field_name(flag), type=kind, default=default, **optional_value,
-                            help=f"{help_text} [env {name}; default {shown}]")
+        shown = "auto" if kind is _auto_count and not default else shown
+        parser.add_argument(f"--{flag}", *_ALIASES.get(flag, ()), dest=_field_name(flag), type=kind, default=default,
+                            **optional_value, help=f"{help_text} [env {name}; default {shown}]")
     return parser
 
 

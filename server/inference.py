@@ -19,7 +19,7 @@ from .device_decode import defer_or_preprocess
 from .errors import DeadlineExpired, InvalidInput, Overloaded, Unavailable, status_for
 from .metrics import Metrics
 from .postprocess import NUM_CLASSES
-from .preprocess import EncodedImage, ImageInput, RawImage, check_raw, preprocess
+from .preprocess import ImageInput, RawImage, check_raw, preprocess
 from .replicas import Replica, Router
 from .runner import ModelInput
 from .threads import use_torch_threads
@@ -94,7 +94,7 @@ class InferenceCore:
             raise Overloaded(f"{replica.name} has {replica.pending - len(call.images)} images in flight "
                              f"(limit {self.limits.max_queue}); retry later")
         deadline = None if call.timeout is None else started + call.timeout
-        model_inputs = await self._admit(call.images, replica.decode_on_device)
+        model_inputs = await self._admit(call.images, replica)
         loop = asyncio.get_running_loop()
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExpired("deadline passed while the images were decoded")
@@ -124,19 +124,28 @@ class InferenceCore:
             raise InvalidInput(f"top_k must be between 1 and {NUM_CLASSES}, got {k}")
         return temperature, k
 
-    async def _admit(self, images: Sequence[ImageInput], defer_jpegs: bool) -> list[ModelInput]:
+    async def _admit(self, images: Sequence[ImageInput], replica: Replica) -> list[ModelInput]:
         """Raw tensors are checked here and converted later, with their batch, on the replica; encoded
-        images are decoded (or, to be decoded on the device, header-checked) in the preprocessing threads."""
+        images are decoded (or, to be decoded on the device, header-checked) in the preprocessing threads. An
+        image too large to hand an engine process as it came (its slab's ``inline_bytes``) is preprocessed
+        here, in those threads, and goes as the model's float input."""
         for image in images:
             if isinstance(image, RawImage):
                 check_raw(image, self.limits.max_pixels)
+        inline = getattr(replica, "inline_bytes", None)  # None: an in-process replica takes any size
         loop = asyncio.get_running_loop()
-        decode = defer_or_preprocess if defer_jpegs else preprocess
-        encoded = [i for i, image in enumerate(images) if isinstance(image, EncodedImage)]
+
+        def decoder(image: ImageInput) -> Callable | None:
+            fits = inline is None or len(image.data) <= inline
+            if isinstance(image, RawImage):
+                return None if fits else preprocess
+            return defer_or_preprocess if replica.decode_on_device and fits else preprocess
+
+        work = [(i, decode) for i, image in enumerate(images) if (decode := decoder(image)) is not None]
         decoded = await asyncio.gather(*(loop.run_in_executor(self._executor, decode, images[i],
-                                                              self.limits.max_pixels) for i in encoded))
+                                                              self.limits.max_pixels) for i, decode in work))
         admitted: list[ModelInput] = list(images)
-        for index, model_input in zip(encoded, decoded, strict=True):
+        for (index, _), model_input in zip(work, decoded, strict=True):
             admitted[index] = model_input
         return admitted
 

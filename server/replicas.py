@@ -79,9 +79,10 @@ class _ReplicaSetup:
 
 
 def load_replica(name: str, device: torch.device, config: ServerConfig, metrics: Metrics,
-                 on_rejoin: Callable[[], None]) -> Replica:
+                 on_rejoin: Callable[[], None], **hooks: Callable) -> Replica:
     """Start the replica's worker thread, which loads and warms the model before taking work.
-    ``on_rejoin`` is called on that thread whenever the replica comes back into rotation."""
+    ``on_rejoin`` is called on that thread whenever the replica comes back into rotation; ``hooks`` (deliver,
+    fail, on_dropped) say where answers go when not to asyncio futures (see Batcher)."""
     started = time.monotonic()
     batch_limit = max_batch_size(config, device)
     setup = _ReplicaSetup(device, config, batch_limit)
@@ -89,7 +90,7 @@ def load_replica(name: str, device: torch.device, config: ServerConfig, metrics:
                       max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue,
                       failures_before_eviction=FAILURES_BEFORE_EVICTION,
                       probe_interval=config.replica_probe_interval, on_rejoin=on_rejoin,
-                      wait_for_callers_ms=config.wait_for_callers_ms)
+                      wait_for_callers_ms=config.wait_for_callers_ms, **hooks)
     try:
         batcher.start()
     except StartupError:

@@ -1,10 +1,12 @@
-"""The ``--workers`` supervisor's ``/metrics``: every worker's metrics in one scrape, each sample labelled
-``worker``, so one scrape target per server (a container's port 8000, a pod's metrics port) sees all of its
-processes whatever ``--workers`` is.
+"""The supervisor's ``/metrics``: every child process's metrics in one scrape, each sample labelled ``worker``
+(a front-end's index, or ``engine-DEVICE``), so one scrape target per server (a container's port 8000, a pod's
+metrics port) sees all of its processes: the engines' per-device queue, compute and batch-size histograms,
+and the front-ends' per-call series.
 
-Worker ``i`` serves its own ``/metrics`` on 127.0.0.1, port ``--metrics-port + 1 + i``; at every scrape of the
-supervisor's endpoint this collector reads them all at once and merges their families. A worker that does
-not answer (being replaced, or still starting) is left out of that scrape, and ``resnet_worker_up`` says so.
+Child ``i`` (the front-ends, then the engines) serves its own ``/metrics`` on 127.0.0.1, port
+``--metrics-port + 1 + i``; at every scrape of the supervisor's endpoint this collector reads them all at once
+and merges their families. A child that does not answer (being replaced, or still starting) is left out of
+that scrape, and ``resnet_worker_up`` says so.
 The supervisor's own ``process_*`` samples (its memory, CPU, open files) join them, labelled
 ``worker="supervisor"``.
 """
@@ -33,20 +35,22 @@ def worker_metrics_port(metrics_port: int, index: int) -> int:
 class WorkersCollector(Collector):
     """Collects the workers' /metrics, read at scrape time, as one set of families with a ``worker`` label."""
 
-    def __init__(self, metrics_port: int, workers: int) -> None:
+    def __init__(self, metrics_port: int, workers: list[str]) -> None:
+        """``workers``: each child's ``worker`` label, in the order of their ports."""
+        self._workers = workers
         self._urls = [f"http://{WORKER_METRICS_HOST}:{worker_metrics_port(metrics_port, index)}/metrics"
-                      for index in range(workers)]
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="worker-metrics")
+                      for index in range(len(workers))]
+        self._pool = ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="worker-metrics")
         self._supervisor = ProcessCollector(registry=None)
 
     def collect(self):
         up = GaugeMetricFamily(PREFIX + "worker_up", "1 if the worker answered this scrape of the supervisor's "
                                "/metrics, else 0 (being replaced, or still starting)", labels=["worker"])
         merged: dict[str, Metric] = {}
-        for index, text in enumerate(self._pool.map(_read, self._urls)):
-            up.add_metric([str(index)], 0 if text is None else 1)
+        for worker, text in zip(self._workers, self._pool.map(_read, self._urls), strict=True):
+            up.add_metric([worker], 0 if text is None else 1)
             for family in text_string_to_metric_families(text or ""):
-                _merge(merged, family, str(index))
+                _merge(merged, family, worker)
         for family in self._supervisor.collect():
             _merge(merged, family, "supervisor")
         yield up
@@ -71,7 +75,7 @@ def _read(url: str) -> str | None:
         return None
 
 
-def serve_worker_metrics(host: str, metrics_port: int, workers: int):
+def serve_worker_metrics(host: str, metrics_port: int, workers: list[str]):
     """The supervisor's /metrics on ``host:metrics_port`` (None when the port is 0); raises StartupError if it
     cannot bind."""
     if not metrics_port:

@@ -58,11 +58,13 @@ def base_config(weights: str, **overrides) -> ServerConfig:
 
 
 class ServerThread:
-    """An App running on its own asyncio loop in a daemon thread; tests talk to it over real gRPC."""
+    """An App running on its own asyncio loop in a daemon thread; tests talk to it over real gRPC. With
+    ``engines`` it is a front-end of those engine processes (as owner ``owner`` in their slabs); without, its
+    replicas load in this process."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, engines=(), owner: int = 1) -> None:
         self.metrics = Metrics(config.largest_batch)
-        self.app = App(config, self.metrics)
+        self.app = App(config, self.metrics, engines, owner)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -87,6 +89,72 @@ class ServerThread:
         self.run(self.app.stop(grace))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+
+
+class EngineSet:
+    """The engine processes of ``config`` (one per device), started and stopped as the server's supervisor does,
+    with front-ends run here (``frontend``: a ServerThread) or as processes of their own (``start_frontend``).
+    The test holds the slabs too, so it can see which slots are taken."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        from server.devices import resolve_devices
+        from server.supervisor import Supervisor
+
+        self.config = config
+        self.supervisor = Supervisor(config, resolve_devices(config.devices))
+        self._owners = iter(range(1000, 2000))  # in-process front-ends' numbers, apart from the supervisor's
+        self._frontends: list[ServerThread] = []
+        try:
+            assert self.supervisor.start_engines() is None, "an engine ended before it was ready"
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def links(self):
+        return self.supervisor.links
+
+    def engine_pid(self, index: int = 0) -> int:
+        return self.supervisor.children[f"engine-{index}"].process.pid
+
+    def engine_metrics_port(self, index: int = 0) -> int:
+        from server.worker_metrics import worker_metrics_port
+
+        return worker_metrics_port(self.config.metrics_port, self.supervisor.frontends + index)
+
+    def frontend(self, **overrides) -> ServerThread:
+        config = replace(self.config, **{"metrics_port": 0, **overrides})  # the engines have the ports
+        running = ServerThread(config, self.links, next(self._owners)).start()
+        self._frontends.append(running)
+        return running
+
+    def start_frontend(self, index: int) -> int:
+        """Front-end process ``index`` on a port of its own; once it serves, that port."""
+        child = self.supervisor._start_frontend(index, 0)
+        assert self.supervisor._wait_until(lambda: child.serving) is None, "the front-end ended before serving"
+        return child.port
+
+    def restart_engine(self, index: int = 0) -> None:
+        """What the supervisor does when an engine has ended: start a new one and wait until it is warm."""
+        del self.supervisor.children[f"engine-{index}"]
+        self.supervisor._start_engine(index)
+        assert self.supervisor._wait_until(lambda: self.supervisor.children[f"engine-{index}"].serving) is None
+
+    def taken_slots(self, index: int = 0) -> int:
+        from server.slab import Slab
+
+        link = self.links[index]
+        slab = Slab(link.slab_fd, link.layout)
+        try:
+            return int((slab.owners != 0).sum())
+        finally:
+            slab.close()
+
+    def stop(self) -> None:
+        for running in self._frontends:
+            running.stop(grace=1.0)
+        self.supervisor.stop()
+        self.supervisor.close()
 
 
 def save_random_weights(path, seed: int = TEST_SEED) -> dict[str, torch.Tensor]:

@@ -1,0 +1,263 @@
+"""The engine process of one device: the model, the batcher and nothing network-side.
+
+It has no asyncio and no gRPC. Front-end processes connect to it over a Unix socket (abstract, so no
+file is left behind; authenticated with a key the supervisor makes) and send it small messages: which
+slots of the shared slab (``server.slab``) hold new images, with each one's temperature, top-k and
+deadline. The pixels never go through the socket. The batcher forms batches across every connected
+front-end, the runner converts, runs and scores them, and the answers go back the same way: each image's
+probabilities and logits into its slot, then one message per front-end per batch.
+
+A front-end that goes away (it ended, or was killed) is noticed by its socket closing: its queued images
+are dropped and its slots freed, and nothing else changes. The engine accepts connections only once its
+model is loaded and warmed, so a front-end that could connect can be served.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from multiprocessing import reduction
+from multiprocessing.connection import Connection, Listener
+
+import numpy as np
+import torch
+
+from .batcher import ImageOutput, Ticket, WorkItem
+from .config import ServerConfig
+from .device_decode import DeferredJpeg
+from .errors import ServingError, StartupError
+from .metrics import Metrics, serve_metrics
+from .preprocess import FLOAT_SHAPE, RawImage
+from .replicas import Replica, load_replica
+from .slab import Slab, SlabLayout
+from .statistics import SharedRow
+
+log = logging.getLogger("server.engine")
+
+# What a front-end sends per image: (slot, kind, dtype, shape, nbytes, temperature, top_k, deadline, request_id).
+# kind: "float" (a preprocessed [3, 224, 224] float32 image), "raw" (a checked raw tensor) or "jpeg".
+Entry = tuple[int, str, str, tuple[int, ...], int, float, int, "float | None", str]
+
+
+@dataclass(frozen=True)
+class EngineLink:
+    """How a front-end reaches one engine: its socket, key and slab. Pickled for a spawned child, the slab's
+    descriptor travels with it (the child gets its own copy of the file descriptor)."""
+
+    name: str  # the replica's name, e.g. cuda:0
+    address: str
+    authkey: bytes
+    layout: SlabLayout
+    slab_fd: int
+
+    def __reduce__(self):
+        return _rebuild_link, (self.name, self.address, self.authkey, self.layout, reduction.DupFd(self.slab_fd))
+
+
+def _rebuild_link(name: str, address: str, authkey: bytes, layout: SlabLayout, fd) -> EngineLink:
+    return EngineLink(name, address, authkey, layout, fd.detach())
+
+
+class _FrontEnd:
+    """One connected front-end: its socket, its owner number in the slab, and the items the engine holds."""
+
+    def __init__(self, connection: Connection, owner: int) -> None:
+        self.connection = connection
+        self.owner = owner
+        self.items: dict[int, WorkItem] = {}  # by slot; guarded by the engine's lock
+        self.alive = True
+        self._sending = threading.Lock()  # the batcher's thread and this front-end's reader both send
+
+    def send(self, message: tuple) -> None:
+        try:
+            with self._sending:
+                self.connection.send(message)
+        except OSError:  # it has gone; its reader sees the socket close and cleans up
+            pass
+
+
+class Engine:
+    def __init__(self, link: EngineLink, device: torch.device, config: ServerConfig, metrics: Metrics) -> None:
+        self.link = link
+        self.device = device
+        self.config = config
+        self.metrics = metrics
+        self.slab = Slab(link.slab_fd, link.layout)
+        self.replica: Replica | None = None
+        self._lock = threading.Lock()
+        self._frontends: set[_FrontEnd] = set()
+        self._listener: Listener | None = None
+
+    def start(self, live_owners: Iterable[int]) -> None:
+        """Load and warm the model, free the slots of front-ends that ended while no engine ran, then listen."""
+        self.replica = load_replica(self.link.name, self.device, self.config, self.metrics, self._rejoined,
+                                    deliver=self._deliver, fail=self._fail, on_dropped=self._released)
+        freed = self.slab.free_all_but(set(live_owners))
+        if freed:
+            log.info("freed %d slots of front-ends that have ended", freed)
+        self._listener = Listener(self.link.address, "AF_UNIX", authkey=self.link.authkey)
+        threading.Thread(target=self._accept, name="engine-accept", daemon=True).start()
+
+    def info(self) -> dict:
+        replica = self.replica
+        return {"name": replica.name, "device": str(replica.device), "weights": replica.weights.source,
+                "warning": replica.weights.warning, "max_batch_size": replica.batcher.max_batch_size,
+                "decode_on_device": replica.decode_on_device, "in_rotation": replica.healthy}
+
+    def stop(self, grace: float) -> None:
+        """Take no new front-end, finish what is queued, and answer it."""
+        if self._listener is not None:
+            self._listener.close()
+        if self.replica is not None:
+            self.replica.batcher.stop(grace)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection = self._listener.accept()
+            except OSError:  # the listener was closed: stopping
+                return
+            except Exception as exc:  # noqa: BLE001 - a peer that failed the handshake: keep listening
+                log.warning("refused a connection: %s: %s", type(exc).__name__, exc)
+                continue
+            threading.Thread(target=self._serve, args=(connection,), name="engine-frontend", daemon=True).start()
+
+    def _serve(self, connection: Connection) -> None:
+        """Read one front-end's messages until its socket closes."""
+        frontend = None
+        try:
+            _, owner = connection.recv()  # ("hello", owner)
+            frontend = _FrontEnd(connection, owner)
+            with self._lock:
+                self._frontends.add(frontend)
+            frontend.send(("ready", self.info()))
+            while True:
+                kind, payload = connection.recv()
+                if kind == "submit":
+                    self._submit(frontend, payload)
+                elif kind == "cancel":
+                    self._cancel(frontend, payload)
+        except (EOFError, OSError):
+            pass
+        finally:
+            if frontend is not None:
+                self._gone(frontend)
+            connection.close()
+
+    def _submit(self, frontend: _FrontEnd, entries: list[Entry]) -> None:
+        items = [self._item(frontend, entry) for entry in entries]
+        with self._lock:
+            frontend.items.update((item.future.slot, item) for item in items)
+        try:
+            self.replica.batcher.submit(items)
+        except ServingError as exc:
+            self._fail(items, exc)
+
+    def _item(self, frontend: _FrontEnd, entry: Entry) -> WorkItem:
+        slot, kind, dtype, shape, nbytes, temperature, k, deadline, request_id = entry
+        data = self.slab.input(slot, nbytes)
+        if kind == "float":
+            model_input = torch.frombuffer(data, dtype=torch.float32).view(FLOAT_SHAPE)
+        elif kind == "jpeg":
+            model_input = DeferredJpeg(torch.frombuffer(data, dtype=torch.uint8))
+        else:
+            model_input = RawImage(dtype, tuple(shape), data)
+        return WorkItem(model_input, temperature, k, deadline, Ticket(frontend, slot), request_id)
+
+    def _cancel(self, frontend: _FrontEnd, slots: list[int]) -> None:
+        with self._lock:
+            items = [frontend.items[slot] for slot in slots if slot in frontend.items]
+            for item in items:
+                item.future.cancelled = True  # dropped before compute if a batch has taken it already
+        self._released(self.replica.batcher.withdraw(items))
+
+    def _gone(self, frontend: _FrontEnd) -> None:
+        """A front-end closed its socket: drop its queued images, free every slot it held that no batch holds."""
+        with self._lock:
+            frontend.alive = False
+            self._frontends.discard(frontend)
+            for item in frontend.items.values():
+                item.future.cancelled = True
+            held = list(frontend.items.values())
+            mine = np.flatnonzero(self.slab.owners == frontend.owner).tolist()
+            self.slab.give_back([slot for slot in mine if slot not in frontend.items], frontend.owner)
+        self._released(self.replica.batcher.withdraw(held))
+
+    def _answer(self, frontend: _FrontEnd, slots: list[int], message: tuple) -> None:
+        with self._lock:
+            for slot in slots:
+                frontend.items.pop(slot, None)
+            if not frontend.alive:  # no one to read them: the slots are free again
+                self.slab.give_back(slots, frontend.owner)
+                return
+        frontend.send(message)
+
+    def _deliver(self, items: list[WorkItem], outputs: list[ImageOutput]) -> None:
+        """On the batcher's thread: each image's scores into its slot, then one message per front-end."""
+        timing = outputs[0].timing
+        answers = defaultdict(list)
+        for item, output in zip(items, outputs, strict=True):
+            scores = self.slab.output(item.future.slot)
+            scores[0] = output.probabilities
+            scores[1] = output.logits
+            answers[item.future.owner].append((item.future.slot, output.top_k, output.queue_seconds))
+        for frontend, answered in answers.items():
+            message = ("done", (answered, (timing.input, timing.infer, timing.output), self.replica.healthy))
+            self._answer(frontend, [slot for slot, _, _ in answered], message)
+
+    def _fail(self, items: list[WorkItem], exc: BaseException) -> None:
+        for frontend, slots in _slots_by_frontend(items).items():
+            self._answer(frontend, slots, ("failed", (slots, type(exc).__name__, str(exc), self.replica.healthy)))
+
+    def _released(self, items: list[WorkItem]) -> None:
+        """Items dropped before compute because their caller went: their slots go back to their front-end."""
+        for frontend, slots in _slots_by_frontend(items).items():
+            self._answer(frontend, slots, ("released", (slots,)))
+
+    def _rejoined(self) -> None:
+        with self._lock:
+            frontends = list(self._frontends)
+        for frontend in frontends:
+            frontend.send(("health", (True,)))
+
+
+def _slots_by_frontend(items: list[WorkItem]) -> dict[_FrontEnd, list[int]]:
+    grouped = defaultdict(list)
+    for item in items:
+        grouped[item.future.owner].append(item.future.slot)
+    return grouped
+
+
+def engine_main(link: EngineLink, device: str, config: ServerConfig, live_owners: list[int],
+                statistics: SharedRow | None, metrics_port: int, reports: Connection) -> None:
+    """An engine process: load, report ("ready", info) to the supervisor, serve until SIGTERM, then drain."""
+    from .logs import configure_logging
+    from .threads import use_torch_threads
+
+    configure_logging(config.log_level, config.log_format)
+    # Ctrl-C reaches every process of the group; the supervisor stops the engines last, with SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    use_torch_threads(1)  # the replica's own thread sets its team; the socket threads compute nothing
+    metrics = Metrics(config.largest_batch, statistics)
+    http = serve_metrics(metrics, "127.0.0.1", metrics_port) if metrics_port else None
+    engine = Engine(link, torch.device(device), config, metrics)
+    try:
+        engine.start(live_owners)
+    except StartupError as exc:
+        print(f"resnet-server: error: engine {link.name}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    reports.send(("ready", engine.info()))
+    log.info("engine %s ready on %s", link.name, device)
+    while not stop.wait(1.0):
+        pass
+    engine.stop(config.grace_period)
+    if http is not None:
+        http.shutdown()
+    log.info("engine %s stopped", link.name)

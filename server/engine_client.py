@@ -1,0 +1,218 @@
+"""A front-end's handle on one engine process: the replica that ``InferenceCore`` routes calls to.
+
+``submit`` takes a slot of the engine's slab per image (none free: RESOURCE_EXHAUSTED at once, since the
+slab is the whole server's queue for that device), writes the image into it and sends the slot numbers.
+Answers come back on the event loop (``add_reader`` on the engine's socket: no thread of ours between the
+socket and the futures), are copied out of the slab, and their slots freed. When the engine's socket
+closes (it ended or was killed), every call waiting on it fails UNAVAILABLE at once, the client's retry
+goes to another engine or waits for this one, and the handle reconnects once the supervisor has started
+a new engine and its model is warm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection
+from types import SimpleNamespace
+
+from . import errors
+from .batcher import ImageOutput, WorkItem
+from .device_decode import DeferredJpeg
+from .engine import EngineLink, Entry
+from .errors import Overloaded, ServingError, Unavailable
+from .preprocess import FLOAT_SHAPE, RawImage
+from .slab import Slab
+from .statistics import BatchTiming
+
+log = logging.getLogger("server.engine_client")
+RECONNECT_INTERVAL = 0.1  # seconds between tries to reach a restarted engine
+_ERRORS = {cls.__name__: cls for cls in vars(errors).values()
+           if isinstance(cls, type) and issubclass(cls, ServingError)}
+
+
+class EngineClient:
+    """The replica interface (name, healthy, pending, batcher.submit/withdraw/stop) over an engine process."""
+
+    def __init__(self, link: EngineLink, owner: int, on_lost: Callable[[], None],
+                 on_back: Callable[[], None]) -> None:
+        self.link = link
+        self.name = link.name
+        self.owner = owner  # this front-end's number in the slab
+        self.slab = Slab(link.slab_fd, link.layout)
+        self.inline_bytes = link.layout.inline_bytes  # larger images are preprocessed here, not sent as they came
+        self.pending = 0  # images routed here and not yet answered (InferenceCore keeps it)
+        self.batcher = self
+        self.info: dict = {}
+        self._on_lost, self._on_back = on_lost, on_back
+        self._connection: Connection | None = None
+        self._in_rotation = False
+        self._waiting: dict[int, WorkItem] = {}  # by slot: items sent and not yet answered
+        self._slot_of: dict[WorkItem, int] = {}
+        self._reconnecting: asyncio.Task | None = None
+        self._closed = False
+
+    @property
+    def healthy(self) -> bool:
+        return self._connection is not None and self._in_rotation
+
+    @property
+    def weights(self) -> SimpleNamespace:
+        return SimpleNamespace(source=self.info["weights"], warning=self.info["warning"])
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.info["max_batch_size"]
+
+    @property
+    def decode_on_device(self) -> bool:
+        return self.info["decode_on_device"]
+
+    async def open(self) -> None:
+        """Connect (the engine is up: the supervisor starts front-ends after their engines are ready)."""
+        self._attach(*await asyncio.get_running_loop().run_in_executor(None, self._connect))
+
+    def _connect(self) -> tuple[Connection, dict]:
+        connection = Client(self.link.address, "AF_UNIX", authkey=self.link.authkey)
+        connection.send(("hello", self.owner))
+        _, info = connection.recv()
+        return connection, info
+
+    def _attach(self, connection: Connection, info: dict) -> None:
+        self._connection, self.info, self._in_rotation = connection, info, info["in_rotation"]
+        asyncio.get_running_loop().add_reader(connection.fileno(), self._read)
+
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        """Send all items or none; Overloaded when the engine's slab has too few free slots."""
+        if self._connection is None:
+            raise Unavailable(f"the engine of {self.name} is restarting; retry")
+        slots = self.slab.take(len(items), self.owner)
+        if slots is None:
+            raise Overloaded(f"{self.name} has its --max-queue of {self.link.layout.slots} images accepted and "
+                             "not yet answered; retry later")
+        entries = [self._write(slot, item) for slot, item in zip(slots, items, strict=True)]
+        for slot, item in zip(slots, items, strict=True):
+            self._waiting[slot], self._slot_of[item] = item, slot
+        try:
+            self._connection.send(("submit", entries))
+        except OSError:
+            self._lost()  # fails these items too
+            raise Unavailable(f"the engine of {self.name} has ended; retry") from None
+
+    def _write(self, slot: int, item: WorkItem) -> Entry:
+        """The image into its slot, as it came (raw pixels, JPEG bytes) or preprocessed (float32)."""
+        image = item.model_input
+        if isinstance(image, RawImage):
+            kind, dtype, shape, data = "raw", image.dtype, tuple(image.shape), image.data
+        elif isinstance(image, DeferredJpeg):
+            kind, dtype, shape, data = "jpeg", "uint8", (), memoryview(image.data.numpy())
+        else:
+            kind, dtype, shape, data = "float", "float32", FLOAT_SHAPE, memoryview(image.contiguous().numpy()).cast("B")
+        nbytes = len(data) if isinstance(data, bytes) else data.nbytes
+        self.slab.input(slot, nbytes)[:] = data
+        return slot, kind, dtype, shape, nbytes, item.temperature, item.top_k, item.deadline, item.request_id
+
+    def withdraw(self, items: Sequence[WorkItem]) -> None:
+        """The caller has gone: ask the engine to drop what it has not computed (it answers 'released')."""
+        slots = [self._slot_of[item] for item in items if item in self._slot_of]
+        if slots and self._connection is not None:
+            with contextlib.suppress(OSError):  # it has gone: the reader sees the socket close
+                self._connection.send(("cancel", slots))
+
+    def _read(self) -> None:
+        try:
+            while self._connection is not None and self._connection.poll():
+                kind, payload = self._connection.recv()
+                getattr(self, f"_on_{kind}")(*payload)
+        except (EOFError, OSError):
+            self._lost()
+
+    def _take(self, slot: int) -> WorkItem:
+        item = self._waiting.pop(slot)
+        del self._slot_of[item]
+        return item
+
+    def _on_done(self, answered: list, timing: tuple[float, float, float], in_rotation: bool) -> None:
+        batch_timing = BatchTiming(*timing)
+        for slot, top_k, queue_seconds in answered:
+            item = self._take(slot)
+            scores = self.slab.output(slot)
+            probabilities, logits = scores[0].copy(), scores[1].copy()
+            self.slab.give_back([slot], self.owner)
+            if not item.future.done():
+                item.future.set_result(ImageOutput(probabilities, logits, top_k, item.temperature, queue_seconds,
+                                                   batch_timing, self.name))
+        self._set_rotation(in_rotation)
+
+    def _on_failed(self, slots: list[int], kind: str, message: str, in_rotation: bool) -> None:
+        error = _ERRORS.get(kind, errors.ComputeFailed)(message)
+        for slot in slots:
+            item = self._take(slot)
+            self.slab.give_back([slot], self.owner)
+            if not item.future.done():
+                item.future.set_exception(error)
+        self._set_rotation(in_rotation)
+
+    def _on_released(self, slots: list[int]) -> None:
+        for slot in slots:
+            self._take(slot)
+        self.slab.give_back(slots, self.owner)
+
+    def _on_health(self, in_rotation: bool) -> None:
+        self._set_rotation(in_rotation)
+
+    def _set_rotation(self, in_rotation: bool) -> None:
+        came_back = in_rotation and not self._in_rotation
+        self._in_rotation = in_rotation
+        if came_back:
+            self._on_back()
+
+    def _lost(self) -> None:
+        """The engine's socket closed: fail what waits on it, free its slots, and reconnect in the background."""
+        if self._connection is None:
+            return
+        asyncio.get_running_loop().remove_reader(self._connection.fileno())
+        self._connection.close()
+        self._connection = None
+        waiting, self._waiting, self._slot_of = self._waiting, {}, {}
+        self.slab.give_back(list(waiting), self.owner)
+        error = Unavailable(f"the engine of {self.name} ended with this call in flight; retry")
+        for item in waiting.values():
+            if not item.future.done():
+                item.future.set_exception(error)
+        if not self._closed:
+            log.error("the engine of %s has gone; %d images in flight failed UNAVAILABLE", self.name, len(waiting))
+            self._on_lost()
+            self._reconnecting = asyncio.ensure_future(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            await asyncio.sleep(RECONNECT_INTERVAL)
+            try:
+                connection, info = await loop.run_in_executor(None, self._connect)
+            except (OSError, EOFError, ValueError, AuthenticationError) as exc:  # not listening yet, or it ended
+                log.debug("engine of %s not back yet: %s", self.name, exc)
+                continue
+            if self._closed:
+                connection.close()
+                return
+            self._attach(connection, info)
+            log.warning("the engine of %s is back", self.name)
+            if self._in_rotation:
+                self._on_back()
+            return
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Close the connection (the engine frees whatever this front-end still held)."""
+        self._closed = True
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
+        if self._connection is not None:
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing was registered on one
+                asyncio.get_running_loop().remove_reader(self._connection.fileno())
+            self._connection.close()
+            self._connection = None

@@ -1,0 +1,132 @@
+"""The shared memory between the front-ends and one engine: a slab of fixed-size slots, one image each.
+
+A front-end takes slots, writes each image's bytes into its slot's input area (once: from the request
+straight into shared memory) and sends the engine only the slot numbers. The engine reads the pixels
+where they lie and writes each image's probabilities and logits into the same slot's output area; the
+front-end reads them back and gives the slot up. The slab has as many slots as ``--max-queue``, so
+taking slots *is* the server-wide bound on images accepted and not yet answered: when none is free,
+the call is refused at once, whichever front-end took it.
+
+The memory is a memfd (``os.memfd_create``), handed to each process as a file descriptor when it is
+spawned. It has no name in /dev/shm, so no exit, not even SIGKILL of every process, can leave a segment
+behind, and Python's resource tracker (which unlinks segments other processes still use) never sees it.
+Slots are taken under an ``fcntl`` record lock on the memfd, which the kernel drops when its holder dies,
+so a front-end killed while taking slots cannot stall the others. Each slot records its owner (a number
+the supervisor gives every front-end process it starts), so the slots of a front-end that died can be
+found and freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .postprocess import NUM_CLASSES
+from .preprocess import FLOAT_SHAPE
+
+FREE = 0
+# Bytes an image may take in its slot as it came: a 640x480 RGB raw image (921,600) or a JPEG of up to
+# 1 MiB. A larger one is preprocessed by its front-end and goes as the model's float input (588 KiB).
+SLOT_INPUT_BYTES = 1 << 20
+FLOAT_INPUT_BYTES = 4 * FLOAT_SHAPE[0] * FLOAT_SHAPE[1] * FLOAT_SHAPE[2]  # a preprocessed image always fits
+OUTPUT_BYTES = 2 * NUM_CLASSES * 4  # float32 probabilities, then logits
+_PAGE = mmap.PAGESIZE
+
+
+def _aligned(size: int, to: int) -> int:
+    return -(-size // to) * to
+
+
+@dataclass(frozen=True)
+class SlabLayout:
+    """``slots`` slots of ``input_bytes`` (at least a preprocessed float image) and the outputs' bytes each."""
+
+    slots: int
+    input_bytes: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return _aligned(self.inline_bytes + OUTPUT_BYTES, 64)
+
+    @property
+    def header_bytes(self) -> int:
+        return _aligned(4 * self.slots, _PAGE)
+
+    @property
+    def size(self) -> int:
+        return self.header_bytes + self.slots * self.slot_bytes
+
+    @property
+    def inline_bytes(self) -> int:
+        """The most bytes an image may take in its slot as it came (raw pixels or a JPEG)."""
+        return _aligned(max(self.input_bytes, FLOAT_INPUT_BYTES), 64)
+
+
+def create_slab_memory(layout: SlabLayout) -> int:
+    """A new memfd of the layout's size, every slot free (the kernel hands out zeroed pages)."""
+    fd = os.memfd_create("resnet-slab", os.MFD_CLOEXEC)
+    os.ftruncate(fd, layout.size)
+    return fd
+
+
+class Slab:
+    """One process's view of a slab; ``fd`` stays owned by the caller (closing it would drop our locks)."""
+
+    def __init__(self, fd: int, layout: SlabLayout) -> None:
+        self.layout = layout
+        self._fd = fd
+        self._memory = mmap.mmap(fd, layout.size)
+        self.owners = np.frombuffer(self._memory, dtype=np.int32, count=layout.slots)
+        self._view = memoryview(self._memory)
+        # fcntl locks exclude processes, not threads: two front-ends in one process (tests) also need this.
+        self._taking = threading.Lock()
+
+    def take(self, count: int, owner: int) -> list[int] | None:
+        """``count`` free slots, now ``owner``'s; None (and none taken) when fewer are free."""
+        with self._taking:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1)
+            try:
+                free = np.flatnonzero(self.owners == FREE)[:count]
+                if len(free) < count:
+                    return None
+                self.owners[free] = owner
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1)
+        return free.tolist()
+
+    def give_back(self, slots: list[int], owner: int) -> None:
+        """Free those of ``slots`` that ``owner`` still holds. No lock: a slot that is ``owner``'s can change
+        hands only through this, and takers see either value."""
+        for slot in slots:
+            if self.owners[slot] == owner:
+                self.owners[slot] = FREE
+
+    def free_all_but(self, owners: set[int], keep: set[int] = frozenset()) -> int:
+        """Free every slot held by an owner not in ``owners`` (front-ends that have ended), except ``keep``;
+        how many."""
+        gone = ~np.isin(self.owners, [FREE, *owners])
+        if keep:
+            gone[list(keep)] = False
+        self.owners[gone] = FREE
+        return int(gone.sum())
+
+    def input(self, slot: int, nbytes: int) -> memoryview:
+        start = self.layout.header_bytes + slot * self.layout.slot_bytes
+        return self._view[start:start + nbytes]
+
+    def output(self, slot: int) -> np.ndarray:
+        """float32 [2, 1000]: the slot's probabilities and logits."""
+        start = self.layout.header_bytes + slot * self.layout.slot_bytes + self.layout.inline_bytes
+        return np.frombuffer(self._memory, dtype=np.float32, count=2 * NUM_CLASSES, offset=start).reshape(2, -1)
+
+    def close(self) -> None:
+        self.owners = None
+        self._view.release()
+        with contextlib.suppress(BufferError):  # a view of it is still held somewhere: it goes with the process
+            self._memory.close()

@@ -1,0 +1,148 @@
+"""The engine process of a device and the front-ends that feed it through shared memory: real processes, a
+real slab, real gRPC. Front-ends here run in the test's process (ServerThread over the engines), so that a test
+can reach each one on its own port, or as processes of their own where one is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+
+from client import ClassifierError, Client
+from tests.helpers import EngineSet, base_config, encode, free_port_block, random_rgb, scraped_value, serving, wait_for
+
+JPEG = encode(random_rgb(41))
+PIXELS = random_rgb(42, 224, 224)
+LARGE = random_rgb(43, 720, 960)  # 2 MB of raw pixels: more than a slot takes as it came (preprocessed first)
+FLOATS = np.random.default_rng(44).standard_normal((3, 224, 224)).astype(np.float32)
+
+
+@pytest.fixture()
+def engines(weights_file):
+    """One CPU engine (its /metrics on a port of its own) for the test's front-ends; stopped at the end."""
+    started: list[EngineSet] = []
+
+    def start(**overrides) -> EngineSet:
+        config = base_config(str(weights_file[0]), frontends=2, metrics_port=free_port_block(4), **overrides)
+        started.append(EngineSet(config))
+        return started[-1]
+
+    yield start
+    for engine_set in started:
+        engine_set.stop()
+
+
+def engine_sample(engine_set: EngineSet, sample: str) -> float:
+    return scraped_value(engine_set.engine_metrics_port(), sample)
+
+
+def test_a_front_end_in_another_process_answers_as_the_in_process_server(engines, server):
+    engine_set = engines()
+    frontend = engine_set.frontend()
+    images = [JPEG, PIXELS, LARGE, FLOATS]
+    with Client(frontend.target, timeout=60) as remote, Client(server.target, timeout=60) as local:
+        got = remote.classify(images, full=True, logits=True, temperature=1.7)
+        want = local.classify(images, full=True, logits=True, temperature=1.7)
+    for answer, expected in zip(got, want, strict=True):
+        np.testing.assert_allclose(answer.probabilities, expected.probabilities, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(answer.logits, expected.logits, atol=1e-5, rtol=0)
+        assert [c.index for c in answer.top_k] == [c.index for c in expected.top_k]
+        assert answer.device == "cpu"
+    assert engine_set.taken_slots() == 0  # every slot given back once its answer was read
+
+
+def test_one_batch_holds_calls_from_two_front_ends(engines):
+    # Neither call alone fills a batch of two; the engine waits (up to 30 s) until both front-ends' images are in.
+    engine_set = engines(max_batch_size=2, max_batch_delay_ms=30_000)
+    first, second = engine_set.frontend(), engine_set.frontend()
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda running: Client(running.target, timeout=60).classify([PIXELS], full=True)[0],
+                                [first, second]))
+    assert all(answer.device == "cpu" for answer in answers)
+    np.testing.assert_allclose(answers[0].probabilities, answers[1].probabilities, atol=1e-6)
+    assert engine_sample(engine_set, 'resnet_batch_size_count{device="cpu"}') == 1
+    assert engine_sample(engine_set, 'resnet_batch_size_sum{device="cpu"}') == 2
+    assert first.sample("resnet_images_total", device="cpu", code="OK") == 1
+    assert second.sample("resnet_images_total", device="cpu", code="OK") == 1
+
+
+def test_overload_from_two_front_ends_is_bounded_by_the_one_queue(engines):
+    # A queue of four images for the whole server; batches wait up to 3 s for eight, so images stay queued.
+    engine_set = engines(max_queue=4, max_batch_size=8, max_batch_delay_ms=3000)
+    first, second = engine_set.frontend(), engine_set.frontend()
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(Client(first.target, timeout=60).classify, [PIXELS] * 3)
+        wait_for(lambda: engine_sample(engine_set, 'resnet_queue_depth{device="cpu"}') == 3)
+        with Client(second.target, timeout=60, attempts=1) as client:
+            with pytest.raises(ClassifierError) as refused:
+                client.classify([PIXELS] * 2)
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-queue of 4" in str(refused.value)
+            assert client.classify([PIXELS])[0].top_k  # the fourth image fits, and waits with the three
+        assert len(waiting.result(timeout=60)) == 3
+    assert second.sample("resnet_images_total", device="cpu", code="RESOURCE_EXHAUSTED") == 2
+    assert engine_set.taken_slots() == 0
+
+
+def test_deadline_and_cancel_free_their_slots_before_compute(engines):
+    engine_set = engines(max_batch_size=8, max_batch_delay_ms=2000)
+    frontend = engine_set.frontend()
+    with Client(frontend.target, timeout=0.3, attempts=1) as client, pytest.raises(ClassifierError) as late:
+        client.classify([PIXELS, PIXELS])
+    assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The caller gone, its front-end withdraws the queued images: dropped before any batch, slots free.
+    wait_for(lambda: engine_set.taken_slots() == 0)
+    wait_for(lambda: engine_sample(engine_set, 'resnet_dropped_images_total{device="cpu",reason="cancelled"}') == 2)
+    assert engine_sample(engine_set, 'resnet_batch_size_count{device="cpu"}') == 0
+    # A deadline the server sees run out while the image is queued: DEADLINE_EXCEEDED from the engine.
+    with Client(frontend.target, timeout=60) as client:
+        request_deadline = 1.0
+        with pytest.raises(ClassifierError) as expired:
+            client.classify([PIXELS], timeout=request_deadline)
+    assert expired.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: engine_set.taken_slots() == 0)
+
+
+def test_an_engine_killed_mid_batch_fails_its_calls_at_once_and_its_front_end_rejoins_the_new_one(engines):
+    engine_set = engines(max_batch_size=8, max_batch_delay_ms=20_000)
+    frontend = engine_set.frontend()
+    client = Client(frontend.target, timeout=60, attempts=1)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(client.classify, [PIXELS])
+        wait_for(lambda: engine_sample(engine_set, 'resnet_queue_depth{device="cpu"}') == 1)
+        os.kill(engine_set.engine_pid(), signal.SIGKILL)
+        with pytest.raises(ClassifierError) as lost:
+            waiting.result(timeout=10)  # at once, not after the 20 s the batch would have waited
+    assert lost.value.code == grpc.StatusCode.UNAVAILABLE and "ended with this call in flight" in str(lost.value)
+    wait_for(lambda: client.health() == "NOT_SERVING")
+    with pytest.raises(ClassifierError) as refused:
+        client.classify([PIXELS])
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+    assert engine_set.taken_slots() == 0
+    engine_set.restart_engine()
+    wait_for(lambda: serving(client))
+    with Client(frontend.target, timeout=60) as fresh:
+        answer = fresh.classify([JPEG] * 8)  # a full batch: no wait
+    assert len(answer) == 8 and all(a.device == "cpu" for a in answer)
+    client.close()
+
+
+def test_a_front_end_process_killed_with_calls_queued_leaves_no_slot_taken(engines):
+    engine_set = engines(max_batch_size=8, max_batch_delay_ms=20_000, max_queue=8)
+    port = engine_set.start_frontend(0)
+    pid = engine_set.supervisor.children["frontend-0"].process.pid
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(Client(f"127.0.0.1:{port}", timeout=60, attempts=1).classify, [PIXELS] * 5)
+        wait_for(lambda: engine_set.taken_slots() == 5)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ClassifierError):
+            waiting.result(timeout=30)
+    # The engine saw its socket close: the five queued images dropped, their slots free, and it serves on.
+    wait_for(lambda: engine_set.taken_slots() == 0)
+    assert engine_sample(engine_set, 'resnet_dropped_images_total{device="cpu",reason="cancelled"}') == 5
+    with Client(engine_set.frontend().target, timeout=60) as client:
+        assert len(client.classify([PIXELS] * 8)) == 8  # the whole queue is free again
