@@ -49,7 +49,7 @@ SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name,)
 
 class App:
     """One server process: gRPC (classifier, health, reflection) and the metrics endpoint. ``metrics``: its
-    series and statistics, when made by the caller (a test reading them, a --workers worker sharing its totals)."""
+    series and statistics, when made by the caller (a test reading them, a front-end sharing the server's totals)."""
 
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None, engines: Sequence[EngineLink] = (),
                  owner: int = 1) -> None:
@@ -112,7 +112,7 @@ class App:
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.max_concurrent_streams", config.max_concurrent_streams),
-            # The port is shared only among this server's own workers. gRPC allows SO_REUSEPORT by default, so
+            # The port is shared only among this server's own front-ends. gRPC allows SO_REUSEPORT by default, so
             # a second server started on a port already in use would otherwise take half its connections.
             ("grpc.so_reuseport", int(config.frontends > 1)),
             *_connection_age_options(config),
@@ -187,8 +187,8 @@ class App:
         """Every replica is out of rotation: health says NOT_SERVING, so that balancers stop sending work
         here, and unless a replica's probe brings one back within --unhealthy-exit-after seconds the process
         drains and exits 1. Its orchestrator then replaces it: a fresh process is what clears a CUDA context
-        that a fault has left unusable, and (with --workers) it moves the connections that a broken worker
-        holds, which health checks on new connections cannot see, onto working processes."""
+        that a fault has left unusable, and (with several front-ends) it moves the connections that a broken
+        one holds, which health checks on new connections cannot see, onto working processes."""
         if self._no_replica:
             return
         log.error("no healthy replica is left; health now reports NOT_SERVING")
@@ -232,7 +232,7 @@ class App:
         await self._health_update
 
     async def stop(self, grace: float | None = None) -> None:
-        """Drain: NOT_SERVING, refuse new calls, answer accepted ones within grace, stop the workers."""
+        """Drain: NOT_SERVING, refuse new calls, answer accepted ones within grace, then let the replicas go."""
         grace = self.config.grace_period if grace is None else grace
         self._cancel_give_up()
         await self.begin_drain()

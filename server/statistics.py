@@ -5,13 +5,14 @@ queue, input, inference and output. Two writers feed them: each replica's worker
 every batch it runs, and the core records every request it answers, so a lock guards them.
 A request's queue and compute times are those of its slowest image (it waits for all of them).
 
-The totals are one row of int64 counters per server process. With ``--workers N`` the rows of all N
-processes lie in one block of shared memory that the supervisor made (:func:`shared_rows`), so whichever
-worker takes a ``ModelStatistics`` call answers for the whole server, as Triton's one process does, and a
-worker that is replaced hands its row, counts intact, to the next one. Each process writes only its own
-row; a sibling reads it between two writes, told by the row's sequence number (odd while a write is under
-way; a seqlock). Stores reach memory in program order on x86-64, so a read is exact there; on a weakly
-ordered CPU (ARM) a read racing a write can, rarely, mix one record's old and new values.
+The totals are one row of int64 counters per server process: the front-ends record requests, the engines
+batches. The rows of all processes lie in one block of shared memory that the supervisor made
+(:func:`shared_rows`), so whichever front-end takes a ``ModelStatistics`` call answers for the whole server,
+as Triton's one process does, and a process that is replaced hands its row, counts intact, to the next one.
+Each process writes only its own row; a sibling reads it between two writes, told by the row's sequence
+number (odd while a write is under way; a seqlock). Stores reach memory in program order on x86-64, so a
+read is exact there; on a weakly ordered CPU (ARM) a read racing a write can, rarely, mix one record's old
+and new values.
 """
 
 from __future__ import annotations

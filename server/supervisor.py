@@ -313,7 +313,7 @@ def _stop_all(children: list[BaseProcess], grace: float) -> bool:
 
 class _SignalPipe:
     """SIGTERM and SIGINT made readable: a socket that becomes ready when either arrives, to wait on beside
-    the workers' sentinels."""
+    the children's sentinels."""
 
     def __init__(self) -> None:
         self.reader, self._writer = socket.socketpair()

@@ -1,6 +1,6 @@
-"""--workers: several server processes on one port, each answering its own connections; the supervisor's
-signals, exit codes and merged /metrics (a real Prometheus scraping it); and a lone server refusing a port
-that is already taken."""
+"""The whole server as users run it: a supervisor, an engine process and two front-end processes on one port,
+each front-end answering its own connections; the supervisor's signals, exit codes, replacements and merged
+/metrics (a real Prometheus scraping it); and a lone front-end refusing a port that is already taken."""
 
 from __future__ import annotations
 
@@ -12,18 +12,19 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
 
-from client import Client
+from client import ClassifierError, Client
 from client.api import classifier_pb2 as pb
 from client.bench import LoadSpec, _closed_loop, scrape
 from server.config import ServerConfig
 from server.errors import StartupError
 from server.metrics import Metrics, serve_metrics
+from server.supervisor import MOST_RESTART_DELAY, frontend_config, frontend_count, restart_delay
 from server.worker_metrics import serve_worker_metrics, worker_metrics_port
-from server.workers import MOST_RESTART_DELAY, restart_delay, worker_config
 from tests.helpers import (
     ServerThread,
     base_config,
@@ -32,6 +33,7 @@ from tests.helpers import (
     needs_promtool,
     random_rgb,
     scraped_value,
+    serving,
     wait_for,
 )
 from tests.helpers import scrape as scrape_port
@@ -46,12 +48,12 @@ def served_by(worker: int) -> str:
 
 
 class Workers:
-    """``python -m server --workers 2`` on 127.0.0.1, port 0; its log lines collected as they come."""
+    """``python -m server --frontends 2`` on 127.0.0.1, port 0; its log lines collected as they come."""
 
     def __init__(self, weights: str, *extra: str) -> None:
-        self.metrics_port = free_port_block(3)  # the supervisor's, then each worker's
+        self.metrics_port = free_port_block(4)  # the supervisor's, then each front-end's, then the engine's
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "server", "--workers", "2", "--host", "127.0.0.1", "--port", "0",
+            [sys.executable, "-m", "server", "--frontends", "2", "--host", "127.0.0.1", "--port", "0",
              "--metrics-port", str(self.metrics_port), "--device", "cpu", "--weights", weights,
              "--grace-period", "20", *extra],
             stderr=subprocess.PIPE, text=True)
@@ -86,8 +88,8 @@ class Workers:
             return sum(text in line for line in self.lines)
 
     def serving(self, count: int = 2) -> tuple[int, list[int]]:
-        """Once ``count`` workers (counting replacements) serve: the shared port and the workers' pids."""
-        pids = [int(line.rsplit("pid ", 1)[1].rstrip(")\n")) for line in self.read_until(count, "started worker")]
+        """Once ``count`` front-ends (counting replacements) serve: the shared port and their pids."""
+        pids = [_pid(line) for line in self.read_until(count, "started resnet-frontend")]
         ports = {int(line.split(" on 127.0.0.1:")[1].split()[0]) for line in self.read_until(count, "serving resnet18")}
         assert len(ports) == 1
         return ports.pop(), pids
@@ -96,6 +98,15 @@ class Workers:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+    def engine_pids(self, count: int = 1) -> list[int]:
+        """Once ``count`` engines (counting restarts) have started: their pids."""
+        return [_pid(line) for line in self.read_until(count, "started resnet-engine")]
+
+
+def _pid(line: str) -> int:
+    return int(line.rsplit("pid ", 1)[1].rstrip(")\n"))
 
 
 def statistics_while(triton: tc.InferenceServerClient, done: threading.Event) -> list[int]:
@@ -150,7 +161,10 @@ def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, 
         assert len(counts) >= 5 and counts == sorted(counts)
         served = [scraped_value(workers.metrics_port, served_by(i)) for i in range(2)]
         assert all(count > 0 for count in served), served
-        assert [scraped_value(workers.metrics_port, f'resnet_worker_up{{worker="{i}"}}') for i in range(2)] == [1, 1]
+        assert [scraped_value(workers.metrics_port, f'resnet_worker_up{{worker="{worker}"}}')
+                for worker in ("0", "1", "engine-cpu")] == [1, 1, 1]
+        # The engine formed the batches of both front-ends' calls: every batch is in its series alone.
+        assert scraped_value(workers.metrics_port, 'resnet_batch_size_count{device="cpu",worker="0"}') == 0
         computed = after[("resnet_batch_size_sum", "cpu")] - before[("resnet_batch_size_sum", "cpu")]
         assert computed == sum(served) - 6
         assert len(records) <= computed <= len(records) + 16
@@ -167,20 +181,20 @@ def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, 
             counted = 'sum by (worker) (resnet_requests_total{code="OK"})'
             wait_for(lambda: {int(r["metric"]["worker"]): float(r["value"][1]) for r in prometheus.query(counted)}
                      == dict(enumerate(served)), timeout=30)
-            assert [float(r["value"][1]) for r in prometheus.query("sum(resnet_worker_up)")] == [2]
+            assert [float(r["value"][1]) for r in prometheus.query("sum(resnet_worker_up)")] == [3]
             wait_for(prometheus.evaluated_rules, timeout=30)
             rules = prometheus.evaluated_rules()
             assert set(rules) == ALERT_RULES
             assert all((rule["health"], rule["state"]) == ("ok", "inactive") for rule in rules.values()), rules
         workers.process.send_signal(signal.SIGTERM)
         assert workers.process.wait(timeout=60) == 0
-        assert all(_gone(pid) for pid in pids)
+        assert all(_gone(pid) for pid in [*pids, *workers.engine_pids()])
     finally:
         workers.close()
 
 
 @pytest.mark.slow
-def test_a_worker_that_dies_after_serving_is_replaced_while_the_other_keeps_serving(weights_file):
+def test_a_front_end_that_dies_after_serving_is_replaced_while_the_other_keeps_serving(weights_file):
     workers = Workers(str(weights_file[0]))
     try:
         port, pids = workers.serving()
@@ -191,7 +205,7 @@ def test_a_worker_that_dies_after_serving_is_replaced_while_the_other_keeps_serv
             before_kill += 1
         assert scraped_value(workers.metrics_port, served_by(1)) > 0
         os.kill(pids[1], signal.SIGKILL)
-        workers.read_until(1, f"resnet-worker-1 (pid {pids[1]}) ended with code -9 after serving; starting a new one")
+        workers.read_until(1, f"resnet-frontend-1 (pid {pids[1]}) ended with code -9; starting a new one")
         # The replacement loads before it binds, so every new connection meanwhile reaches worker 0: calls on
         # new connections, one try each, all answered until the replacement serves (bounded: 2,000 calls).
         answered = 0
@@ -214,44 +228,90 @@ def test_a_worker_that_dies_after_serving_is_replaced_while_the_other_keeps_serv
         assert int(model["inference_count"]) == before_kill + answered + 16
         # The replacement ends soon after it started too: the next one comes after a pause (a crash loop).
         os.kill(pids_now[2], signal.SIGKILL)
-        workers.read_until(1, f"(pid {pids_now[2]}) ended with code -9 after serving; starting a new one in 1 s "
+        workers.read_until(1, f"(pid {pids_now[2]}) ended with code -9; starting a new one in 1 s "
                               "(ended 2 times in a row within 60 s of starting)")
         _, pids_now = workers.serving(4)
+        assert workers.count("started resnet-engine") == 1  # the engine never noticed
         workers.process.send_signal(signal.SIGTERM)
         assert workers.process.wait(timeout=60) == 0
-        assert all(_gone(pid) for pid in pids_now)
+        assert all(_gone(pid) for pid in [*pids_now, *workers.engine_pids()])
     finally:
         workers.close()
 
 
-def test_a_crash_looping_worker_is_replaced_after_a_growing_pause():
+@pytest.mark.slow
+def test_an_engine_killed_under_load_fails_its_calls_unavailable_is_restarted_and_rejoins(weights_file):
+    shared_memory = set(os.listdir("/dev/shm"))
+    workers = Workers(str(weights_file[0]), "--max-batch-delay-ms", "200")
+    try:
+        port, pids = workers.serving()
+        (engine,) = workers.engine_pids()
+        target = f"127.0.0.1:{port}"
+        with Client(target, timeout=30, attempts=1) as client, ThreadPoolExecutor(4) as pool:
+            calls = [pool.submit(client.classify, [IMAGE]) for _ in range(4)]
+            wait_for(lambda: scraped_value(workers.metrics_port, 'resnet_queue_depth{device="cpu",worker="engine-cpu"}')
+                     >= 1)
+            os.kill(engine, signal.SIGKILL)
+            codes = set()
+            for call in calls:
+                try:
+                    call.result(timeout=30)
+                    codes.add(grpc.StatusCode.OK)
+                except ClassifierError as exc:
+                    codes.add(exc.code)
+            assert grpc.StatusCode.UNAVAILABLE in codes and codes <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
+            workers.read_until(1, f"resnet-engine-cpu (pid {engine}) ended with code -9; starting a new one in 0 s")
+            _, restarted = workers.engine_pids(2)
+            wait_for(lambda: serving(client), timeout=120)
+            assert client.classify([IMAGE])[0].top_k
+        assert workers.serving()[1] == pids  # the front-ends went on
+        # SIGTERM with calls in flight: each is answered, then every process ends and nothing is left in /dev/shm.
+        with ThreadPoolExecutor(8) as pool:
+            calls = [pool.submit(Client(target, timeout=30, own_connection=True).classify, [IMAGE]) for _ in range(8)]
+            wait_for(lambda: scraped_value(workers.metrics_port, 'resnet_requests_in_flight{device="cpu",worker="0"}')
+                     + scraped_value(workers.metrics_port, 'resnet_requests_in_flight{device="cpu",worker="1"}') >= 1)
+            workers.process.send_signal(signal.SIGTERM)
+            assert all(call.result(timeout=60)[0].top_k for call in calls)
+        assert workers.process.wait(timeout=60) == 0
+        assert all(_gone(pid) for pid in [*pids, engine, restarted])
+        assert set(os.listdir("/dev/shm")) == shared_memory
+    finally:
+        workers.close()
+
+
+def test_a_crash_looping_child_is_replaced_after_a_growing_pause():
     assert [restart_delay(ends) for ends in range(6)] == [0, 0, 1, 2, 4, 8]  # 0: it had run for a while
     assert restart_delay(50) == MOST_RESTART_DELAY
 
 
-@pytest.mark.parametrize(("flags", "error", "binds"), [
-    (["--device", "cuda:99"], "cuda:99", False),  # refused before binding: no other worker starts
-    (["--weights", "missing.pth"], "missing.pth", True),  # refused while loading, after binding
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--device", "cuda:99"], "resnet-server: error: "),  # refused by the supervisor: no engine starts
+    (["--weights", "missing.pth"], "resnet-server: error: engine cpu: "),  # refused by the engine, loading
 ])
-def test_a_worker_that_cannot_start_ends_the_set_with_its_error(flags, error, binds, weights_file, tmp_path):
+def test_an_engine_that_cannot_start_ends_the_server_with_its_error_before_any_front_end(flags, error, weights_file,
+                                                                                         tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "server", "--workers", "2", "--host", "127.0.0.1", "--port", "0",
+        [sys.executable, "-m", "server", "--frontends", "2", "--host", "127.0.0.1", "--port", "0",
          "--metrics-port", "0", "--device", "cpu", "--weights", str(weights_file[0]), *flags],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
-    assert "resnet-server: error: worker 0: " in done.stderr and error in done.stderr
-    assert ("started worker 1" in done.stderr) == binds
+    assert error in done.stderr and flags[1] in done.stderr
+    assert "started resnet-frontend" not in done.stderr
 
 
-def test_each_worker_gets_the_shared_port_a_loopback_metrics_port_after_the_supervisors_and_a_share_of_the_cores():
-    config = ServerConfig(workers=2, metrics_port=9000)
-    cores = len(os.sched_getaffinity(0))
-    assert [(c.port, c.worker, c.metrics_host, c.metrics_port)
-            for c in (worker_config(config, i, 6000) for i in range(2))] == \
-        [(6000, 0, "127.0.0.1", 9001), (6000, 1, "127.0.0.1", 9002)]
-    assert worker_config(config, 1, 6000).torch_threads == max(1, cores // 2)
-    assert worker_config(ServerConfig(workers=2, torch_threads=3), 1, 6000).torch_threads == 3
-    assert worker_config(ServerConfig(workers=2, metrics_port=0), 1, 6000).metrics_port == 0  # off stays off
+def test_each_front_end_gets_the_shared_port_and_a_loopback_metrics_port_after_the_supervisors():
+    config = ServerConfig(frontends=2, metrics_port=9000)
+    assert [(c.port, c.worker, c.frontends, c.metrics_host, c.metrics_port)
+            for c in (frontend_config(config, i, 6000, 2) for i in range(2))] == \
+        [(6000, 0, 2, "127.0.0.1", 9001), (6000, 1, 2, "127.0.0.1", 9002)]
+    assert frontend_config(ServerConfig(metrics_port=0), 1, 6000, 2).metrics_port == 0  # off stays off
+
+
+def test_auto_front_ends_take_half_the_cores_left_after_the_engines():
+    auto = ServerConfig()
+    assert [frontend_count(auto, devices=1, cores=cores) for cores in (1, 2, 4, 16, 64)] == [1, 1, 1, 7, 8]
+    assert frontend_count(auto, devices=8, cores=16) == 4
+    assert frontend_count(ServerConfig(frontends=3), devices=1, cores=2) == 3
 
 
 def test_a_lone_server_refuses_a_port_that_is_already_taken(server, weights_file):
@@ -270,7 +330,7 @@ def test_the_supervisors_metrics_merge_its_workers_labelled_and_mark_one_that_do
     worker_0.requests.labels("cpu", "OK").inc(3)
     worker_0.compute.labels("cpu").observe(0.2)
     worker_0_http = serve_metrics(worker_0, "127.0.0.1", worker_metrics_port(supervisor_port, 0))
-    supervisor_http = serve_worker_metrics("127.0.0.1", supervisor_port, 2)  # worker 1 has no endpoint
+    supervisor_http = serve_worker_metrics("127.0.0.1", supervisor_port, ["0", "1"])  # worker 1 has no endpoint
     try:
         text = scrape_port(supervisor_port)
         assert scraped_value(supervisor_port, 'resnet_worker_up{worker="0"}') == 1
@@ -293,15 +353,15 @@ def test_the_supervisors_metrics_merge_its_workers_labelled_and_mark_one_that_do
             http.server_close()
 
 
-def test_workers_refuse_a_metrics_port_already_taken_before_starting_any(tmp_path):
+def test_the_server_refuses_a_metrics_port_already_taken_before_starting_any_process(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "server", "--workers", "2", "--host", "127.0.0.1", "--port", "0",
+            [sys.executable, "-m", "server", "--frontends", "2", "--host", "127.0.0.1", "--port", "0",
              "--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--device", "cpu", "--weights", "random"],
             capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 1
     assert f"resnet-server: error: cannot serve /metrics on 127.0.0.1:{port}: Address already in use" in done.stderr
-    assert "started worker" not in done.stderr
+    assert "started resnet-" not in done.stderr
