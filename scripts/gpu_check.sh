@@ -3,9 +3,9 @@
 #   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement
 #   ceilings  the in-process forward ceiling: eager per precision (fp16 also with batch norms unfolded);
 #             fp16 compiled, plain and as CUDA graphs; fp32 and fp16 as TorchScript
-#   served    the served sweeps: uint8 batching on and off, one server process and --workers 4, sixteen images a
-#             call, the forward pass as TorchScript, Python's 5 ms GIL switch interval, the forward pass as CUDA
-#             graphs; fp16 (one process and four); JPEG decoded on the GPU vs the CPU
+#   served    the served sweeps (one engine process, --frontends auto unless named): uint8 fp32 and fp16, batching
+#             off, one front-end, sixteen images a call, the forward pass as CUDA graphs; JPEG decoded on the GPU
+#             vs the CPU; and the front-end's own cost with a free model against bare grpc.aio
 # Writes OUT_DIR (default results/gpu), ending with gpu_table.md (scripts/gpu_table.py, from whatever OUT_DIR
 # holds, so parts run in separate calls can be tabled together): the README's GPU table and the device
 # issue's targets. A step whose JSON is already in OUT_DIR is skipped, so a run cut short resumes where it stopped.
@@ -20,7 +20,8 @@ done
 mkdir -p "$out"
 port=50161 metrics=8161
 fp32_batch=64 fp16_batch=128  # the served batch caps; gpu_table.py compares each with the in-process forward at it
-workers=4  # server processes in the --workers runs
+frontends=$(python -c 'from server.config import ServerConfig; from server.supervisor import frontend_count
+print(frontend_count(ServerConfig(), 1))')  # what --frontends auto starts here, with one device
 # GPU_CHECK_DEVICE=cpu GPU_CHECK_DURATION=2 runs the served part's steps on the CPU, to try the script itself.
 device=${GPU_CHECK_DEVICE:-cuda:0} duration=${GPU_CHECK_DURATION:-15}
 [ "$device" = cpu ] || python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
@@ -38,12 +39,12 @@ server=(resnet-server); type -P resnet-server >/dev/null || server=(python -m se
 command -v resnet-client >/dev/null || resnet-client() { python -c 'import sys; from client.cli import main; sys.exit(main())' "$@"; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 
-serve() {  # serve NAME WORKERS [FLAGS...]: a server on $device, its log in OUT_DIR/NAME.server.log
+serve() {  # serve NAME FRONTENDS [FLAGS...]: a server on $device, its log in OUT_DIR/NAME.server.log
   local log="$out/$1.server.log" count=$2
-  port=$((port + 10)) metrics=$((metrics + 10))  # fresh ports (workers take metrics+1...): a stray server blocks none
+  port=$((port + 20)) metrics=$((metrics + 20))  # fresh ports (children take metrics+1...): a stray server blocks none
   "${server[@]}" --host 127.0.0.1 --port $port --metrics-port $metrics --device "$device" --weights random \
-    --workers "$count" "${@:3}" 2> "$log" & server_pid=$!
-  for _ in $(seq 240); do  # every worker SERVING (one health call reaches only one of them)
+    --frontends "$count" "${@:3}" 2> "$log" & server_pid=$!
+  for _ in $(seq 240); do  # every front-end SERVING (one health call reaches only one of them)
     local serving; serving=$(grep -c 'serving resnet18' "$log" 2>/dev/null)
     [ "${serving:-0}" -ge "$count" ] && return 0
     kill -0 "$server_pid" 2>/dev/null || { tail -3 "$log"; return 1; }
@@ -86,39 +87,32 @@ ceilings() {
   done
 }
 served() {
-  # One server process, then $workers sharing the port (one event loop's CPU caps one process's calls a second;
-  # bench --connections spreads each client process over them), then sixteen images a call on one process.
   # Each server is stopped whatever its benches did (a bench with errors exits non-zero but keeps its JSON).
-  if owed served_batched served_16_per_request && serve batched 1 --max-batch-size $fp32_batch; then
-    bench served_batched --sweep 1,16,64,256
+  if owed served_batched served_16_per_request && serve batched $frontends --max-batch-size $fp32_batch; then
+    bench served_batched --sweep 1,16,64,256 --connections 4
     bench served_16_per_request --concurrency 16 --images-per-request 16  # 256 images: the queue's default cap
     stop
   fi
-  # The forward pass as TorchScript, and replayed as CUDA graphs: one GIL round trip a batch instead of one per
-  # operator, each of which waits for the busy event loop; and Python's own GIL switch interval (the server's
-  # default is 0.5 ms).
-  if owed served_torchscript && serve torchscript 1 --max-batch-size $fp32_batch --torchscript; then
-    bench served_torchscript --sweep 16,64,256; stop
+  if owed served_fp16 && serve fp16 $frontends --max-batch-size $fp16_batch --precision fp16; then
+    bench served_fp16 --sweep 16,64,256 --connections 4; stop
   fi
-  if owed served_switch_interval_5ms && serve switch 1 --max-batch-size $fp32_batch --switch-interval-ms 5; then
-    bench served_switch_interval_5ms --sweep 16,64,256; stop
+  if owed served_fp16_cuda_graphs && serve graphs $frontends --max-batch-size $fp16_batch --precision fp16 --compile \
+      --compile-mode reduce-overhead; then
+    bench served_fp16_cuda_graphs --sweep 16,64,256 --connections 4; stop
   fi
-  if owed served_cuda_graphs && serve graphs 1 --max-batch-size $fp32_batch --compile --compile-mode reduce-overhead; then
-    bench served_cuda_graphs --sweep 16,64,256; stop
+  if owed served_one_frontend && serve one_frontend 1 --max-batch-size $fp32_batch; then
+    bench served_one_frontend --concurrency 256; stop
   fi
-  if owed served_nobatch && serve nobatch 1 --max-batch-size 1; then bench served_nobatch --concurrency 256; stop; fi
-  if owed served_workers && serve workers $workers --max-batch-size $fp32_batch; then
-    bench served_workers --concurrency 256 --connections 4; stop
-  fi
-  if owed served_fp16 && serve fp16 1 --max-batch-size $fp16_batch --precision fp16; then bench served_fp16 --sweep 64,256; stop; fi
-  if owed served_fp16_workers && serve fp16_workers $workers --max-batch-size $fp16_batch --precision fp16; then
-    bench served_fp16_workers --concurrency 256 --connections 4; stop
+  if owed served_nobatch && serve nobatch $frontends --max-batch-size 1; then
+    bench served_nobatch --concurrency 256 --connections 4; stop
   fi
   for where in true false; do
-    if owed served_jpeg_decode_on_device_$where && serve jpeg_$where 1 --max-batch-size $fp32_batch --decode-on-device $where; then
-      bench served_jpeg_decode_on_device_$where --input jpeg --image-size 640x480 --concurrency 256; stop
+    if owed served_jpeg_decode_on_device_$where && serve jpeg_$where $frontends --max-batch-size $fp32_batch \
+        --decode-on-device $where; then
+      bench served_jpeg_decode_on_device_$where --input jpeg --image-size 640x480 --concurrency 256 --connections 4; stop
     fi
   done
+  owed frontend_cost || python scripts/frontend_cost.py --json > "$out/frontend_cost.json"
 }
 for part in "${parts[@]}"; do $part; done
 python scripts/gpu_table.py "$out" $fp32_batch $fp16_batch | tee "$out/gpu_table.md"  # the README's GPU table and targets

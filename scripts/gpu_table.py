@@ -41,9 +41,8 @@ def ceiling_label(ceiling: dict) -> str:
 
 def served_rows(folder: Path) -> list[str]:
     rows = []
-    for name in ("served_batched", "served_torchscript", "served_switch_interval_5ms", "served_cuda_graphs",
-                 "served_16_per_request",
-                 "served_workers", "served_nobatch", "served_fp16", "served_fp16_workers",
+    for name in ("served_batched", "served_16_per_request", "served_fp16", "served_fp16_cuda_graphs",
+                 "served_one_frontend", "served_nobatch",
                  "served_jpeg_decode_on_device_true", "served_jpeg_decode_on_device_false"):
         for point in results(folder, name):
             view = next(iter(point["server"].values()), {})
@@ -55,18 +54,17 @@ def served_rows(folder: Path) -> list[str]:
 
 
 def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
-    """The device issue's numbers: served uint8 at the highest concurrency (one server process, --workers, and
-    sixteen images a call) against the in-process forward at the served maximum batch size (same device,
-    precision, batch size), and against batching off."""
+    """The device issue's numbers: served uint8 at the highest concurrency (fp32, fp16, one front-end, sixteen
+    images a call) against the in-process forward at the served maximum batch size (same device, precision,
+    batch size), against batching off, and the front-end's cost against bare grpc.aio."""
     lines = []
     top = {}  # served run -> its highest-concurrency point
     for served_name, ceiling_name, batch in (("served_batched", "ceiling_fp32", fp32_batch),
-                                             ("served_torchscript", "ceiling_fp32_torchscript", fp32_batch),
-                                             ("served_cuda_graphs", "ceiling_fp32", fp32_batch),
-                                             ("served_workers", "ceiling_fp32", fp32_batch),
+                                             ("served_one_frontend", "ceiling_fp32", fp32_batch),
                                              ("served_16_per_request", "ceiling_fp32", fp32_batch),
                                              ("served_fp16", "ceiling_fp16", fp16_batch),
-                                             ("served_fp16_workers", "ceiling_fp16", fp16_batch)):
+                                             ("served_fp16_cuda_graphs", "ceiling_fp16_compiled_reduce-overhead",
+                                              fp16_batch)):
         if not (points := results(folder, served_name)):
             continue
         top[served_name] = max(points, key=lambda point: point["concurrency"])
@@ -82,6 +80,9 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
         lines.append(f"- batching on / off at c={batched['concurrency']}: {batched['images_per_s']:.0f} / "
                      f"{unbatched['images_per_s']:.0f} images/s = "
                      f"{batched['images_per_s'] / unbatched['images_per_s']:.1f} x; target >= 10")
+    if cost := results(folder, "frontend_cost"):
+        lines.append(f"- one front-end with a free model: {cost[0]['frontend_calls_per_s']:.0f} calls/s = "
+                     f"{cost[0]['ratio']:.2f} x bare grpc.aio ({cost[0]['bare_calls_per_s']:.0f}); target >= 0.6")
     if (folder / "precision.json").exists():
         precision = json.loads((folder / "precision.json").read_text())
         for name in ("fp16", "bf16"):

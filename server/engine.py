@@ -237,13 +237,13 @@ def engine_main(link: EngineLink, device: str, config: ServerConfig, live_owners
                 statistics: SharedRow | None, metrics_port: int, reports: Connection) -> None:
     """An engine process: load, report ("ready", info) to the supervisor, serve until SIGTERM, then drain."""
     from .logs import configure_logging
+    from .supervisor import die_with_supervisor
     from .threads import use_torch_threads
 
+    die_with_supervisor()
     configure_logging(config.log_level, config.log_format)
     # Ctrl-C reaches every process of the group; the supervisor stops the engines last, with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     use_torch_threads(1)  # the replica's own thread sets its team; the socket threads compute nothing
     metrics = Metrics(config.largest_batch, statistics)
     http = serve_metrics(metrics, "127.0.0.1", metrics_port) if metrics_port else None
@@ -253,6 +253,9 @@ def engine_main(link: EngineLink, device: str, config: ServerConfig, live_owners
     except StartupError as exc:
         print(f"resnet-server: error: engine {link.name}: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
+    # Until now SIGTERM ends the engine at once (it holds no call; a load may take minutes); from now, it drains.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     reports.send(("ready", engine.info()))
     log.info("engine %s ready on %s", link.name, device)
     while not stop.wait(1.0):

@@ -25,6 +25,7 @@ Children are spawned, not forked, so none inherits CUDA state.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import logging
@@ -51,6 +52,7 @@ log = logging.getLogger("server.supervisor")
 _spawn = multiprocessing.get_context("spawn")
 STABLE_SECONDS = 60.0  # a child that ends later than this after its start was not crash-looping
 MOST_RESTART_DELAY = 30.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def frontend_count(config: ServerConfig, devices: int, cores: int | None = None) -> int:
@@ -289,6 +291,7 @@ def _frontend_main(config: ServerConfig, engines: list[EngineLink], owner: int, 
     from .logs import configure_logging
     from .metrics import Metrics
 
+    die_with_supervisor()
     configure_logging(config.log_level, config.log_format)
     raise SystemExit(run(config, on_bound=lambda port: reports.send(("bound", port)),
                          on_serving=lambda: reports.send(("serving", 0)), load_first=load_first,
@@ -327,3 +330,14 @@ class _SignalPipe:
         signal.set_wakeup_fd(self._previous_fd)
         self.reader.close()
         self._writer.close()
+
+
+def die_with_supervisor() -> None:
+    """In a child: SIGTERM it when the supervisor ends, even by SIGKILL (Linux's PR_SET_PDEATHSIG), so that no
+    engine or front-end outlives its server holding a device or a port; if the supervisor has already gone,
+    end now."""
+    parent = multiprocessing.parent_process()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)

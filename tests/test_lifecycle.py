@@ -214,8 +214,9 @@ def _code_of(client: Client, image: bytes) -> str:
         return error.code.name
 
 
-# Replica cpu#0 loads for ever (a GPU's compile, say); cpu#1 fails: start-up must end with cpu#1's error
-# without waiting for cpu#0. Both go through the real load_replica and Batcher; only the weights loading is swapped.
+# Engine cpu#0 loads for ever (a GPU's compile, say); cpu#1 fails: start-up must end with cpu#1's error
+# without waiting for cpu#0. Both go through the real engine process, load_replica and Batcher; only the weights
+# loading is swapped, at import: the engines, spawned, import the script again (as __mp_main__).
 ONE_REPLICA_FAILS = """
 import sys, threading
 import server.app, server.replicas
@@ -226,15 +227,19 @@ def load_weights(*args):
     raise RuntimeError("disk read error")
 
 server.replicas.load_weights = load_weights
-sys.exit(server.app.main(sys.argv[1:]))
+if __name__ == "__main__":
+    sys.exit(server.app.main(sys.argv[1:]))
 """
 
 
-def test_a_replica_that_fails_to_start_ends_start_up_without_waiting_for_the_others(weights_file):
+def test_a_replica_that_fails_to_start_ends_start_up_without_waiting_for_the_others(weights_file, tmp_path):
+    script = tmp_path / "one_replica_fails.py"
+    script.write_text(ONE_REPLICA_FAILS)
     done = subprocess.run(
-        [sys.executable, "-c", ONE_REPLICA_FAILS, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        [sys.executable, str(script), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
          "--device", "cpu,cpu", "--weights", str(weights_file[0])],
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
-    assert done.stderr.splitlines()[-1] == ("resnet-server: error: replica cpu#1 failed to start on cpu: "
-                                            "RuntimeError: disk read error")
+    assert ("resnet-server: error: engine cpu#1: replica cpu#1 failed to start on cpu: RuntimeError: disk read "
+            "error") in done.stderr.splitlines()
+    assert "started resnet-frontend" not in done.stderr

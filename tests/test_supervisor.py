@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -122,11 +123,12 @@ def statistics_while(triton: tc.InferenceServerClient, done: threading.Event) ->
 
 
 def _gone(pid: int) -> bool:
+    """The process has ended: no such process, or a zombie waiting to be reaped (by an init that may never)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return True
-    return False
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 @needs_promtool
@@ -275,6 +277,20 @@ def test_an_engine_killed_under_load_fails_its_calls_unavailable_is_restarted_an
         assert workers.process.wait(timeout=60) == 0
         assert all(_gone(pid) for pid in [*pids, engine, restarted])
         assert set(os.listdir("/dev/shm")) == shared_memory
+    finally:
+        workers.close()
+
+
+def test_no_child_outlives_a_supervisor_killed_with_sigkill(weights_file):
+    shared_memory = set(os.listdir("/dev/shm"))
+    workers = Workers(str(weights_file[0]))
+    try:
+        _, pids = workers.serving()
+        children = [*pids, *workers.engine_pids()]
+        workers.process.kill()
+        workers.process.wait()
+        wait_for(lambda: all(_gone(pid) for pid in children), timeout=60)  # each drains (nothing in flight), ends
+        assert set(os.listdir("/dev/shm")) == shared_memory  # the slab was a memfd: nothing to clean up
     finally:
         workers.close()
 

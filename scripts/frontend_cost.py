@@ -1,0 +1,137 @@
+"""The front-end's own cost per call: one front-end process with a free model against bare grpc.aio.
+
+Measures, side by side in one run on this machine: (1) a bare ``grpc.aio`` server in one process, whose one
+method ignores its request and answers 4,000 bytes; (2) ``resnet-server --frontends 1`` with a model that costs
+nothing (``scripts/handling_ceiling.py``: every forward pass is ready-made), so what is left is the serving
+path itself: gRPC, the handler, validation, the slab, the engine's hand-offs and the answer. Both take the same
+150 KB requests (one uint8 224x224 image, as a ClassifyRequest) from the same client: ``--processes`` processes
+of ``--concurrency`` calls in flight each, for ``--duration`` seconds after a second of warm-up. The ratio of
+their calls a second is the issue's target (>= 0.6). Both servers listen on 127.0.0.1 and are stopped when done.
+
+Usage: python scripts/frontend_cost.py [--processes 4] [--concurrency 16] [--duration 10] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from client.api import classifier_pb2 as pb
+
+ANSWER = b"x" * 4000
+BARE_METHOD = "/floor.Floor/Call"
+CLASSIFY = "/resnet.v1.Classifier/Classify"
+REQUEST = pb.ClassifyRequest(images=[pb.Image(raw=pb.RawTensor(dtype="uint8", shape=[224, 224, 3],
+                                                               data=bytes(224 * 224 * 3)))], top_k=1)
+
+
+def serve_bare(ready, stop) -> None:
+    """The bare server, in a process of its own; sends its port on ``ready``, ends when ``stop`` is set."""
+    async def call(request: bytes, context) -> bytes:
+        return ANSWER
+
+    async def main() -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        handler = grpc.unary_unary_rpc_method_handler(call)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("floor.Floor", {"Call": handler}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ready.send(port)
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+def load(target: str, method: str, concurrency: int, duration: float, results) -> None:
+    """One client process: ``concurrency`` calls in flight on one channel; sends how many ended in the window."""
+    async def main() -> int:
+        async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+            call = channel.unary_unary(method)  # bytes in, bytes out: the same client work for both servers
+            payload = REQUEST.SerializeToString()
+            start = time.monotonic() + 1.0  # a second of warm-up
+            end = start + duration
+            counted = 0
+
+            async def caller() -> None:
+                nonlocal counted
+                while time.monotonic() < end:
+                    await call(payload, timeout=30)
+                    counted += start <= time.monotonic() < end
+
+            await asyncio.gather(*(caller() for _ in range(concurrency)))
+            return counted
+
+    results.send(asyncio.run(main()))
+
+
+def calls_per_second(target: str, method: str, args: argparse.Namespace) -> float:
+    context = multiprocessing.get_context("spawn")
+    pipes = []
+    for _ in range(args.processes):
+        receiver, sender = context.Pipe(duplex=False)
+        context.Process(target=load, args=(target, method, args.concurrency, args.duration, sender)).start()
+        pipes.append(receiver)
+    return sum(pipe.recv() for pipe in pipes) / args.duration
+
+
+def bare(args: argparse.Namespace) -> float:
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    stop = context.Event()
+    server = context.Process(target=serve_bare, args=(sender, stop))
+    server.start()
+    try:
+        return calls_per_second(f"127.0.0.1:{receiver.recv()}", BARE_METHOD, args)
+    finally:
+        stop.set()
+        server.join(10)
+
+
+def frontend(args: argparse.Namespace) -> float:
+    script = Path(__file__).with_name("handling_ceiling.py")
+    server = subprocess.Popen(
+        [sys.executable, str(script), "--frontends", "1", "--device", "cpu", "--weights", "random", "--host",
+         "127.0.0.1", "--port", "0", "--metrics-port", "0", "--max-batch-size", "64", "--max-queue", "1024"],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        for line in server.stderr:  # the front-end's "serving resnet18 on 127.0.0.1:PORT" line
+            if "serving resnet18 on " in line:
+                port = int(line.split("127.0.0.1:")[1].split()[0])
+                break
+        else:
+            raise SystemExit("the server ended before it served")
+        return calls_per_second(f"127.0.0.1:{port}", CLASSIFY, args)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--processes", type=int, default=min(4, os.cpu_count() or 1), help="client processes")
+    parser.add_argument("--concurrency", type=int, default=16, help="calls in flight per client process")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds measured per server")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of a line of text")
+    args = parser.parse_args()
+    bare_rate, frontend_rate = bare(args), frontend(args)
+    result = {"bare_calls_per_s": bare_rate, "frontend_calls_per_s": frontend_rate,
+              "ratio": frontend_rate / bare_rate, "processes": args.processes, "concurrency": args.concurrency,
+              "duration_s": args.duration, "cores": len(os.sched_getaffinity(0))}
+    print(json.dumps(result) if args.json else
+          f"bare grpc.aio {bare_rate:.0f} calls/s, one front-end with a free model {frontend_rate:.0f} calls/s: "
+          f"{result['ratio']:.2f} x (target >= 0.6)")
+
+
+if __name__ == "__main__":
+    main()
