@@ -1,10 +1,11 @@
 """Where the cores go while a server answers a closed loop: CPU seconds per answered image, by part.
 
 Runs a closed loop of one-image uint8 requests from this process and, over a window after a ramp, reads
-the CPU time of every thread of the server process (/proc/PID/task/*/stat, Linux) and of this process.
-The parts: the server's forward team (its busiest threads: the replica's worker and its OpenMP helpers,
-which also convert the raw images), the server's event loop (its main thread) and its other threads
-(gRPC, preprocessing, metrics), and the client. Each is given in milliseconds per answered image and as a
+the CPU time of every thread of the server's processes (the supervisor and its children:
+/proc/PID/task/*/stat, Linux) and of this process. The parts: the forward team (the busiest threads of the
+busiest process, the engine: the replica's worker and its OpenMP helpers, which also convert the raw
+images), the event loops (the main threads of the other children, the front-ends), the server's other
+threads (gRPC, preprocessing, metrics, the engine's sockets, the supervisor), and the client. Each is given in milliseconds per answered image and as a
 share of what the machine had: cores x wall time. Whatever the client and the server's other threads take
 is not there for the forward pass when they share the cores, which is how it is measured here.
 
@@ -29,25 +30,35 @@ from client.flags import image_size
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
 
-def thread_cpu_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each live thread of ``pid``, by thread id."""
+def thread_cpu_seconds(pid: int) -> dict[tuple[int, int], float]:
+    """CPU seconds (user + system) of each live thread of ``pid`` and of its children, by (process, thread)."""
     seconds = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except FileNotFoundError:  # the thread ended since the listing
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-        seconds[int(task.name)] = (int(fields[11]) + int(fields[12])) / TICKS_PER_SECOND  # utime, stime
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    for process in [pid, *map(int, children.read_text().split() if children.exists() else [])]:
+        for task in Path(f"/proc/{process}/task").iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except FileNotFoundError:  # the thread ended since the listing
+                continue
+            fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            seconds[(process, int(task.name))] = (int(fields[11]) + int(fields[12])) / TICKS_PER_SECOND
     return seconds
 
 
-def split(pid: int, before: dict[int, float], after: dict[int, float], team: int) -> dict[str, float]:
-    """The server's CPU seconds over the window: its ``team`` busiest threads, its main thread, the rest."""
-    used = {tid: seconds - before.get(tid, 0.0) for tid, seconds in after.items()}
-    loop = used.pop(pid, 0.0)
-    busiest = sorted(used.values(), reverse=True)
-    return {"forward_team": sum(busiest[:team]), "event_loop": loop, "other_threads": sum(busiest[team:])}
+def split(pid: int, before: dict[tuple[int, int], float], after: dict[tuple[int, int], float],
+          team: int) -> dict[str, float]:
+    """The server's CPU seconds over the window: the engine's ``team`` busiest threads, the other children's
+    main threads (the front-ends' event loops), the rest."""
+    used = {key: seconds - before.get(key, 0.0) for key, seconds in after.items()}
+    by_process: dict[int, float] = {}
+    for (process, _), seconds in used.items():
+        by_process[process] = by_process.get(process, 0.0) + seconds
+    engine = max((process for process in by_process if process != pid), key=by_process.get, default=pid)
+    forward = sorted((seconds for (process, _), seconds in used.items() if process == engine), reverse=True)[:team]
+    loops = sum(seconds for (process, thread), seconds in used.items()
+                if process == thread and process not in (pid, engine))
+    return {"forward_team": sum(forward), "event_loop": loops,
+            "other_threads": sum(used.values()) - sum(forward) - loops}
 
 
 async def measure(args: argparse.Namespace) -> dict:

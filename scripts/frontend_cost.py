@@ -31,7 +31,7 @@ from client.api import classifier_pb2 as pb
 ANSWER = b"x" * 4000
 BARE_METHOD = "/floor.Floor/Call"
 CLASSIFY = "/resnet.v1.Classifier/Classify"
-REQUEST = pb.ClassifyRequest(images=[pb.Image(raw=pb.RawTensor(dtype="uint8", shape=[224, 224, 3],
+REQUEST = pb.ClassifyRequest(images=[pb.Image(raw=pb.RawTensor(dtype=pb.RawTensor.UINT8, shape=[224, 224, 3],
                                                                data=bytes(224 * 224 * 3)))], top_k=1)
 
 

@@ -266,6 +266,7 @@ def run_server(config: ServerConfig) -> int:
         if metrics_http is not None:
             metrics_http.shutdown()
             metrics_http.server_close()
+    log.info("stopped")
     return 1 if a_child_failed or not all_exited_cleanly else 0
 
 

@@ -28,7 +28,12 @@ def test_env_twins_and_flags_win():
     assert config.temperature == 2.5 and config.max_batch_delay_ms == 3.0 and config.weights == "random"
     assert parse_config(["--device", "cpu,cpu"], env=env).devices == ("cpu", "cpu")
     assert parse_config([], env={"RESNET_SERVER_REPLICA_PROBE_INTERVAL": "0"}).replica_probe_interval == 0.0
-    assert parse_config([], env={"RESNET_SERVER_WORKERS": "4"}).workers == 4
+    assert parse_config([], env={"RESNET_SERVER_FRONTENDS": "4"}).frontends == 4
+    assert parse_config(["--frontends", "auto"], env={"RESNET_SERVER_FRONTENDS": "4"}).frontends == 0  # auto
+    assert parse_config([], env={}).frontends == 0
+    # --workers (and its environment twin) is the old name of --frontends.
+    assert parse_config([], env={"RESNET_SERVER_WORKERS": "3"}).frontends == 3
+    assert parse_config(["--workers", "2"], env={}).frontends == 2
     assert parse_config([], env={}).unhealthy_exit_after == 300.0
     assert parse_config([], env={"RESNET_SERVER_UNHEALTHY_EXIT_AFTER": "0"}).unhealthy_exit_after == 0.0
     assert parse_config([], env={}).max_connection_age == 0.0

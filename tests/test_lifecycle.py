@@ -76,7 +76,7 @@ def test_sigterm_answers_every_accepted_request_then_exits_zero(weights_file):
 
         sender = threading.Thread(target=send_all)
         sender.start()
-        wait_for(lambda: scraped_value(metrics_port, 'resnet_queue_depth{device="cpu"}') == 6)
+        wait_for(lambda: scraped_value(metrics_port, 'resnet_queue_depth{device="cpu",worker="engine-cpu"}') == 6)
         process.send_signal(signal.SIGTERM)
         sender.join(60)
         assert process.wait(timeout=30) == 0

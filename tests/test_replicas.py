@@ -76,7 +76,7 @@ def test_replicas_load_at_the_same_time(make_server, monkeypatch):
 
 def test_max_batch_size_zero_picks_by_device():
     assert max_batch_size(ServerConfig(max_batch_size=0), torch.device("cpu")) == 8
-    assert max_batch_size(ServerConfig(max_batch_size=0), torch.device("cuda", 1)) == 32
+    assert max_batch_size(ServerConfig(max_batch_size=0), torch.device("cuda", 1)) == 128
     assert max_batch_size(ServerConfig(max_batch_size=5), torch.device("cuda")) == 5
 
 
@@ -335,7 +335,8 @@ def test_client_round_robin_spreads_calls_over_three_server_processes(weights_fi
         with Client(targets, timeout=60) as client:
             for _ in range(12):
                 assert client.classify([IMAGE])[0].top_k
-        counts = [scraped_value(metrics, 'resnet_requests_total{code="OK",device="cpu"}') for _, metrics in ports]
+        counts = [scraped_value(metrics, 'resnet_requests_total{code="OK",device="cpu",worker="0"}')
+                  for _, metrics in ports]
         assert sum(counts) == 12 and min(counts) >= 2, counts
     finally:
         for process in processes:
