@@ -1,13 +1,13 @@
 """Where the cores go while a server answers a closed loop: CPU seconds per answered image, by part.
 
-Runs a closed loop of one-image uint8 requests from this process and, over a window after a ramp, reads
-the CPU time of every thread of the server's processes (the supervisor and its children:
-/proc/PID/task/*/stat, Linux) and of this process. The parts: the forward team (the busiest threads of the
-busiest process, the engine: the replica's worker and its OpenMP helpers, which also convert the raw
-images), the event loops (the main threads of the other children, the front-ends), the server's other
-threads (gRPC, preprocessing, metrics, the engine's sockets, the supervisor), and the client. Each is given in milliseconds per answered image and as a
-share of what the machine had: cores x wall time. Whatever the client and the server's other threads take
-is not there for the forward pass when they share the cores, which is how it is measured here.
+Runs a closed loop of one-image uint8 requests from this process and, over a window after a ramp, reads the
+CPU time of every thread of the server's processes (the supervisor and its children: /proc/PID/task/*/stat,
+Linux) and of this process. The parts: the forward team (the busiest threads of the busiest process, the
+engine: the replica's worker and its OpenMP helpers, which also convert the raw images), the event loops (the
+main threads of the other children, the front-ends), the server's other threads (gRPC, preprocessing, metrics,
+the engine's sockets, the supervisor), and the client. Each is given in milliseconds per answered image and as
+a share of what the machine had: cores x wall time. Whatever the client and the server's other threads take is
+not there for the forward pass when they share the cores, which is how it is measured here.
 
 Usage: python scripts/cpu_split.py --server 127.0.0.1:50151 --server-pid PID [--concurrency 16]
        [--image-size 224x224] [--ramp 3] [--window 15] [--team 2]
