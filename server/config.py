@@ -29,10 +29,10 @@ class ConfigError(ValueError):
 # --max-batch-size 0 picks by device. On an H100 the in-process forward pass still gained from 32 to 64 (fp32
 # eager, 13,448 images/s at 64) and 128 (fp16 eager, 17,582): with one engine batching every front-end's calls,
 # batches that large form under load, and a light load still runs what is waiting at once (padded to the next of
-# the warmed sizes: under half as many rows again). On a CPU the cost per image rises past a few images (bench-model on 2
-# cores: batch 4-8 fastest), and with a cap of 32, 16 callers split into a small batch (1-4 images) and a big one
-# (9-16) in turn instead of two even batches of 8 (measured: 2-18% fewer images/s, p99/p50 1.33-1.44 against
-# 1.20-1.26).
+# the warmed sizes: under half as many rows again). On a CPU the cost per image rises past a few images
+# (bench-model on 2 cores: batch 4-8 fastest), and with a cap of 32, 16 callers split into a small batch (1-4
+# images) and a big one (9-16) in turn instead of two even batches of 8 (measured: 2-18% fewer images/s, p99/p50
+# 1.33-1.44 against 1.20-1.26).
 DEFAULT_MAX_BATCH_SIZE = {"cuda": 128, "cpu": 8}
 
 

@@ -311,10 +311,10 @@ def _allow_recompiles(shapes: int) -> None:
 
 
 def bucket_sizes(max_batch_size: int, cuda: bool) -> list[int]:
-    """The batch sizes a device warms up and runs: 1, 2, 4, 8, then steps of a half or a third (16, 24, 32, 48,
-    64, 96, 128 ...) up to the maximum, which is always one. Padding up to the next one adds under half as many
-    rows again (17 -> 24 and 33 -> 48 at worst). The CPU splits instead of padding, so its buckets also hold every size up to 8 (its
-    default maximum): a batch there never splits below that."""
+    """The batch sizes a device warms up and runs: 1, 2, 4, 8, then steps of a half or a third (16, 24, 32, 48, 64,
+    96, 128 ...) up to the maximum, which is always one. Padding up to the next one adds under half as many rows
+    again (17 -> 24 and 33 -> 48 at worst). The CPU splits instead of padding, so its buckets also hold every
+    size up to 8 (its default maximum): a batch there never splits below that."""
     sizes, size = {max_batch_size}, 1
     while size < max_batch_size:
         sizes.add(size)
