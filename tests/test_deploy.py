@@ -43,7 +43,7 @@ def test_compose_file_is_valid(files):
     assert server["restart"] == "unless-stopped"  # a server that gives up (--unhealthy-exit-after) comes back
     assert server["environment"]["RESNET_SERVER_UNHEALTHY_EXIT_AFTER"] == "300"
     assert server["environment"]["RESNET_SERVER_MAX_CONNECTION_AGE"] == "0"
-    assert server["environment"]["RESNET_SERVER_WORKERS"] == "1"
+    assert server["environment"]["RESNET_SERVER_FRONTENDS"] == "auto"
     assert server["environment"]["RESNET_SERVER_PRECISION"] == "fp32"
     assert config["services"]["prometheus"]["depends_on"]["server"]["condition"] == "service_healthy"
     has_gpu = "deploy" in server and server["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
