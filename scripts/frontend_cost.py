@@ -8,7 +8,8 @@ path itself: gRPC, the handler, validation, the slab, the engine's hand-offs and
 of ``--concurrency`` calls in flight each, for ``--duration`` seconds after a second of warm-up. The ratio of
 their calls a second is the issue's target (>= 0.6). Both servers listen on 127.0.0.1 and are stopped when done.
 
-Usage: python scripts/frontend_cost.py [--processes 4] [--concurrency 16] [--duration 10] [--json]
+Usage: python scripts/frontend_cost.py [--processes 4] [--concurrency 16] [--duration 10] [--server-flags "..."]
+       [--json]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,32 +27,14 @@ import time
 from pathlib import Path
 
 import grpc
+from grpc_floor import serve_aio  # scripts/ is this script's first path entry, and its spawned children's
 
 from client.api import classifier_pb2 as pb
 
-ANSWER = b"x" * 4000
-BARE_METHOD = "/floor.Floor/Call"
+BARE_METHOD = "/floor.Floor/Call"  # grpc_floor's server: one method that answers 4,000 bytes
 CLASSIFY = "/resnet.v1.Classifier/Classify"
 REQUEST = pb.ClassifyRequest(images=[pb.Image(raw=pb.RawTensor(dtype=pb.RawTensor.UINT8, shape=[224, 224, 3],
                                                                data=bytes(224 * 224 * 3)))], top_k=1)
-
-
-def serve_bare(ready, stop) -> None:
-    """The bare server, in a process of its own; sends its port on ``ready``, ends when ``stop`` is set."""
-    async def call(request: bytes, context) -> bytes:
-        return ANSWER
-
-    async def main() -> None:
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-        handler = grpc.unary_unary_rpc_method_handler(call)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("floor.Floor", {"Call": handler}),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        ready.send(port)
-        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
-        await server.stop(0)
-
-    asyncio.run(main())
 
 
 def load(target: str, method: str, concurrency: int, duration: float, results) -> None:
@@ -87,12 +71,11 @@ def calls_per_second(target: str, method: str, args: argparse.Namespace) -> floa
 
 def bare(args: argparse.Namespace) -> float:
     context = multiprocessing.get_context("spawn")
-    receiver, sender = context.Pipe(duplex=False)
-    stop = context.Event()
-    server = context.Process(target=serve_bare, args=(sender, stop))
+    ports, stop = context.Queue(), context.Event()
+    server = context.Process(target=serve_aio, args=(ports, stop))
     server.start()
     try:
-        return calls_per_second(f"127.0.0.1:{receiver.recv()}", BARE_METHOD, args)
+        return calls_per_second(f"127.0.0.1:{ports.get(timeout=60)}", BARE_METHOD, args)
     finally:
         stop.set()
         server.join(10)
@@ -102,7 +85,8 @@ def frontend(args: argparse.Namespace) -> float:
     script = Path(__file__).with_name("handling_ceiling.py")
     server = subprocess.Popen(
         [sys.executable, str(script), "--frontends", "1", "--device", "cpu", "--weights", "random", "--host",
-         "127.0.0.1", "--port", "0", "--metrics-port", "0", "--max-batch-size", "64", "--max-queue", "1024"],
+         "127.0.0.1", "--port", "0", "--metrics-port", "0", "--max-batch-size", "64", "--max-queue", "1024",
+         *shlex.split(args.server_flags)],
         stderr=subprocess.PIPE, text=True)
     try:
         for line in server.stderr:  # the front-end's "serving resnet18 on 127.0.0.1:PORT" line
@@ -122,6 +106,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=min(4, os.cpu_count() or 1), help="client processes")
     parser.add_argument("--concurrency", type=int, default=16, help="calls in flight per client process")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds measured per server")
+    parser.add_argument("--server-flags", default="", help="more resnet-server flags for the front-end's side")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a line of text")
     args = parser.parse_args()
     bare_rate, frontend_rate = bare(args), frontend(args)

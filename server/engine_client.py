@@ -23,13 +23,14 @@ from . import errors
 from .batcher import ImageOutput, WorkItem
 from .device_decode import DeferredJpeg
 from .engine import EngineLink, Entry
-from .errors import Overloaded, ServingError, Unavailable
+from .errors import Overloaded, ServingError, StartupError, Unavailable
 from .preprocess import FLOAT_SHAPE, RawImage
 from .slab import Slab
 from .statistics import BatchTiming
 
 log = logging.getLogger("server.engine_client")
 RECONNECT_INTERVAL = 0.1  # seconds between tries to reach a restarted engine
+ENGINE_START_SECONDS = 300.0  # how long a new front-end waits for an engine that is (re)starting
 _ERRORS = {cls.__name__: cls for cls in vars(errors).values()
            if isinstance(cls, type) and issubclass(cls, ServingError)}
 
@@ -72,8 +73,31 @@ class EngineClient:
         return self.info["decode_on_device"]
 
     async def open(self) -> None:
-        """Connect (the engine is up: the supervisor starts front-ends after their engines are ready)."""
-        self._attach(*await asyncio.get_running_loop().run_in_executor(None, self._connect))
+        """Connect, waiting up to ENGINE_START_SECONDS for an engine that is restarting (a front-end replaced
+        meanwhile); StartupError if none answers by then."""
+        if not await self._connect_when_up(ENGINE_START_SECONDS):
+            raise StartupError(f"the engine of {self.name} did not answer within {ENGINE_START_SECONDS:.0f} s")
+
+    async def _connect_when_up(self, seconds: float | None) -> bool:
+        """Try every RECONNECT_INTERVAL until the engine answers (True), ``seconds`` pass or the handle is
+        closed (False)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if seconds is None else loop.time() + seconds
+        while not self._closed:
+            try:
+                connection, info = await loop.run_in_executor(None, self._connect)
+            except (OSError, EOFError, ValueError, AuthenticationError) as exc:  # not listening yet, or it ended
+                log.debug("engine of %s not answering: %s", self.name, exc)
+                if deadline is not None and loop.time() >= deadline:
+                    return False
+                await asyncio.sleep(RECONNECT_INTERVAL)
+                continue
+            if self._closed:
+                connection.close()
+                return False
+            self._attach(connection, info)
+            return True
+        return False
 
     def _connect(self) -> tuple[Connection, dict]:
         connection = Client(self.link.address, "AF_UNIX", authkey=self.link.authkey)
@@ -189,22 +213,10 @@ class EngineClient:
             self._reconnecting = asyncio.ensure_future(self._reconnect())
 
     async def _reconnect(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._closed:
-            await asyncio.sleep(RECONNECT_INTERVAL)
-            try:
-                connection, info = await loop.run_in_executor(None, self._connect)
-            except (OSError, EOFError, ValueError, AuthenticationError) as exc:  # not listening yet, or it ended
-                log.debug("engine of %s not back yet: %s", self.name, exc)
-                continue
-            if self._closed:
-                connection.close()
-                return
-            self._attach(connection, info)
+        if await self._connect_when_up(None):
             log.warning("the engine of %s is back", self.name)
             if self._in_rotation:
                 self._on_back()
-            return
 
     def stop(self, timeout: float | None = None) -> None:
         """Close the connection (the engine frees whatever this front-end still held)."""

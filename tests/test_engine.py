@@ -146,3 +146,15 @@ def test_a_front_end_process_killed_with_calls_queued_leaves_no_slot_taken(engin
     assert engine_sample(engine_set, 'resnet_dropped_images_total{device="cpu",reason="cancelled"}') == 5
     with Client(engine_set.frontend().target, timeout=60) as client:
         assert len(client.classify([PIXELS] * 8)) == 8  # the whole queue is free again
+
+
+def test_a_front_end_started_while_its_engine_restarts_waits_for_it_then_serves(engines):
+    engine_set = engines()
+    engine = engine_set.engine_pid()
+    os.kill(engine, signal.SIGKILL)
+    engine_set.supervisor.children["engine-0"].process.join(30)
+    frontend = engine_set.supervisor._start_frontend(0, 0)  # a replacement, started while no engine listens
+    engine_set.restart_engine()
+    assert engine_set.supervisor._wait_until(lambda: frontend.serving) is None
+    with Client(f"127.0.0.1:{frontend.port}", timeout=60) as client:
+        assert client.classify([JPEG])[0].device == "cpu"

@@ -95,6 +95,12 @@ class Workers:
         assert len(ports) == 1
         return ports.pop(), pids
 
+    def terminate(self, pids: list[int]) -> None:
+        """SIGTERM the supervisor: it drains and exits 0, and every one of ``pids`` has ended."""
+        self.process.send_signal(signal.SIGTERM)
+        assert self.process.wait(timeout=60) == 0
+        assert all(_gone(pid) for pid in pids)
+
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
@@ -188,9 +194,7 @@ def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, 
             rules = prometheus.evaluated_rules()
             assert set(rules) == ALERT_RULES
             assert all((rule["health"], rule["state"]) == ("ok", "inactive") for rule in rules.values()), rules
-        workers.process.send_signal(signal.SIGTERM)
-        assert workers.process.wait(timeout=60) == 0
-        assert all(_gone(pid) for pid in [*pids, *workers.engine_pids()])
+        workers.terminate([*pids, *workers.engine_pids()])
     finally:
         workers.close()
 
@@ -234,9 +238,7 @@ def test_a_front_end_that_dies_after_serving_is_replaced_while_the_other_keeps_s
                               "(ended 2 times in a row within 60 s of starting)")
         _, pids_now = workers.serving(4)
         assert workers.count("started resnet-engine") == 1  # the engine never noticed
-        workers.process.send_signal(signal.SIGTERM)
-        assert workers.process.wait(timeout=60) == 0
-        assert all(_gone(pid) for pid in [*pids_now, *workers.engine_pids()])
+        workers.terminate([*pids_now, *workers.engine_pids()])
     finally:
         workers.close()
 
