@@ -333,9 +333,10 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
         assert client_main(["bench", "--server", running.target, "--sweep", concurrency, "--duration", "0.5",
                             "--warmup", "0", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet"]) == 0
         (tmp_path / f"{name}.json").write_text(capsys.readouterr().out)
-    # The --workers run's JSON has the same shape (the bench sums its workers' /metrics): a copy stands in for it.
-    (tmp_path / "served_workers.json").write_text((tmp_path / "served_batched.json").read_text())
-    (tmp_path / "served_torchscript.json").write_text((tmp_path / "served_batched.json").read_text())  # likewise
+    # The one-front-end run's JSON has the same shape (the bench sums the server's processes): a copy stands in.
+    (tmp_path / "served_one_frontend.json").write_text((tmp_path / "served_batched.json").read_text())
+    cost = {"bare_calls_per_s": 1800.0, "frontend_calls_per_s": 990.0, "ratio": 0.55}  # frontend_cost.py's shape
+    (tmp_path / "frontend_cost.json").write_text(json.dumps(cost))
     (tmp_path / "ceiling_fp16_compiled_default.json").write_text("")  # a step that failed before writing
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as when run as a script: it imports bench_table
     load_script("gpu_table").main(tmp_path, 2, 128)
@@ -346,13 +347,12 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert "| in-process forward, fp16, batch norms not folded, batch 1 |" in table
     assert "| served batched, c=4 |" in table and "| served nobatch, c=4 |" in table
     assert f"- served_batched c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
-    assert "| served workers, c=4 |" in table
-    assert f"- served_workers c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
+    assert "| served one frontend, c=4 |" in table
+    assert f"- served_one_frontend c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
     assert "batching on / off at c=4" in table
     scripted = json.loads((tmp_path / "ceiling_fp32_torchscript.json").read_text())["forward_images_per_s"]["2"]
     assert f"| in-process forward, fp32 TorchScript, batch 2 | {scripted:.0f} |" in table
-    assert f"- served_torchscript c=4: {batched:.0f} images/s = {batched / scripted:.2f} x the in-process fp32 " \
-           "torchscript forward at batch 2" in table
+    assert "- one front-end with a free model: 990 calls/s = 0.55 x bare grpc.aio (1800); target >= 0.6" in table
 
 
 def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsys, tmp_path, monkeypatch):
