@@ -170,3 +170,7 @@ def test_the_adapter_rule_serves_the_series_the_autoscaler_reads():
     assert rule["name"]["as"] == "resnet_queue_depth" and rule["seriesQuery"].startswith("resnet_queue_depth{")
     scrape = yaml.safe_load((KUBERNETES / "prometheus-scrape.yml").read_text())
     assert scrape["scrape_configs"][0]["job_name"] == "resnet-server"  # the job the alerting rules select
+    # (Debian's promtool is built without Kubernetes discovery, so it cannot check this job.)
+    relabel = scrape["scrape_configs"][0]["relabel_configs"]
+    assert {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": "metrics",
+            "action": "keep"} in relabel
