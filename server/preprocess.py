@@ -171,11 +171,28 @@ def decode(data: bytes, max_pixels: int) -> torch.Tensor:
     try:
         decoded = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
     except (RuntimeError, ValueError) as exc:
-        raise InvalidInput(f"cannot decode image ({len(data)} bytes): not a JPEG, PNG, GIF or WEBP file") from exc
+        raise _undecodable(data, exc) from exc
     if decoded.ndim == 4:  # animated GIF: classify the first frame
         decoded = decoded[0]
     _check_pixels(decoded.shape[-2], decoded.shape[-1], max_pixels)
     return decoded
+
+
+# Each format's signature: bytes that decide what a file claims to be, before any decoder is asked.
+_SIGNATURES = ((b"\xff\xd8\xff", "JPEG"), (b"\x89PNG\r\n\x1a\n", "PNG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"))
+
+
+def _undecodable(data: bytes, exc: Exception) -> InvalidInput:
+    """The error for bytes the decoder refused: for a file of a known format (a truncated JPEG, say), the
+    decoder's own reason; otherwise that it is none of the formats taken."""
+    kind = next((name for signature, name in _SIGNATURES if data.startswith(signature)), None)
+    if kind is None and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        kind = "WEBP"
+    if kind is None:
+        return InvalidInput(f"cannot decode image ({len(data)} bytes): not a JPEG, PNG, GIF or WEBP file")
+    # torchvision prefixes its reason with the function and source line: "decode_jpeg, file.cpp:171, reason".
+    reason = str(exc).splitlines()[0].rsplit(", ", 1)[-1].strip()[:200] if str(exc) else type(exc).__name__
+    return InvalidInput(f"cannot decode {kind} image ({len(data)} bytes): {reason}")
 
 
 def _check_declared_size(data: bytes, max_pixels: int) -> None:

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torchvision.models import ResNet18_Weights
 
-from server.preprocess import STD, transform
-from tests.helpers import random_rgb
+from server.errors import InvalidInput
+from server.preprocess import STD, decode, transform
+from tests.helpers import encode, random_rgb
 
 ONE_GREY_LEVEL = 1.0 / 255.0 / min(STD)  # in normalised units
 
@@ -30,3 +31,16 @@ def test_fused_normalisation_is_the_v2_pipeline_batched_or_not(height, width, re
     expected = torch.stack([reference.transform(image) for image in images])  # v2 Resize .. ToDtype, Normalize
     torch.testing.assert_close(transform(images), expected, atol=2e-6, rtol=0)
     torch.testing.assert_close(transform(images[1]), expected[1], atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (encode(random_rgb(7))[:4000], "cannot decode JPEG image (4000 bytes): Image is incomplete or truncated"),
+    (encode(random_rgb(8), "PNG")[:300], "cannot decode PNG image (300 bytes): "),
+    (b"\x89PNG garbage", "cannot decode image (12 bytes): not a JPEG, PNG, GIF or WEBP file"),
+    (b"not an image at all", "cannot decode image (19 bytes): not a JPEG, PNG, GIF or WEBP file"),
+])
+def test_a_broken_image_of_a_known_format_says_what_the_decoder_found(data, message):
+    with pytest.raises(InvalidInput) as refused:
+        decode(data, max_pixels=10_000_000)
+    assert str(refused.value).startswith(message)
+    assert "not a JPEG" not in str(refused.value) or message.endswith("WEBP file")
