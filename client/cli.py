@@ -197,9 +197,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ClassifierError as exc:
         print(f"resnet-client: error: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # its reader has gone (`| head`): stop quietly, as other command-line tools do
+        _discard_stdout()
+        return 0
     except OSError as exc:
         print(f"resnet-client: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of what is still buffered does not fail on
+    the closed pipe too (Python's documented way out of a SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

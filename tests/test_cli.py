@@ -142,3 +142,15 @@ def test_unreachable_server_is_unavailable(capsys, tmp_path):
 def test_missing_file_is_a_clear_error(capsys):
     assert main(["classify", "/nonexistent/cat.jpg", "--server", "127.0.0.1:1"]) == 1
     assert "No such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["info"], ["classify", "IMAGE", "--json", "--full"]])
+def test_the_cli_stops_quietly_when_its_reader_closes_the_pipe(server, tmp_path, command):
+    image = tmp_path / "image.png"
+    image.write_bytes(encode(random_rgb(3), "PNG"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "client.cli", *[str(image) if part == "IMAGE" else part for part in command],
+         "--server", server.target], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader has gone before the first line is written, as `| head` may
+    _, errors = process.communicate(timeout=60)
+    assert (process.returncode, errors.decode()) == (0, "")
