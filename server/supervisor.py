@@ -141,6 +141,9 @@ class Supervisor:
         self.port = first.port
         for index in range(1, self.frontends):
             self._start_frontend(index, self.port)
+        if self.config.metrics_port:
+            log.info("metrics of every process on http://%s:%d/metrics", self.config.metrics_host,
+                     self.config.metrics_port)
         return self._supervise()
 
     def start_engines(self) -> bool | None:

@@ -143,6 +143,7 @@ def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, 
     workers = Workers(str(weights_file[0]))
     try:
         port, pids = workers.serving()
+        workers.read_until(1, f"metrics of every process on http://0.0.0.0:{workers.metrics_port}/metrics")
         target = f"127.0.0.1:{port}"
         answers = []
         for _ in range(6):  # each client its own connection, so the kernel hands them to either worker
