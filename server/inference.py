@@ -132,7 +132,7 @@ class InferenceCore:
         for image in images:
             if isinstance(image, RawImage):
                 check_raw(image, self.limits.max_pixels)
-        inline = getattr(replica, "inline_bytes", None)  # None: an in-process replica takes any size
+        inline = replica.inline_bytes
         loop = asyncio.get_running_loop()
 
         def decoder(image: ImageInput) -> Callable | None:

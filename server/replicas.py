@@ -39,6 +39,7 @@ class Replica:
     batcher: Batcher
     weights: LoadedWeights
     decode_on_device: bool = False  # JPEGs go to the batcher undecoded, decoded there in one batch
+    inline_bytes: int | None = None  # the most bytes an image goes as it came; None: any (an engine's slab sets one)
     pending: int = 0  # images routed here and not yet answered; touched on the event loop only
 
     @property

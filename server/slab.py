@@ -107,12 +107,9 @@ class Slab:
             if self.owners[slot] == owner:
                 self.owners[slot] = FREE
 
-    def free_all_but(self, owners: set[int], keep: set[int] = frozenset()) -> int:
-        """Free every slot held by an owner not in ``owners`` (front-ends that have ended), except ``keep``;
-        how many."""
+    def free_all_but(self, owners: set[int]) -> int:
+        """Free every slot held by an owner not in ``owners`` (front-ends that have ended); how many."""
         gone = ~np.isin(self.owners, [FREE, *owners])
-        if keep:
-            gone[list(keep)] = False
         self.owners[gone] = FREE
         return int(gone.sum())
 

@@ -110,11 +110,11 @@ class _Child:
 class Supervisor:
     """The engines and front-ends of one server, and what they share: the slabs and the statistics rows."""
 
-    def __init__(self, config: ServerConfig, devices: list, stop_signal: _SignalPipe | None = None) -> None:
+    def __init__(self, config: ServerConfig, devices: list) -> None:
         self.config = config
         self.devices = devices
         self.frontends = frontend_count(config, len(devices))
-        self.stop_signal = stop_signal
+        self.stop_signal: _SignalPipe | None = None  # set by run_server; a test's supervisor has none
         # ModelStatistics: a row per front-end (its calls), then one per engine (its batches).
         self.statistics = shared_rows(self.frontends + len(devices), config.largest_batch)
         layout = SlabLayout(config.max_queue, SLOT_INPUT_BYTES)
@@ -125,6 +125,10 @@ class Supervisor:
         self.children: dict[str, _Child] = {}
         self._owners = itertools.count(1)
         self.port = 0
+
+    def metric_sources(self) -> list[str]:
+        """The ``worker`` label of each child's /metrics, in port order: front-ends by index, then engines."""
+        return [*map(str, range(self.frontends)), *(f"engine-{link.name}" for link in self.links)]
 
     def close(self) -> None:
         for link in self.links:
@@ -252,14 +256,16 @@ class Supervisor:
 def run_server(config: ServerConfig) -> int:
     """Run the engines and front-ends until a signal, or until a child ends before it first served; the exit
     code: 0 once every child drained and exited 0 after a signal, 1 otherwise."""
-    try:
-        devices = resolve_devices(config.devices)
-        metrics_http = serve_worker_metrics(config.metrics_host, config.metrics_port, metric_sources(config, devices))
+    supervisor = None
+    try:  # the metrics port is bound first, so a port taken fails before any process starts
+        supervisor = Supervisor(config, resolve_devices(config.devices))
+        metrics_http = serve_worker_metrics(config.metrics_host, config.metrics_port, supervisor.metric_sources())
     except StartupError as exc:
+        if supervisor is not None:
+            supervisor.close()
         print(f"resnet-server: error: {exc}", file=sys.stderr)
         return 1
-    stop_signal = _SignalPipe()
-    supervisor = Supervisor(config, devices, stop_signal)
+    supervisor.stop_signal = stop_signal = _SignalPipe()
     try:
         a_child_failed = supervisor.run()
     finally:
@@ -271,12 +277,6 @@ def run_server(config: ServerConfig) -> int:
             metrics_http.server_close()
     log.info("stopped")
     return 1 if a_child_failed or not all_exited_cleanly else 0
-
-
-def metric_sources(config: ServerConfig, devices: list) -> list[str]:
-    """The ``worker`` label of each child's /metrics, in port order: front-ends by index, then engines."""
-    return [*map(str, range(frontend_count(config, len(devices)))),
-            *(f"engine-{name}" for name in replica_names(devices))]
 
 
 def _ended_before_serving(child: _Child) -> bool:
