@@ -1,11 +1,11 @@
 """The request-handling ceiling: how many calls a second the server answers when its model costs nothing.
 
-Runs resnet-server (every flag, --workers included) with each replica's input conversion and forward pass
-replaced by ready-made tensors, so all that is left of a call is what the serving path itself costs: gRPC,
-the handler, the queue, the batcher's hand-offs and the answer. Load it with ``resnet-client bench`` and set
-the figure beside ``resnet-server bench-model``'s ceiling for your device: a GPU that computes more images a
-second than one process can hand it needs ``--workers``. Its answers are meaningless (every probability
-0.001): a measuring instrument, never a server.
+Runs resnet-server (every flag) with each engine's input conversion and forward pass replaced by ready-made
+tensors, so all that is left of a call is what the serving path itself costs: gRPC, the handler, the slab,
+the engine's queue and hand-offs, and the answer. Load it with ``resnet-client bench`` and set the figure
+beside ``resnet-server bench-model``'s ceiling for your device: a GPU that computes more images a second than
+the front-ends can hand it needs more ``--frontends``. scripts/frontend_cost.py runs it beside bare grpc.aio.
+Its answers are meaningless (every probability 0.001): a measuring instrument, never a server.
 
 Usage: python scripts/handling_ceiling.py [resnet-server flags]
 """
@@ -27,13 +27,13 @@ def _prepare(runner, images):
     return _INPUTS[: len(images)], {}
 
 
-def _forward(runner, inputs, temperatures):
-    return _PROBABILITIES[: len(inputs)], torch.zeros((len(inputs), 1000))
+def _launch(runner, inputs, temperatures):
+    return server.runner.PendingScores(_PROBABILITIES[: len(inputs)], torch.zeros((len(inputs), 1000)))
 
 
-# At import, not in main: --workers spawns processes that import this module again (as __mp_main__).
+# At import, not in main: the server spawns its engines, which import this module again (as __mp_main__).
 server.runner.ModelRunner.prepare = _prepare
-server.runner.ModelRunner.__call__ = _forward
+server.runner.ModelRunner.launch = _launch
 
 if __name__ == "__main__":
     from server.app import main

@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection, Listener
 import numpy as np
 import torch
 
-from .batcher import ImageOutput, Ticket, WorkItem
+from .batcher import BatchOutput, Ticket, WorkItem
 from .config import ServerConfig
 from .device_decode import DeferredJpeg
 from .errors import ServingError, StartupError
@@ -197,15 +197,15 @@ class Engine:
                 return
         frontend.send(message)
 
-    def _deliver(self, items: list[WorkItem], outputs: list[ImageOutput]) -> None:
-        """On the batcher's thread: each image's scores into its slot, then one message per front-end."""
-        timing = outputs[0].timing
+    def _deliver(self, items: list[WorkItem], output: BatchOutput) -> None:
+        """On the finisher's thread: the batch's scores into its slots, then one message per front-end."""
+        slots = [item.future.slot for item in items]
+        self.slab.outputs[slots, 0] = output.probabilities
+        self.slab.outputs[slots, 1] = output.logits
         answers = defaultdict(list)
-        for item, output in zip(items, outputs, strict=True):
-            scores = self.slab.output(item.future.slot)
-            scores[0] = output.probabilities
-            scores[1] = output.logits
-            answers[item.future.owner].append((item.future.slot, output.top_k, output.queue_seconds))
+        for item, slot, top, queued in zip(items, slots, output.top_k, output.queue_seconds, strict=True):
+            answers[item.future.owner].append((slot, top, queued))
+        timing = output.timing
         for frontend, answered in answers.items():
             message = ("done", (answered, (timing.input, timing.infer, timing.output), self.replica.healthy))
             self._answer(frontend, [slot for slot, _, _ in answered], message)

@@ -94,7 +94,8 @@ class ModelRunner:
         """The rows as one batch in the model's layout, written into a buffer this runner keeps, so a batch
         costs one copy and no allocation (a fresh batch-8 tensor is 4.8 MB, which glibc may hand back to
         the kernel after every batch and fault in again, page by page). Valid until the next ``prepare``:
-        the batcher runs each batch before it prepares the next."""
+        a host buffer is copied (pinned) when its batch is launched, and a device one is written on this
+        runner's stream, so the next batch's stack waits for the forward pass still reading it."""
         first = rows[0]
         buffer = self._batch_buffer
         if buffer is None or len(buffer) < len(rows) or (buffer.device, buffer.dtype) != (first.device, first.dtype):
@@ -115,19 +116,27 @@ class ModelRunner:
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
-    @torch.inference_mode()
     def __call__(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """inputs [B, 3, 224, 224] (on the CPU, or already on the device) and temperatures [B] on the CPU
         -> (probabilities, logits) on the CPU."""
+        return self.launch(inputs, temperatures).wait()
+
+    @torch.inference_mode()
+    def launch(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> PendingScores:
+        """Start a batch: on CUDA the upload, forward pass, scores and the copy back are queued on this
+        runner's stream and this returns at once, so the host can gather the next batch while this one runs
+        (the batcher keeps two in flight). On the CPU the pass runs here and the scores are ready."""
         if not self.cuda:
             both = self._forward(inputs, temperatures)  # already host memory: no copy
-            return both[0], both[1]
+            return PendingScores(both[0], both[1])
         with torch.cuda.stream(self.stream):
             both = self._forward(to_device(inputs, self.device), to_device(temperatures, self.device))
+            # A fresh pinned block: the host allocator does not hand it out again until this copy is done.
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
-        self.stream.synchronize()  # the one synchronisation of the batch
-        return host[0], host[1]
+            landed = torch.cuda.Event()
+            landed.record(self.stream)
+        return PendingScores(host[0], host[1], landed)
 
     def _forward(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """[2, B, 1000] float32 on the device: the probabilities, then the logits (one tensor, one copy back)."""
@@ -193,6 +202,22 @@ class ModelRunner:
         if not self.cuda:
             return 0, 0
         return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+
+
+class PendingScores:
+    """A batch's (probabilities, logits), [B, 1000] float32 on the host, or on their way there: ``landed`` is
+    the CUDA event recorded after the copy back, and waiting on it is the one synchronisation of the batch
+    (with the GIL released, so the engine's other threads run meanwhile)."""
+
+    def __init__(self, probabilities: torch.Tensor, logits: torch.Tensor,
+                 landed: torch.cuda.Event | None = None) -> None:
+        self._scores = probabilities, logits
+        self._landed = landed
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._landed is not None:
+            self._landed.synchronize()
+        return self._scores
 
 
 def _scores(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:

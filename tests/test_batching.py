@@ -1,13 +1,17 @@
-"""How batches form: --wait-for-callers-ms holds a replica for the callers it just answered, and no longer."""
+"""How batches form: --wait-for-callers-ms holds a replica for the callers it just answered, and no longer; on
+CUDA the next batch is launched while one computes."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
 
 from client import AsyncClient, Client
+from server.batcher import CUDA_BATCHES_IN_FLIGHT
+from server.runner import PendingScores
 from tests.helpers import encode, random_rgb, wait_for
 
 IMAGES = [encode(random_rgb(900 + i)) for i in range(4)]
@@ -123,3 +127,48 @@ def test_work_after_an_idle_spell_does_not_count_as_callers_that_never_came_back
         client.classify([IMAGES[1]])  # so the replica still waits for the other three
         assert 0.5 <= queue_seconds(running) - before < 1.0
         assert waits(running) == (0, 1)
+
+
+class _HeldCopyBack:
+    """Stands in for a batch's CUDA event: its scores 'land' only once the test lets them."""
+
+    def __init__(self, released: threading.Event) -> None:
+        self._released = released
+
+    def synchronize(self) -> None:
+        assert self._released.wait(60)
+
+
+def test_the_next_batch_is_launched_while_one_computes_and_no_more(make_server, reference):
+    """The CUDA pipeline, driven on the CPU: with two batches in flight the worker launches a second batch while
+    the first one's scores have not landed, holds a third in the queue, and every answer is still the image's own."""
+    running = make_server(max_batch_size=1)
+    batcher = running.app.core.router.replicas[0].batcher
+    batcher._most_in_flight = CUDA_BATCHES_IN_FLIGHT
+    real_launch, released, launched = batcher._compute, threading.Event(), []
+
+    def launch_held(inputs, temperatures):
+        probabilities, logits = real_launch(inputs, temperatures).wait()
+        launched.append(len(inputs))
+        return PendingScores(probabilities, logits, _HeldCopyBack(released))
+
+    batcher._compute = launch_held
+
+    async def calls():
+        async with AsyncClient(running.target, timeout=60) as aclient:
+            pending = []
+            for image in IMAGES[:3]:  # one at a time, so each is its own batch
+                pending.append(asyncio.ensure_future(aclient.classify([image], full=True)))
+                await asyncio.get_running_loop().run_in_executor(
+                    None, wait_for, lambda: len(launched) + running.sample("resnet_queue_depth", device="cpu")
+                    == len(pending))
+            assert launched == [1, 1]  # the second batch went while the first one's scores were held...
+            assert running.sample("resnet_queue_depth", device="cpu") == 1  # ...and the third waits for room
+            released.set()
+            return await asyncio.gather(*pending)
+
+    results = asyncio.run(calls())
+    assert launched == [1, 1, 1]
+    for image, (result,) in zip(IMAGES[:3], results, strict=True):
+        expected = reference.probabilities(reference.input_from_bytes(image))
+        np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)

@@ -13,6 +13,7 @@ import pytest
 from client import AsyncClient, ClassifierError, Client
 from client.api import classifier_pb2 as pb
 from client.api import classifier_pb2_grpc as pb_grpc
+from server.runner import PendingScores
 from tests.helpers import encode, random_rgb, wait_for
 
 GOOD = encode(random_rgb(5))
@@ -147,8 +148,8 @@ def test_a_failure_after_the_forward_pass_fails_its_batch_and_the_worker_goes_on
     real_compute = batcher._compute
 
     def three_classes(inputs, temperatures):  # too few classes for a top 5: picking it fails, not the pass
-        probabilities, logits = real_compute(inputs, temperatures)
-        return probabilities[:, :3], logits[:, :3]
+        probabilities, logits = real_compute(inputs, temperatures).wait()
+        return PendingScores(probabilities[:, :3], logits[:, :3])
 
     batcher._compute = three_classes
     with Client(running.target, timeout=20) as client:

@@ -157,7 +157,7 @@ def test_an_evicted_replica_is_probed_and_rejoins_once_a_probe_passes(make_serve
     assert running.sample("resnet_requests_total", device="cpu#0", code="INTERNAL") == FAILURES_BEFORE_EVICTION
     assert probes("passed") == 0
 
-    broken.batcher._compute = broken.runner  # the fault clears
+    broken.batcher._compute = broken.runner.launch  # the fault clears
     wait_for(lambda: running.sample("resnet_replica_healthy", device="cpu#0") == 1)
     assert probes("passed") == 1
     with Client(running.target) as client:
@@ -171,7 +171,7 @@ def test_health_is_serving_again_when_the_last_replica_rejoins(make_server):
     break_until_evicted(running, replica)
     with Client(running.target) as client:
         wait_for(lambda: client.health() == "NOT_SERVING")
-        replica.batcher._compute = replica.runner
+        replica.batcher._compute = replica.runner.launch
         wait_for(lambda: client.health() == "SERVING")
         assert client.health("resnet.v1.Classifier") == "SERVING"
         (result,) = client.classify([IMAGE])
@@ -198,7 +198,7 @@ def test_a_replica_back_in_rotation_in_time_keeps_the_server_running(make_server
         wait_for(lambda: client.health() == "NOT_SERVING")
         give_up = running.app._give_up
         assert give_up is not None and not give_up.cancelled()
-        replica.batcher._compute = replica.runner
+        replica.batcher._compute = replica.runner.launch
         wait_for(lambda: client.health() == "SERVING")
     assert give_up.cancelled()
     assert not running.app.stop_requested.is_set()
@@ -208,7 +208,7 @@ def test_without_probes_an_evicted_replica_stays_out(make_server):
     running = make_server(devices=("cpu", "cpu"), replica_probe_interval=0)
     broken = running.app.core.router.replicas[0]
     break_until_evicted(running, broken)
-    broken.batcher._compute = broken.runner
+    broken.batcher._compute = broken.runner.launch
     with Client(running.target) as client:
         assert {client.classify([IMAGE])[0].device for _ in range(4)} == {"cpu#1"}
     assert broken.batcher._time_to_probe() is None  # its worker waits for work alone, with no timeout
