@@ -4,15 +4,36 @@ from __future__ import annotations
 
 import grpc
 
+# Trailing metadata of a request refused for some of its images: their positions, comma-separated. The status
+# message says why, a line ``images[i]: reason`` each (or just the reason, for a request of one image).
+INVALID_IMAGES_KEY = "resnet-invalid-images"
+
 
 class ClassifierError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, invalid_images: dict[int, str] | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        # For INVALID_ARGUMENT from a server that names them: each invalid image's reason, by its position in
+        # the request; the other images were valid and were not run.
+        self.invalid_images = invalid_images or {}
 
     @classmethod
     def from_rpc_error(cls, error: grpc.RpcError) -> ClassifierError:
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-        details = error.details() if hasattr(error, "details") else str(error)
-        return cls(code or grpc.StatusCode.UNKNOWN, details or "")
+        details = (error.details() if hasattr(error, "details") else str(error)) or ""
+        return cls(code or grpc.StatusCode.UNKNOWN, details, _invalid_images(error, details))
+
+
+def _invalid_images(error: grpc.RpcError, message: str) -> dict[int, str]:
+    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    listed = next((value for key, value in trailers or () if key == INVALID_IMAGES_KEY), "")
+    positions = [int(text) for text in listed.split(",") if text.strip().isdigit()]
+    if len(positions) == 1 and not message.startswith("images["):  # a lone image: the message is its reason
+        return {positions[0]: message}
+    reasons = {}
+    for line in message.splitlines():
+        head, _, reason = line.partition("]: ")
+        if head.startswith("images[") and head[7:].isdigit():
+            reasons[int(head[7:])] = reason
+    return {position: reasons.get(position, message) for position in positions}

@@ -1,10 +1,11 @@
 """Classify many image files: a few files a request, a few requests in flight, a bad file failing alone.
 
-The service answers a request all or nothing (one undecodable image fails it with INVALID_ARGUMENT) and
-refuses a request of more images than its ``--max-images-per-request``. So a folder of files goes in requests
-of ``images_per_request`` files, ``concurrency`` of them at a time, answered in the order of the paths. A
-request refused for what its images hold (INVALID_ARGUMENT, or RESOURCE_EXHAUSTED: a message over the size
-limit, or a full queue) is sent again one image a request, so only the files at fault get an error. A file
+The service answers a request all or nothing (one undecodable image fails it with INVALID_ARGUMENT, naming
+every invalid image) and refuses a request of more images than its ``--max-images-per-request``. So a folder
+of files goes in requests of ``images_per_request`` files, ``concurrency`` of them at a time, answered in the
+order of the paths. A request refused for some of its images has those files get their errors and the others
+sent again in one request; one refused otherwise for what its images hold (RESOURCE_EXHAUSTED: a message over
+the size limit, or a full queue) is sent again one image a request, so only the files at fault get an error. A file
 that cannot be read gets its error without a call. Any other failure (server unreachable, credentials
 refused, deadline) raises ClassifierError and ends the run: it would fail every file after it too.
 """
@@ -78,4 +79,15 @@ def _classify(client: Client, images: list[bytes], options: dict) -> list[FileRe
             raise
         if len(images) == 1:
             return [FileError(exc.code, exc.message)]
+        if exc.invalid_images:  # the server named the invalid images: the others go again in one request
+            return _without_invalid(client, images, exc, options)
         return [result for image in images for result in _classify(client, [image], options)]
+
+
+def _without_invalid(client: Client, images: list[bytes], exc: ClassifierError, options: dict) -> list[FileResult]:
+    results: dict[int, FileResult] = {index: FileError(exc.code, reason)
+                                      for index, reason in exc.invalid_images.items() if index < len(images)}
+    valid = [index for index in range(len(images)) if index not in results]
+    if valid:
+        results.update(zip(valid, _classify(client, [images[i] for i in valid], options), strict=True))
+    return [results[index] for index in range(len(images))]

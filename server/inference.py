@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .batcher import ImageOutput, WorkItem
 from .device_decode import defer_or_preprocess
-from .errors import DeadlineExpired, InvalidInput, Overloaded, Unavailable, status_for
+from .errors import DeadlineExpired, InvalidImages, InvalidInput, Overloaded, Unavailable, status_for
 from .metrics import Metrics
 from .postprocess import NUM_CLASSES
 from .preprocess import ImageInput, RawImage, check_raw, preprocess
@@ -70,11 +70,13 @@ class InferenceCore:
         in_flight = self._metrics.in_flight.labels(replica.name)
         in_flight.inc()
         replica.pending += len(call.images)
-        code, outputs = "OK", None
+        code, outputs, counted = "OK", None, len(call.images)
         try:
             outputs = await self._classify_on(replica, call, started)
         except BaseException as exc:
             code = "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0].name
+            if isinstance(exc, InvalidImages):  # the valid ones were not served: their caller may send them again
+                counted = len(exc.reasons)
             if not self.router.any_healthy():  # this call's failure may have evicted the last replica
                 self._on_no_replica_left()
             raise
@@ -82,7 +84,7 @@ class InferenceCore:
             replica.pending -= len(call.images)
             in_flight.dec()
             self._metrics.requests.labels(replica.name, code).inc()
-            self._metrics.images.labels(replica.name, code).inc(len(call.images))
+            self._metrics.images.labels(replica.name, code).inc(counted)
             elapsed = time.monotonic() - started
             self._metrics.request_latency.labels(replica.name).observe(elapsed)
             self._metrics.statistics.record_request(elapsed, outputs)
@@ -129,9 +131,13 @@ class InferenceCore:
         images are decoded (or, to be decoded on the device, header-checked) in the preprocessing threads. An
         image too large to hand an engine process as it came (its slab's ``inline_bytes``) is preprocessed
         here, in those threads, and goes as the model's float input."""
-        for image in images:
+        invalid: dict[int, str] = {}  # every invalid image's reason, so the caller can drop just those
+        for index, image in enumerate(images):
             if isinstance(image, RawImage):
-                check_raw(image, self.limits.max_pixels)
+                try:
+                    check_raw(image, self.limits.max_pixels)
+                except InvalidInput as exc:
+                    invalid[index] = str(exc)
         inline = replica.inline_bytes
         loop = asyncio.get_running_loop()
 
@@ -141,12 +147,21 @@ class InferenceCore:
                 return None if fits else preprocess
             return defer_or_preprocess if replica.decode_on_device and fits else preprocess
 
-        work = [(i, decode) for i, image in enumerate(images) if (decode := decoder(image)) is not None]
+        work = [(i, decode) for i, image in enumerate(images)
+                if i not in invalid and (decode := decoder(image)) is not None]
         decoded = await asyncio.gather(*(loop.run_in_executor(self._executor, decode, images[i],
-                                                              self.limits.max_pixels) for i, decode in work))
+                                                              self.limits.max_pixels) for i, decode in work),
+                                       return_exceptions=True)
         admitted: list[ModelInput] = list(images)
         for (index, _), model_input in zip(work, decoded, strict=True):
-            admitted[index] = model_input
+            if isinstance(model_input, InvalidInput):
+                invalid[index] = str(model_input)
+            elif isinstance(model_input, BaseException):
+                raise model_input
+            else:
+                admitted[index] = model_input
+        if invalid:
+            raise InvalidImages(invalid, len(images))
         return admitted
 
     def close(self) -> None:

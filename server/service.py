@@ -16,9 +16,10 @@ import grpc
 
 from client.api import classifier_pb2 as pb
 from client.api import classifier_pb2_grpc as pb_grpc
+from client.errors import INVALID_IMAGES_KEY  # the client reads it; it installs without torch
 
 from .batcher import ImageOutput
-from .errors import ServingError, Unavailable, status_for
+from .errors import InvalidImages, ServingError, Unavailable, status_for
 from .inference import ClassifyCall, InferenceCore
 from .preprocess import EncodedImage, ImageInput, RawImage
 
@@ -62,6 +63,8 @@ async def abort_with(context: grpc.aio.ServicerContext, rid: str, exc: Exception
         # The caller is gone (cancelled, or its deadline passed): there is no one to answer, and
         # grpc refuses to send a status on a finished call.
         raise asyncio.CancelledError(f"request {rid} ended before its answer") from exc
+    if isinstance(exc, InvalidImages):
+        context.set_trailing_metadata(((INVALID_IMAGES_KEY, ",".join(map(str, exc.reasons))),))
     await context.abort(*caller_status(rid, exc))
 
 

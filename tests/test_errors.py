@@ -63,6 +63,26 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(server, client, 
     assert len(result.top_k) == 5
 
 
+def test_a_request_refused_for_some_images_names_each_one_and_counts_only_them(make_server):
+    running = make_server()
+    images = [pb.Image(encoded=GOOD), pb.Image(encoded=b"garbage"), pb.Image(encoded=GOOD),
+              raw(pb.RawTensor.UINT8, [4, 4, 3], b"\0" * 47), pb.Image(encoded=GOOD)]
+    with grpc.insecure_channel(running.target) as channel, pytest.raises(grpc.RpcError) as caught:
+        pb_grpc.ClassifierStub(channel).Classify(pb.ClassifyRequest(images=images), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().splitlines() == [
+        "2 of 5 images are invalid",
+        "images[1]: cannot decode image (7 bytes): not a JPEG, PNG, GIF or WEBP file",
+        "images[3]: raw uint8 tensor of shape [4, 4, 3] needs 48 bytes, got 47"]
+    assert ("resnet-invalid-images", "1,3") in caught.value.trailing_metadata()
+    error = ClassifierError.from_rpc_error(caught.value)
+    assert error.invalid_images == {1: "cannot decode image (7 bytes): not a JPEG, PNG, GIF or WEBP file",
+                                    3: "raw uint8 tensor of shape [4, 4, 3] needs 48 bytes, got 47"}
+    assert running.sample("resnet_images_total", device="cpu", code="INVALID_ARGUMENT") == 2
+    assert running.sample("resnet_images_total", device="cpu", code="OK") == 0
+    assert running.sample("resnet_requests_total", device="cpu", code="INVALID_ARGUMENT") == 1
+
+
 def test_pixel_limit_refuses_large_images(make_server):
     small_limit = make_server(max_pixels=100 * 100)
     with Client(small_limit.target, timeout=60) as client:
