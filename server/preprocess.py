@@ -149,7 +149,8 @@ def _stack_bytes(datas: list[bytes], dtype: str, shape: tuple[int, ...], pinned:
     """The images' bytes copied once, into one new (pinned, for an upload) [B, *shape] tensor.
 
     Through a memoryview: a plain copy that keeps the GIL. A NumPy copy of each image gives the GIL up and must
-    win it back from the event loop, up to a switch interval per image (scripts/gil_probe.py)."""
+    win it back from the event loop, up to a switch interval per image (measured with scripts/gil_probe.py, a
+    probe in git at e500ba4)."""
     batch = torch.empty((len(datas), *shape), dtype=getattr(torch, dtype), pin_memory=pinned)
     flat, offset = memoryview(batch.numpy()).cast("B"), 0
     for data in datas:  # each is exactly one image's bytes: check_raw saw to it on arrival

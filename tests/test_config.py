@@ -122,7 +122,8 @@ def test_replica_names_are_unique_per_device():
 
 def test_the_readme_flag_table_has_every_flag_with_its_environment_twin_and_default():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Server flags"):readme.index("## The gRPC API")]
+    start = readme.index("## Configuration")
+    section = readme[start:readme.index("\n## ", start + 1)]
     rows = {}  # flag -> (env, default as written)
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.split("|")[1:-1]]

@@ -48,6 +48,11 @@ def test_compose_file_is_valid(files):
     assert config["services"]["prometheus"]["depends_on"]["server"]["condition"] == "service_healthy"
     has_gpu = "deploy" in server and server["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
     assert has_gpu == (len(files) == 1)
+    assert "grafana" not in config["services"]  # on request only: a host without its image still starts the rest
+    with_grafana = subprocess.run([*args[:-3], "--profile", "grafana", "config", "--format", "json"], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=60, env=defaults)
+    assert with_grafana.returncode == 0, with_grafana.stderr
+    assert "grafana" in json.loads(with_grafana.stdout)["services"]
 
 
 @needs_promtool
