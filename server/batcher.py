@@ -141,13 +141,13 @@ class Batcher:
     and every forward pass thus share one thread: with OpenMP, each thread that runs parallel torch
     ops gets its own team of spinning workers, and on a small CPU two teams cost a third of the speed.
 
-    The worker forms, prepares and launches batches; a finisher thread waits for each one's scores, takes
-    its top-k and hands the answers back. On CUDA a launch returns while the device still computes, so the
+    The worker forms, prepares and launches batches; on CUDA a finisher thread waits for each one's scores,
+    takes its top-k and hands the answers back. A launch there returns while the device still computes, so the
     worker gathers and uploads the next batch meanwhile (the host work ran in series with the GPU before:
     measured on an H100, about 18 ms a batch of 120 against 6-7 ms of forward pass). At most
     ``CUDA_BATCHES_IN_FLIGHT`` batches are launched and unanswered, and the next batch is formed only when
     there is room for it, so it still takes everything that arrived in the meantime. On the CPU, where the
-    forward pass itself occupies the cores, one batch at a time."""
+    forward pass itself occupies the cores, the worker answers each batch itself before it takes the next."""
 
     def __init__(self, name: str, setup: Callable[[], ModelRunner], metrics: Metrics, *, max_batch_size: int,
                  max_batch_delay_ms: float, max_queue: int, failures_before_eviction: int, probe_interval: float,
@@ -392,15 +392,22 @@ class Batcher:
             launched.error = exc
         with self._cond:
             self._in_flight += 1
-        self._launched.put(launched)
+        if self._most_in_flight == 1:  # nothing to overlap (the CPU): answered here, with no hand-off
+            self._settle(launched)
+        else:
+            self._launched.put(launched)
 
     def _finish_batches(self) -> None:
         use_torch_threads(1)  # top-k only: no OpenMP team of its own beside the worker's
         while (launched := self._launched.get()) is not None:
-            self._finish(launched)
-            with self._cond:
-                self._in_flight -= 1
-                self._cond.notify_all()
+            self._settle(launched)
+
+    def _settle(self, launched: _Launched) -> None:
+        """Answer a launched batch and make room for the next."""
+        self._finish(launched)
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
 
     def _finish(self, launched: _Launched) -> None:
         batch = launched.batch
