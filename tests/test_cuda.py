@@ -1,7 +1,7 @@
 """The GPU fast path on a real CUDA device (skipped without one; scripts/gpu_check.sh runs these).
 
-One synchronisation per batch, answers like the CPU reference in every precision, and two replicas
-sharing one GPU each with its own metric label.
+One synchronisation per batch and none at its launch, answers like the CPU reference in every precision, and
+two replicas sharing one GPU each with its own metric label.
 """
 
 from __future__ import annotations
@@ -45,9 +45,30 @@ def test_a_batch_synchronises_only_when_its_results_come_back(weights_file):
         assert not errors and inputs.device == device
         runner(inputs, torch.ones(len(images)))
 
+    def one_wait() -> None:  # what a batch waits on: an event recorded on the runner's stream
+        landed = torch.cuda.Event()
+        landed.record(runner.stream)
+        landed.synchronize()
+
     batch()  # a batch of 3 once, so any autotuning for its shape is done
-    explicit = synchronisations(lambda: runner.stream.synchronize())  # 1 if torch counts it, else 0
+    explicit = synchronisations(one_wait)  # 1 if torch counts it, else 0
     assert synchronisations(batch) == explicit
+
+
+def test_a_launch_returns_before_its_batch_is_done_and_two_in_flight_answer_alike(weights_file):
+    """The engine's overlap: launching makes no synchronisation at all (the host goes on to the next batch),
+    and two batches launched back to back, waited on afterwards, answer as each does alone."""
+    device = torch.device("cuda:0")
+    runner = ModelRunner(build_model(load_weights(str(weights_file[0]), device), device), device, "fp32", True)
+    runner.warm_up([2, 4])
+    first = [RawImage("uint8", pixels.shape, pixels.tobytes()) for pixels in PIXELS]
+    second = first[:2]
+    alone = [runner(runner.prepare(images)[0], torch.ones(len(images)))[0].clone() for images in (first, second)]
+    launched = []
+    assert synchronisations(lambda: launched.extend(
+        runner.launch(runner.prepare(images)[0], torch.ones(len(images))) for images in (first, second))) == 0
+    for pending, expected in zip(launched, alone, strict=True):
+        torch.testing.assert_close(pending.wait()[0], expected, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("precision, tolerance", [("fp32", 0.02), ("fp16", 0.05), ("bf16", 0.1)])
