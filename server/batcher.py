@@ -378,8 +378,8 @@ class Batcher:
         return live
 
     def _launch(self, batch: list[WorkItem]) -> None:
-        """Prepare the batch and start its forward pass; the finisher answers it, in launch order. A failure
-        here goes to the finisher too, so that every batch's outcome is counted on one thread."""
+        """Prepare the batch and start its forward pass; it is answered in launch order (on CUDA by the
+        finisher). A failure here is answered the same way, so every batch's outcome is counted in one place."""
         launched = _Launched(batch, time.monotonic())
         try:
             launched.batch, inputs = self._prepare(batch)
