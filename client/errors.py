@@ -25,6 +25,22 @@ class ClassifierError(Exception):
         return cls(code or grpc.StatusCode.UNKNOWN, details, _invalid_images(error, details))
 
 
+REASONS_LISTED = 8  # a status message travels in a trailer too, whose size gRPC limits (8 KiB by default)
+
+
+def invalid_images_message(reasons: dict[int, str], total: int) -> str:
+    """The status message of a request refused for some of its ``total`` images (the server writes it, and
+    ``_invalid_images`` reads it back): a lone image's reason as it is; otherwise a line per invalid image,
+    ``images[i]: reason``, under a count when there are several."""
+    if total == 1:
+        return next(iter(reasons.values()))
+    lines = [f"images[{index}]: {reason}" for index, reason in list(reasons.items())[:REASONS_LISTED]]
+    if len(reasons) > REASONS_LISTED:
+        lines.append(f"... and {len(reasons) - REASONS_LISTED} more")
+    head = [] if len(reasons) == 1 else [f"{len(reasons)} of {total} images are invalid"]
+    return "\n".join(head + lines)
+
+
 def _invalid_images(error: grpc.RpcError, message: str) -> dict[int, str]:
     trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     listed = next((value for key, value in trailers or () if key == INVALID_IMAGES_KEY), "")

@@ -127,7 +127,7 @@ ComputeFn = Callable[[torch.Tensor, torch.Tensor], "PendingScores"]
 
 @dataclass(eq=False)
 class _Launched:
-    """A batch handed from the worker to the finisher: its scores on their way, or why it could not start."""
+    """A launched batch, until it is answered: its scores on their way, or why it could not start."""
 
     batch: list[WorkItem]
     started: float  # time.monotonic() when the worker took it
@@ -438,9 +438,9 @@ class Batcher:
         if len(probabilities) != len(batch):
             raise RuntimeError(f"compute returned {len(probabilities)} results for {len(batch)} images")
         tops = top_k(probabilities, [item.top_k for item in batch])
-        # NumPy views of the host results: indexing a row is then plain Python work, not a torch call per image.
         timing = BatchTiming(launched.prepared - launched.started, computed - launched.prepared,
                              time.monotonic() - computed)
+        # NumPy views of the host results: indexing a row is then plain Python work, not a torch call per image.
         return BatchOutput(probabilities.numpy(), logits.numpy(), tops,
                            [launched.started - item.enqueued for item in batch], timing)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import grpc
 
+from client.errors import invalid_images_message  # the wire format, beside the client's reader of it
+
 
 class StartupError(RuntimeError):
     """The server cannot start as configured; the message says why, in one line."""
@@ -26,26 +28,12 @@ class InvalidInput(ServingError):
 
 class InvalidImages(InvalidInput):
     """Some images of a request are invalid: each one's reason, by its position in the request. The request
-    is refused as a whole; the caller learns which images to drop (client.errors' ``INVALID_IMAGES_KEY`` trailer) and
-    may send the others again."""
+    is refused as a whole; the caller learns which images to drop (client.errors' ``INVALID_IMAGES_KEY``
+    trailer) and may send the others again."""
 
     def __init__(self, reasons: dict[int, str], total: int) -> None:
         self.reasons = dict(sorted(reasons.items()))
-        super().__init__(_invalid_images_message(self.reasons, total))
-
-
-REASONS_LISTED = 8  # a status message travels in a trailer too, whose size gRPC limits (8 KiB by default)
-
-
-def _invalid_images_message(reasons: dict[int, str], total: int) -> str:
-    """A lone image's reason as it is; otherwise a line per invalid image, ``images[i]: reason``."""
-    if total == 1:
-        return next(iter(reasons.values()))
-    lines = [f"images[{index}]: {reason}" for index, reason in list(reasons.items())[:REASONS_LISTED]]
-    if len(reasons) > REASONS_LISTED:
-        lines.append(f"... and {len(reasons) - REASONS_LISTED} more")
-    head = [] if len(reasons) == 1 else [f"{len(reasons)} of {total} images are invalid"]
-    return "\n".join(head + lines)
+        super().__init__(invalid_images_message(self.reasons, total))
 
 
 class Overloaded(ServingError):
