@@ -386,7 +386,8 @@ class Batcher:
             if not launched.batch:  # every image was refused: each has had its answer
                 return
             launched.prepared = time.monotonic()
-            temperatures = torch.tensor([item.temperature for item in launched.batch], dtype=torch.float64)
+            # Through NumPy: torch.tensor from a list costs twice as much, once a batch.
+            temperatures = torch.from_numpy(np.array([item.temperature for item in launched.batch], np.float64))
             launched.scores = self._compute_split_on_oom(inputs, temperatures)
         except Exception as exc:  # noqa: BLE001 - anything at all fails this batch, never the worker
             launched.error = exc

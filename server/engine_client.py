@@ -22,7 +22,7 @@ from types import SimpleNamespace
 from . import errors
 from .batcher import ImageOutput, WorkItem
 from .device_decode import DeferredJpeg
-from .engine import EngineLink, Entry
+from .engine import EngineLink, Entry, send_message
 from .errors import Overloaded, ServingError, StartupError, Unavailable
 from .preprocess import FLOAT_SHAPE, RawImage
 from .slab import Slab
@@ -52,6 +52,7 @@ class EngineClient:
         self._connection: Connection | None = None
         self._in_rotation = False
         self._waiting: dict[int, WorkItem] = {}  # by slot: items sent and not yet answered
+        self._unsent: list[Entry] = []  # submitted in this turn of the event loop; sent together at its end
         self._slot_of: dict[WorkItem, int] = {}
         self._reconnecting: asyncio.Task | None = None
         self._closed = False
@@ -117,14 +118,22 @@ class EngineClient:
         if slots is None:
             raise Overloaded(f"{self.name} has its --max-queue of {self.link.layout.slots} images accepted and "
                              "not yet answered; retry later")
-        entries = [self._write(slot, item) for slot, item in zip(slots, items, strict=True)]
         for slot, item in zip(slots, items, strict=True):
+            self._unsent.append(self._write(slot, item))
             self._waiting[slot], self._slot_of[item] = item, slot
+        if len(self._unsent) == len(items):  # the first submit of this turn of the loop
+            asyncio.get_running_loop().call_soon(self._send_unsent)
+
+    def _send_unsent(self) -> None:
+        """One message for every call submitted since the last: a message and its wake-up of the engine cost
+        about as much as the rest of a call's hand-off, and under load many calls start in one turn of the loop."""
+        entries, self._unsent = self._unsent, []
+        if not entries or self._connection is None:  # lost meanwhile: _lost has failed these calls already
+            return
         try:
-            self._connection.send(("submit", entries))
+            send_message(self._connection, ("submit", entries))
         except OSError:
-            self._lost()  # fails these items too
-            raise Unavailable(f"the engine of {self.name} has ended; retry") from None
+            self._lost()  # fails these items too: UNAVAILABLE, and the client retries
 
     def _write(self, slot: int, item: WorkItem) -> Entry:
         """The image into its slot, as it came (raw pixels, JPEG bytes) or preprocessed (float32)."""
@@ -142,9 +151,10 @@ class EngineClient:
     def withdraw(self, items: Sequence[WorkItem]) -> None:
         """The caller has gone: ask the engine to drop what it has not computed (it answers 'released')."""
         slots = [self._slot_of[item] for item in items if item in self._slot_of]
+        self._send_unsent()  # the engine must have them before it is asked to drop them
         if slots and self._connection is not None:
             with contextlib.suppress(OSError):  # it has gone: the reader sees the socket close
-                self._connection.send(("cancel", slots))
+                send_message(self._connection, ("cancel", slots))
 
     def _read(self) -> None:
         try:
@@ -201,7 +211,7 @@ class EngineClient:
         asyncio.get_running_loop().remove_reader(self._connection.fileno())
         self._connection.close()
         self._connection = None
-        waiting, self._waiting, self._slot_of = self._waiting, {}, {}
+        waiting, self._waiting, self._slot_of, self._unsent = self._waiting, {}, {}, []
         self.slab.give_back(list(waiting), self.owner)
         error = Unavailable(f"the engine of {self.name} ended with this call in flight; retry")
         for item in waiting.values():

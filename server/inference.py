@@ -54,6 +54,7 @@ class InferenceCore:
         self.limits = limits
         self.default_temperature = default_temperature
         self._metrics = metrics
+        self._children: dict[tuple, object] = {}
         # Preprocessing threads run torch ops one-threaded: an OpenMP team per thread would compete with
         # the replicas' forward passes for the same cores (measured: ~30% slower forward on 2 cores).
         self._executor = ThreadPoolExecutor(preprocess_threads, thread_name_prefix="preprocess",
@@ -67,7 +68,7 @@ class InferenceCore:
         except Unavailable:
             self._on_no_replica_left()
             raise
-        in_flight = self._metrics.in_flight.labels(replica.name)
+        in_flight = self._series(self._metrics.in_flight, replica.name)
         in_flight.inc()
         replica.pending += len(call.images)
         code, outputs, counted = "OK", None, len(call.images)
@@ -83,10 +84,10 @@ class InferenceCore:
         finally:
             replica.pending -= len(call.images)
             in_flight.dec()
-            self._metrics.requests.labels(replica.name, code).inc()
-            self._metrics.images.labels(replica.name, code).inc(counted)
+            self._series(self._metrics.requests, replica.name, code).inc()
+            self._series(self._metrics.images, replica.name, code).inc(counted)
             elapsed = time.monotonic() - started
-            self._metrics.request_latency.labels(replica.name).observe(elapsed)
+            self._series(self._metrics.request_latency, replica.name).observe(elapsed)
             self._metrics.statistics.record_request(elapsed, outputs)
         return outputs
 
@@ -104,12 +105,22 @@ class InferenceCore:
                  for model_input in model_inputs]
         replica.batcher.submit(items)
         try:
+            if len(items) == 1:  # most calls: no gathering future and its callbacks
+                return [await items[0].future]
             return list(await asyncio.gather(*(item.future for item in items)))
         except BaseException:
             replica.batcher.withdraw(items)  # a cancelled call frees its queue slots at once
             for item in items:
                 item.future.cancel()
             raise
+
+    def _series(self, metric, *labels: str):
+        """``metric.labels(*labels)``, kept: prometheus_client takes a lock and builds a key on every lookup."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def _validate(self, call: ClassifyCall) -> tuple[float, int]:
         if not call.images:
@@ -149,6 +160,8 @@ class InferenceCore:
 
         work = [(i, decode) for i, image in enumerate(images)
                 if i not in invalid and (decode := decoder(image)) is not None]
+        if not work and not invalid:  # raw pixels that fit their slots: nothing to decode (most calls)
+            return list(images)
         decoded = await asyncio.gather(*(loop.run_in_executor(self._executor, decode, images[i],
                                                               self.limits.max_pixels) for i, decode in work),
                                        return_exceptions=True)
