@@ -6,7 +6,10 @@ nothing (``scripts/handling_ceiling.py``: every forward pass is ready-made), so 
 path itself: gRPC, the handler, validation, the slab, the engine's hand-offs and the answer. Both take the same
 150 KB requests (one uint8 224x224 image, as a ClassifyRequest) from the same client: ``--processes`` processes
 of ``--concurrency`` calls in flight each, for ``--duration`` seconds after a second of warm-up. The ratio of
-their calls a second is the issue's target (>= 0.6). Both servers listen on 127.0.0.1 and are stopped when done.
+their calls a second is the issue's target (>= 0.6). Beside it, each server process's CPU time a call (over
+the whole run, warm-up included, over every call made): on a machine whose cores the clients share, a steadier
+measure than calls a second, and it says whether the front-end or its engine costs what. Both servers listen on
+127.0.0.1 and are stopped when done.
 
 Usage: python scripts/frontend_cost.py [--processes 4] [--concurrency 16] [--duration 10] [--server-flags "..."]
        [--json]
@@ -19,6 +22,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -27,10 +31,12 @@ import time
 from pathlib import Path
 
 import grpc
+from cpu_split import thread_cpu_seconds
 from grpc_floor import serve_aio  # scripts/ is this script's first path entry, and its spawned children's
 
 from client.api import classifier_pb2 as pb
 
+STARTED = re.compile(r"started resnet-(engine|frontend)-\S+ \(pid (\d+)\)")  # the supervisor's log line
 BARE_METHOD = "/floor.Floor/Call"  # grpc_floor's server: one method that answers 4,000 bytes
 CLASSIFY = "/resnet.v1.Classifier/Classify"
 REQUEST = pb.ClassifyRequest(images=[pb.Image(raw=pb.RawTensor(dtype=pb.RawTensor.UINT8, shape=[224, 224, 3],
@@ -38,64 +44,80 @@ REQUEST = pb.ClassifyRequest(images=[pb.Image(raw=pb.RawTensor(dtype=pb.RawTenso
 
 
 def load(target: str, method: str, concurrency: int, duration: float, results) -> None:
-    """One client process: ``concurrency`` calls in flight on one channel; sends how many ended in the window."""
-    async def main() -> int:
+    """One client process: ``concurrency`` calls in flight on one channel; sends how many ended in the window and
+    how many in all."""
+    async def main() -> tuple[int, int]:
         async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
             call = channel.unary_unary(method)  # bytes in, bytes out: the same client work for both servers
             payload = REQUEST.SerializeToString()
             start = time.monotonic() + 1.0  # a second of warm-up
             end = start + duration
-            counted = 0
+            counted = made = 0
 
             async def caller() -> None:
-                nonlocal counted
+                nonlocal counted, made
                 while time.monotonic() < end:
                     await call(payload, timeout=30)
                     counted += start <= time.monotonic() < end
+                    made += 1
 
             await asyncio.gather(*(caller() for _ in range(concurrency)))
-            return counted
+            return counted, made
 
     results.send(asyncio.run(main()))
 
 
-def calls_per_second(target: str, method: str, args: argparse.Namespace) -> float:
+def calls_per_second(target: str, method: str, args: argparse.Namespace,
+                     processes: dict[str, int]) -> tuple[float, dict[str, float]]:
+    """Calls a second in the window, and the CPU microseconds a call of each of ``processes`` (by name: pid)."""
     context = multiprocessing.get_context("spawn")
+    before = cpu_seconds(processes)
     pipes = []
     for _ in range(args.processes):
         receiver, sender = context.Pipe(duplex=False)
         context.Process(target=load, args=(target, method, args.concurrency, args.duration, sender)).start()
         pipes.append(receiver)
-    return sum(pipe.recv() for pipe in pipes) / args.duration
+    counted, made = map(sum, zip(*(pipe.recv() for pipe in pipes), strict=True))
+    after = cpu_seconds(processes)
+    return counted / args.duration, {name: 1e6 * (after[name] - before[name]) / made for name in processes}
 
 
-def bare(args: argparse.Namespace) -> float:
+def cpu_seconds(processes: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each process (all its threads; not its children)."""
+    return {name: sum(seconds for (process, _), seconds in thread_cpu_seconds(pid).items() if process == pid)
+            for name, pid in processes.items()}
+
+
+def bare(args: argparse.Namespace) -> tuple[float, dict[str, float]]:
     context = multiprocessing.get_context("spawn")
     ports, stop = context.Queue(), context.Event()
     server = context.Process(target=serve_aio, args=(ports, stop))
     server.start()
     try:
-        return calls_per_second(f"127.0.0.1:{ports.get(timeout=60)}", BARE_METHOD, args)
+        return calls_per_second(f"127.0.0.1:{ports.get(timeout=60)}", BARE_METHOD, args, {"bare": server.pid})
     finally:
         stop.set()
         server.join(10)
 
 
-def frontend(args: argparse.Namespace) -> float:
+def frontend(args: argparse.Namespace) -> tuple[float, dict[str, float]]:
     script = Path(__file__).with_name("handling_ceiling.py")
     server = subprocess.Popen(
         [sys.executable, str(script), "--frontends", "1", "--device", "cpu", "--weights", "random", "--host",
          "127.0.0.1", "--port", "0", "--metrics-port", "0", "--max-batch-size", "64", "--max-queue", "1024",
          *shlex.split(args.server_flags)],
         stderr=subprocess.PIPE, text=True)
+    processes = {}
     try:
-        for line in server.stderr:  # the front-end's "serving resnet18 on 127.0.0.1:PORT" line
+        for line in server.stderr:  # the supervisor's children, then the front-end's "serving resnet18 on ..." line
+            if started := STARTED.search(line):
+                processes[started[1]] = int(started[2])
             if "serving resnet18 on " in line:
                 port = int(line.split("127.0.0.1:")[1].split()[0])
                 break
         else:
             raise SystemExit("the server ended before it served")
-        return calls_per_second(f"127.0.0.1:{port}", CLASSIFY, args)
+        return calls_per_second(f"127.0.0.1:{port}", CLASSIFY, args, processes)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(30)
@@ -109,13 +131,15 @@ def main() -> None:
     parser.add_argument("--server-flags", default="", help="more resnet-server flags for the front-end's side")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a line of text")
     args = parser.parse_args()
-    bare_rate, frontend_rate = bare(args), frontend(args)
+    (bare_rate, bare_cpu), (frontend_rate, frontend_cpu) = bare(args), frontend(args)
+    cpu = {**bare_cpu, **frontend_cpu}
     result = {"bare_calls_per_s": bare_rate, "frontend_calls_per_s": frontend_rate,
-              "ratio": frontend_rate / bare_rate, "processes": args.processes, "concurrency": args.concurrency,
-              "duration_s": args.duration, "cores": len(os.sched_getaffinity(0))}
+              "ratio": frontend_rate / bare_rate, "cpu_us_per_call": cpu, "processes": args.processes,
+              "concurrency": args.concurrency, "duration_s": args.duration, "cores": len(os.sched_getaffinity(0))}
     print(json.dumps(result) if args.json else
           f"bare grpc.aio {bare_rate:.0f} calls/s, one front-end with a free model {frontend_rate:.0f} calls/s: "
-          f"{result['ratio']:.2f} x (target >= 0.6)")
+          f"{result['ratio']:.2f} x (target >= 0.6); CPU a call: "
+          + ", ".join(f"{name} {us:.0f} us" for name, us in cpu.items()))
 
 
 if __name__ == "__main__":

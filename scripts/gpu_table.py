@@ -81,8 +81,10 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
                      f"{unbatched['images_per_s']:.0f} images/s = "
                      f"{batched['images_per_s'] / unbatched['images_per_s']:.1f} x; target >= 10")
     if cost := results(folder, "frontend_cost"):
+        cpu = ", ".join(f"{name} {us:.0f} us" for name, us in cost[0]["cpu_us_per_call"].items())
         lines.append(f"- one front-end with a free model: {cost[0]['frontend_calls_per_s']:.0f} calls/s = "
-                     f"{cost[0]['ratio']:.2f} x bare grpc.aio ({cost[0]['bare_calls_per_s']:.0f}); target >= 0.6")
+                     f"{cost[0]['ratio']:.2f} x bare grpc.aio ({cost[0]['bare_calls_per_s']:.0f}); target >= 0.6; "
+                     f"CPU a call: {cpu}")
     if (folder / "precision.json").exists():
         precision = json.loads((folder / "precision.json").read_text())
         for name in ("fp16", "bf16"):

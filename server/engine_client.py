@@ -157,10 +157,13 @@ class EngineClient:
                 send_message(self._connection, ("cancel", slots))
 
     def _read(self) -> None:
+        """One message a call: the loop calls again while the socket has more (a poll first would cost a system
+        call a message)."""
+        if self._connection is None:
+            return
         try:
-            while self._connection is not None and self._connection.poll():
-                kind, payload = self._connection.recv()
-                getattr(self, f"_on_{kind}")(*payload)
+            kind, payload = self._connection.recv()
+            getattr(self, f"_on_{kind}")(*payload)
         except (EOFError, OSError):
             self._lost()
 

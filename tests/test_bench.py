@@ -297,6 +297,19 @@ def test_grpc_floor_times_both_minimal_servers():
         assert empty > 0 and image > 0
 
 
+def test_frontend_cost_measures_both_servers_and_each_process_cpu_a_call():
+    """scripts/frontend_cost.py end to end, briefly: both servers answered, and the CPU time a call of the bare
+    server, the front-end and its engine, each found by the supervisor's log line."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "frontend_cost.py"), "--processes", "1",
+                           "--concurrency", "4", "--duration", "1", "--json"],
+                          capture_output=True, text=True, timeout=180, check=True)
+    result = json.loads(done.stdout)
+    assert result["bare_calls_per_s"] > 0 and result["frontend_calls_per_s"] > 0
+    assert result["ratio"] == pytest.approx(result["frontend_calls_per_s"] / result["bare_calls_per_s"])
+    assert set(result["cpu_us_per_call"]) == {"bare", "engine", "frontend"}
+    assert all(us > 0 for us in result["cpu_us_per_call"].values())
+
+
 def test_handling_ceiling_serves_the_costless_model_from_every_worker(weights_file):
     """scripts/handling_ceiling.py: the server with its model replaced, in worker processes too."""
     port = free_port()
@@ -335,7 +348,8 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
         (tmp_path / f"{name}.json").write_text(capsys.readouterr().out)
     # The one-front-end run's JSON has the same shape (the bench sums the server's processes): a copy stands in.
     (tmp_path / "served_one_frontend.json").write_text((tmp_path / "served_batched.json").read_text())
-    cost = {"bare_calls_per_s": 1800.0, "frontend_calls_per_s": 990.0, "ratio": 0.55}  # frontend_cost.py's shape
+    cost = {"bare_calls_per_s": 1800.0, "frontend_calls_per_s": 990.0, "ratio": 0.55,  # frontend_cost.py's shape
+            "cpu_us_per_call": {"bare": 650.0, "engine": 350.0, "frontend": 1020.0}}
     (tmp_path / "frontend_cost.json").write_text(json.dumps(cost))
     (tmp_path / "ceiling_fp16_compiled_default.json").write_text("")  # a step that failed before writing
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as when run as a script: it imports bench_table
@@ -352,7 +366,8 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert "batching on / off at c=4" in table
     scripted = json.loads((tmp_path / "ceiling_fp32_torchscript.json").read_text())["forward_images_per_s"]["2"]
     assert f"| in-process forward, fp32 TorchScript, batch 2 | {scripted:.0f} |" in table
-    assert "- one front-end with a free model: 990 calls/s = 0.55 x bare grpc.aio (1800); target >= 0.6" in table
+    assert ("- one front-end with a free model: 990 calls/s = 0.55 x bare grpc.aio (1800); target >= 0.6; "
+            "CPU a call: bare 650 us, engine 350 us, frontend 1020 us") in table
 
 
 def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsys, tmp_path, monkeypatch):

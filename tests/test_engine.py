@@ -4,6 +4,7 @@ can reach each one on its own port, or as processes of their own where one is ki
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -105,6 +106,42 @@ def test_deadline_and_cancel_free_their_slots_before_compute(engines):
             client.classify([PIXELS], timeout=request_deadline)
     assert expired.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: engine_set.taken_slots() == 0)
+
+
+def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_one_is_not_answered(engines,
+                                                                                                  monkeypatch):
+    from server import engine_client
+    from server.batcher import WorkItem
+    from server.preprocess import RawImage
+
+    engine_set = engines(max_batch_size=8)
+    with Client(engine_set.frontend().target, timeout=60) as client:
+        want = client.classify([PIXELS], full=True, temperature=1.3)[0].probabilities
+    sent = []
+    send = engine_client.send_message
+    monkeypatch.setattr(engine_client, "send_message", lambda connection, message: (sent.append(message[0]),
+                                                                                     send(connection, message))[1])
+
+    async def three_calls_and_one_withdrawn():
+        handle = engine_client.EngineClient(engine_set.links[0], 3000, on_lost=lambda: None, on_back=lambda: None)
+        await handle.open()
+        loop = asyncio.get_running_loop()
+        items = [WorkItem(RawImage("uint8", PIXELS.shape, PIXELS.tobytes()), 1.3, 5, None, loop.create_future())
+                 for _ in range(3)]
+        for item in items:  # three calls' submits in one turn of the loop: nothing sent yet
+            handle.submit([item])
+        assert sent == []
+        handle.withdraw(items[2:])  # sends what waits first: the engine must know the slot it is asked to drop
+        items[2].future.cancel()
+        answers = await asyncio.wait_for(asyncio.gather(items[0].future, items[1].future), 60)
+        handle.stop()
+        return answers
+
+    answers = asyncio.run(three_calls_and_one_withdrawn())
+    assert sent == ["submit", "cancel"]
+    for answer in answers:
+        np.testing.assert_allclose(answer.probabilities, want, atol=1e-6, rtol=0)
+    wait_for(lambda: engine_set.taken_slots() == 0)  # the withdrawn one's slot too, whether dropped or computed
 
 
 def test_an_engine_killed_mid_batch_fails_its_calls_at_once_and_its_front_end_rejoins_the_new_one(engines):
