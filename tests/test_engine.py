@@ -119,8 +119,12 @@ def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_
         want = client.classify([PIXELS], full=True, temperature=1.3)[0].probabilities
     sent = []
     send = engine_client.send_message
-    monkeypatch.setattr(engine_client, "send_message", lambda connection, message: (sent.append(message[0]),
-                                                                                     send(connection, message))[1])
+
+    def send_and_note(connection, message):  # the real send, and the kind of each message sent
+        sent.append(message[0])
+        send(connection, message)
+
+    monkeypatch.setattr(engine_client, "send_message", send_and_note)
 
     async def three_calls_and_one_withdrawn():
         handle = engine_client.EngineClient(engine_set.links[0], 3000, on_lost=lambda: None, on_back=lambda: None)
