@@ -176,8 +176,7 @@ class EngineClient:
         batch_timing = BatchTiming(*timing)
         for slot, top_k, queue_seconds in answered:
             item = self._take(slot)
-            scores = self.slab.output(slot)
-            probabilities, logits = scores[0].copy(), scores[1].copy()
+            probabilities, logits = self.slab.output(slot).copy()  # one copy of both rows: the slot is freed next
             self.slab.give_back([slot], self.owner)
             if not item.future.done():
                 item.future.set_result(ImageOutput(probabilities, logits, top_k, item.temperature, queue_seconds,

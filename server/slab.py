@@ -18,6 +18,7 @@ found and freed.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import mmap
@@ -31,6 +32,7 @@ from .postprocess import NUM_CLASSES
 from .preprocess import FLOAT_SHAPE
 
 FREE = 0
+RECENT_SLOTS = 64  # slots a process gave back that its next take tries first
 # Bytes an image may take in its slot as it came: a 640x480 RGB raw image (921,600) or a JPEG of up to
 # 1 MiB. A larger one is preprocessed by its front-end and goes as the model's float input (588 KiB).
 SLOT_INPUT_BYTES = 1 << 20
@@ -84,6 +86,8 @@ class Slab:
         self._memory = mmap.mmap(fd, layout.size)
         self.owners = np.frombuffer(self._memory, dtype=np.int32, count=layout.slots)
         self._view = memoryview(self._memory)
+        self._owner_of = self._view[:4 * layout.slots].cast("i")  # the same owners, a slot at a time (NumPy's
+        # scalar access costs four times as much, and a call's slot is read and written one at a time)
         # Every slot's output area as one strided float32 [slots, 2, 1000] array: a batch's answers are written
         # with one NumPy assignment rather than two copies an image.
         self.outputs = np.ndarray((layout.slots, 2, NUM_CLASSES), dtype=np.float32, buffer=self._memory,
@@ -91,26 +95,45 @@ class Slab:
                                   strides=(layout.slot_bytes, 4 * NUM_CLASSES, 4))
         # fcntl locks exclude processes, not threads: two front-ends in one process (tests) also need this.
         self._taking = threading.Lock()
+        # The slots this process gave back last, newest last. A take tries them before it scans the slab: one
+        # check rather than a scan of every slot, and the same few slots, warm in the caches, serve call after call.
+        self._recent: collections.deque[int] = collections.deque(maxlen=RECENT_SLOTS)
 
     def take(self, count: int, owner: int) -> list[int] | None:
         """``count`` free slots, now ``owner``'s; None (and none taken) when fewer are free."""
         with self._taking:
             fcntl.lockf(self._fd, fcntl.LOCK_EX, 1)
             try:
-                free = np.flatnonzero(self.owners == FREE)[:count]
+                free = self._recently_freed(count) or np.flatnonzero(self.owners == FREE)[:count].tolist()
                 if len(free) < count:
                     return None
-                self.owners[free] = owner
+                for slot in free:
+                    self._owner_of[slot] = owner
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1)
-        return free.tolist()
+        return free
+
+    def _recently_freed(self, count: int) -> list[int] | None:
+        """``count`` of the slots this process gave back last that are still free, or None (and those tried are
+        forgotten: a slot another front-end took meanwhile is found again by a scan once it is free)."""
+        free = []
+        while len(free) < count and self._recent:
+            slot = self._recent.pop()
+            # A slot can be in twice (freed, taken by another's scan, freed again): the second is not free twice.
+            if self._owner_of[slot] == FREE and slot not in free:
+                free.append(slot)
+        if len(free) < count:
+            self._recent.extend(free)
+            return None
+        return free
 
     def give_back(self, slots: list[int], owner: int) -> None:
         """Free those of ``slots`` that ``owner`` still holds. No lock: a slot that is ``owner``'s can change
         hands only through this, and takers see either value."""
         for slot in slots:
-            if self.owners[slot] == owner:
-                self.owners[slot] = FREE
+            if self._owner_of[slot] == owner:
+                self._owner_of[slot] = FREE
+                self._recent.append(slot)
 
     def free_all_but(self, owners: set[int]) -> int:
         """Free every slot held by an owner not in ``owners`` (front-ends that have ended); how many."""
@@ -128,6 +151,7 @@ class Slab:
 
     def close(self) -> None:
         self.owners = self.outputs = None
+        self._owner_of.release()
         self._view.release()
         with contextlib.suppress(BufferError):  # a view of it is still held somewhere: it goes with the process
             self._memory.close()

@@ -20,8 +20,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import RawArray
 from typing import Protocol
@@ -119,26 +118,18 @@ class ModelStatistics:
         self._index = index
         self._lock = threading.Lock()
         self._cells[SEQUENCE] += self._cells[SEQUENCE] % 2  # a predecessor killed mid-write left it odd
-
-    @contextmanager
-    def _writing(self) -> Iterator[memoryview]:
-        with self._lock:
-            self._cells[SEQUENCE] += 1  # odd: a sibling reading the row waits
-            try:
-                yield self._cells
-            finally:
-                self._cells[SEQUENCE] += 1
+        self._writing = _RowWrite(self._cells, self._lock)
 
     def record_batch(self, size: int, timing: BatchTiming) -> None:
         """Called by a replica's worker thread for every batch it computed."""
-        with self._writing() as row:
+        with self._writing as row:
             row[EXECUTION_COUNT] += 1
             row[LAST_INFERENCE_MS] = int(time.time() * 1000)
             _add_compute(row, _batch_at(size), timing)
 
     def record_request(self, seconds: float, outputs: Sequence[TimedOutput] | None) -> None:
         """One answered request: its results, or None when it was answered with an error."""
-        with self._writing() as row:
+        with self._writing as row:
             if outputs is None:
                 _add(row, FAIL, seconds)
                 return
@@ -154,6 +145,25 @@ class ModelStatistics:
             rows = [self._table[self._index].copy()]
         rows += [_settled(row) for index, row in enumerate(self._table) if index != self._index]
         return _totals(np.sum(rows, axis=0), max(int(row[LAST_INFERENCE_MS]) for row in rows))
+
+
+class _RowWrite:
+    """``with`` it: the row's cells, its sequence odd meanwhile (a sibling reading the row waits). A class rather
+    than a generator-based context manager, which costs twice as much, and requests enter it on the event loop."""
+
+    __slots__ = ("_cells", "_lock")
+
+    def __init__(self, cells: memoryview, lock: threading.Lock) -> None:
+        self._cells, self._lock = cells, lock
+
+    def __enter__(self) -> memoryview:
+        self._lock.acquire()
+        self._cells[SEQUENCE] += 1
+        return self._cells
+
+    def __exit__(self, *exc_info) -> None:
+        self._cells[SEQUENCE] += 1
+        self._lock.release()
 
 
 def _add(row: memoryview, at: int, seconds: float) -> None:

@@ -1,0 +1,64 @@
+"""The slab's slots: taken, given back and taken again, by two front-ends' views of one real memfd."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from server.slab import FREE, Slab, SlabLayout, create_slab_memory
+
+A, B = 1, 2  # two front-ends' owner numbers
+
+
+@pytest.fixture
+def views():
+    """Two views of one slab of eight slots, as two front-ends hold it."""
+    layout = SlabLayout(8, 4096)
+    fd = create_slab_memory(layout)
+    first, second = Slab(fd, layout), Slab(fd, layout)
+    yield first, second
+    first.close()
+    second.close()
+    os.close(fd)
+
+
+def test_a_slot_given_back_is_the_next_one_taken(views):
+    a, _ = views
+    assert a.take(3, A) == [0, 1, 2]  # nothing given back yet: the lowest free slots
+    a.give_back([1], A)
+    assert a.owners[1] == FREE
+    assert a.take(1, A) == [1]
+    a.give_back([2, 0], A)
+    assert sorted(a.take(2, A)) == [0, 2]
+    assert a.owners.tolist() == [A, A, A, FREE, FREE, FREE, FREE, FREE]
+
+
+def test_a_given_back_slot_another_front_end_took_meanwhile_is_not_taken_again(views):
+    a, b = views
+    assert a.take(1, A) == [0]
+    a.give_back([0], A)
+    assert b.take(1, B) == [0]  # b scans: slot 0 is the lowest free one
+    assert a.take(1, A) == [1]  # a's recent slot 0 is b's now: a scans instead
+    assert a.owners[:2].tolist() == [B, A]
+
+
+def test_one_take_never_hands_out_a_slot_twice(views):
+    """A slot can be in a view's recent list twice (tried, put back, taken by a scan, given back again)."""
+    a, _ = views
+    assert a.take(2, A) == [0, 1]
+    a.give_back([0, 1], A)
+    assert sorted(a.take(3, A)) == [0, 1, 2]  # two recent slots are too few: they stay listed, and a scan takes
+    a.give_back([0], A)  # slot 0 is now listed twice
+    taken = a.take(2, A)
+    assert len(set(taken)) == 2 and 0 in taken
+    assert {slot for slot, owner in enumerate(a.owners.tolist()) if owner == A} == {1, 2, *taken}
+
+
+def test_a_take_larger_than_what_is_free_takes_nothing(views):
+    a, b = views
+    assert a.take(6, A) == list(range(6))
+    a.give_back([5], A)
+    assert b.take(4, B) is None  # three free: refused, none taken
+    assert a.owners.tolist() == [A, A, A, A, A, FREE, FREE, FREE]
+    assert b.take(3, B) == [5, 6, 7]
