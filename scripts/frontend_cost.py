@@ -5,30 +5,37 @@ method ignores its request and answers 4,000 bytes; (2) ``resnet-server --fronte
 nothing (``scripts/handling_ceiling.py``: every forward pass is ready-made), so what is left is the serving
 path itself: gRPC, the handler, validation, the slab, the engine's hand-offs and the answer. Both take the same
 150 KB requests (one uint8 224x224 image, as a ClassifyRequest) from the same client: ``--processes`` processes
-of ``--concurrency`` calls in flight each, for ``--duration`` seconds after a second of warm-up. The ratio of
-their calls a second is the issue's target (>= 0.6). Beside it, each server process's CPU time a call (over
-the whole run, warm-up included, over every call made): on a machine whose cores the clients share, a steadier
-measure than calls a second, and it says whether the front-end or its engine costs what. Both servers listen on
-127.0.0.1 and are stopped when done.
+of ``--concurrency`` calls in flight each, for ``--duration`` seconds after a second of warm-up. Both servers
+run throughout and are measured in ``--rounds`` rounds, each server once a round, which goes first alternating:
+on a shared VM the same server's calls a second drift by a quarter from one minute to the next, and a drift
+then falls on both alike. The median of the rounds' ratios is the issue's target (>= 0.6). Beside it, each
+server process's CPU time a call (median of the rounds; warm-up included, over every call made): on a machine
+whose cores the clients share, a steadier measure than calls a second, and it says whether the front-end or
+its engine costs what. Both servers listen on 127.0.0.1 and are stopped when done.
 
-Usage: python scripts/frontend_cost.py [--processes 4] [--concurrency 16] [--duration 10] [--server-flags "..."]
-       [--json]
+Usage: python scripts/frontend_cost.py [--processes 4] [--concurrency 16] [--duration 10] [--rounds 3]
+       [--server-flags "..."] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 from cpu_split import thread_cpu_seconds
@@ -39,6 +46,14 @@ from client.api import classifier_pb2 as pb
 STARTED = re.compile(r"started resnet-(engine|frontend)-\S+ \(pid (\d+)\)")  # the supervisor's log line
 BARE_METHOD = "/floor.Floor/Call"  # grpc_floor's server: one method that answers 4,000 bytes
 CLASSIFY = "/resnet.v1.Classifier/Classify"
+
+
+class Server(NamedTuple):
+    target: str  # host:port
+    method: str  # the method the load calls
+    processes: dict[str, int]  # each of its processes' pid, by name
+
+
 REQUEST = pb.ClassifyRequest(images=[pb.Image(raw=pb.RawTensor(dtype=pb.RawTensor.UINT8, shape=[224, 224, 3],
                                                                data=bytes(224 * 224 * 3)))], top_k=1)
 
@@ -67,19 +82,19 @@ def load(target: str, method: str, concurrency: int, duration: float, results) -
     results.send(asyncio.run(main()))
 
 
-def calls_per_second(target: str, method: str, args: argparse.Namespace,
-                     processes: dict[str, int]) -> tuple[float, dict[str, float]]:
-    """Calls a second in the window, and the CPU microseconds a call of each of ``processes`` (by name: pid)."""
+def calls_per_second(server: Server, args: argparse.Namespace) -> tuple[float, dict[str, float]]:
+    """Calls a second in the window, and the CPU microseconds a call of each of the server's processes."""
     context = multiprocessing.get_context("spawn")
-    before = cpu_seconds(processes)
+    before = cpu_seconds(server.processes)
     pipes = []
     for _ in range(args.processes):
         receiver, sender = context.Pipe(duplex=False)
-        context.Process(target=load, args=(target, method, args.concurrency, args.duration, sender)).start()
+        context.Process(target=load, args=(server.target, server.method, args.concurrency, args.duration,
+                                           sender)).start()
         pipes.append(receiver)
     counted, made = map(sum, zip(*(pipe.recv() for pipe in pipes), strict=True))
-    after = cpu_seconds(processes)
-    return counted / args.duration, {name: 1e6 * (after[name] - before[name]) / made for name in processes}
+    after = cpu_seconds(server.processes)
+    return counted / args.duration, {name: 1e6 * (after[name] - before[name]) / made for name in server.processes}
 
 
 def cpu_seconds(processes: dict[str, int]) -> dict[str, float]:
@@ -88,19 +103,21 @@ def cpu_seconds(processes: dict[str, int]) -> dict[str, float]:
             for name, pid in processes.items()}
 
 
-def bare(args: argparse.Namespace) -> tuple[float, dict[str, float]]:
+@contextlib.contextmanager
+def bare_server() -> Iterator[Server]:
     context = multiprocessing.get_context("spawn")
     ports, stop = context.Queue(), context.Event()
     server = context.Process(target=serve_aio, args=(ports, stop))
     server.start()
     try:
-        return calls_per_second(f"127.0.0.1:{ports.get(timeout=60)}", BARE_METHOD, args, {"bare": server.pid})
+        yield Server(f"127.0.0.1:{ports.get(timeout=60)}", BARE_METHOD, {"bare": server.pid})
     finally:
         stop.set()
         server.join(10)
 
 
-def frontend(args: argparse.Namespace) -> tuple[float, dict[str, float]]:
+@contextlib.contextmanager
+def frontend_server(args: argparse.Namespace) -> Iterator[Server]:
     script = Path(__file__).with_name("handling_ceiling.py")
     server = subprocess.Popen(
         [sys.executable, str(script), "--frontends", "1", "--device", "cpu", "--weights", "random", "--host",
@@ -117,29 +134,46 @@ def frontend(args: argparse.Namespace) -> tuple[float, dict[str, float]]:
                 break
         else:
             raise SystemExit("the server ended before it served")
-        return calls_per_second(f"127.0.0.1:{port}", CLASSIFY, args, processes)
+        threading.Thread(target=server.stderr.read, daemon=True).start()  # its later lines must not fill the pipe
+        yield Server(f"127.0.0.1:{port}", CLASSIFY, processes)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(30)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Both servers, ``args.rounds`` times; the medians, and every round's ratio."""
+    rounds = []
+    with bare_server() as bare, frontend_server(args) as frontend:
+        for number in range(args.rounds):
+            order = [("bare", bare), ("frontend", frontend)]
+            if number % 2:
+                order.reverse()
+            rounds.append({name: calls_per_second(server, args) for name, server in order})
+    ratios = [measured["frontend"][0] / measured["bare"][0] for measured in rounds]
+    cpu = {name: statistics.median(measured[server][1][name] for measured in rounds)
+           for server in ("bare", "frontend") for name in rounds[0][server][1]}
+    return {"bare_calls_per_s": statistics.median(measured["bare"][0] for measured in rounds),
+            "frontend_calls_per_s": statistics.median(measured["frontend"][0] for measured in rounds),
+            "ratio": statistics.median(ratios), "ratios": ratios, "cpu_us_per_call": cpu}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--processes", type=int, default=min(4, os.cpu_count() or 1), help="client processes")
     parser.add_argument("--concurrency", type=int, default=16, help="calls in flight per client process")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds measured per server")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds measured per server and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each measuring both servers once")
     parser.add_argument("--server-flags", default="", help="more resnet-server flags for the front-end's side")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a line of text")
     args = parser.parse_args()
-    (bare_rate, bare_cpu), (frontend_rate, frontend_cpu) = bare(args), frontend(args)
-    cpu = {**bare_cpu, **frontend_cpu}
-    result = {"bare_calls_per_s": bare_rate, "frontend_calls_per_s": frontend_rate,
-              "ratio": frontend_rate / bare_rate, "cpu_us_per_call": cpu, "processes": args.processes,
-              "concurrency": args.concurrency, "duration_s": args.duration, "cores": len(os.sched_getaffinity(0))}
+    result = {**measure(args), "processes": args.processes, "concurrency": args.concurrency,
+              "duration_s": args.duration, "rounds": args.rounds, "cores": len(os.sched_getaffinity(0))}
     print(json.dumps(result) if args.json else
-          f"bare grpc.aio {bare_rate:.0f} calls/s, one front-end with a free model {frontend_rate:.0f} calls/s: "
-          f"{result['ratio']:.2f} x (target >= 0.6); CPU a call: "
-          + ", ".join(f"{name} {us:.0f} us" for name, us in cpu.items()))
+          f"bare grpc.aio {result['bare_calls_per_s']:.0f} calls/s, one front-end with a free model "
+          f"{result['frontend_calls_per_s']:.0f} calls/s (medians of {args.rounds} rounds): {result['ratio']:.2f} x "
+          f"(target >= 0.6; rounds {', '.join(f'{ratio:.2f}' for ratio in result['ratios'])}); CPU a call: "
+          + ", ".join(f"{name} {us:.0f} us" for name, us in result["cpu_us_per_call"].items()))
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ served() {
       bench served_jpeg_decode_on_device_$where --input jpeg --image-size 640x480 --concurrency 256 --connections 4; stop
     fi
   done
-  if owed frontend_cost; then python scripts/frontend_cost.py --processes 8 --json > "$out/frontend_cost.json"; fi
+  if owed frontend_cost; then python scripts/frontend_cost.py --processes 8 --duration 6 --json > "$out/frontend_cost.json"; fi
 }
 for part in "${parts[@]}"; do $part; done
 python scripts/gpu_table.py "$out" $fp32_batch $fp16_batch | tee "$out/gpu_table.md"  # the README's GPU table and targets
