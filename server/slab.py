@@ -114,8 +114,9 @@ class Slab:
         return free
 
     def _recently_freed(self, count: int) -> list[int] | None:
-        """``count`` of the slots this process gave back last that are still free, or None (and those tried are
-        forgotten: a slot another front-end took meanwhile is found again by a scan once it is free)."""
+        """``count`` of the slots this process gave back last that are still free, or None. Those another
+        front-end took meanwhile leave the list (a scan finds them once they are free again); the free ones found
+        stay in it when they are too few."""
         free = []
         while len(free) < count and self._recent:
             slot = self._recent.pop()

@@ -148,8 +148,9 @@ class ModelStatistics:
 
 
 class _RowWrite:
-    """``with`` it: the row's cells, its sequence odd meanwhile (a sibling reading the row waits). A class rather
-    than a generator-based context manager, which costs twice as much, and requests enter it on the event loop."""
+    """``with`` it: the row's cells, its sequence odd meanwhile (a sibling reading the row waits). One object,
+    entered again and again: a generator-based context manager would make a generator every call, on the event
+    loop."""
 
     __slots__ = ("_cells", "_lock")
 
