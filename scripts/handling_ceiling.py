@@ -12,6 +12,7 @@ Usage: python scripts/handling_ceiling.py [resnet-server flags]
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -22,23 +23,22 @@ MOST_IMAGES = 1024  # more than any batch: --max-batch-size caps them
 _INPUTS = torch.zeros((MOST_IMAGES, 3, 224, 224))
 _PROBABILITIES = torch.full((MOST_IMAGES, 1000), 1e-3)
 _LOGITS = torch.zeros((MOST_IMAGES, 1000))
-# Made once per batch size, so a batch costs one lookup: any torch call here would be the instrument's own cost.
-_PREPARED: dict[int, tuple] = {}
-_SCORES: dict[int, server.runner.PendingScores] = {}
+_NONE_REJECTED: dict = {}
+
+
+@functools.cache
+def _ready_made(size: int) -> tuple[torch.Tensor, server.runner.PendingScores]:
+    """A batch of ``size``'s inputs and scores, made once per size: any torch call a batch would be the
+    instrument's own cost."""
+    return _INPUTS[:size], server.runner.PendingScores(_PROBABILITIES[:size], _LOGITS[:size])
 
 
 def _prepare(runner, images):
-    size = len(images)
-    if size not in _PREPARED:
-        _PREPARED[size] = (_INPUTS[:size], {})
-    return _PREPARED[size]
+    return _ready_made(len(images))[0], _NONE_REJECTED
 
 
 def _launch(runner, inputs, temperatures):
-    size = len(inputs)
-    if size not in _SCORES:
-        _SCORES[size] = server.runner.PendingScores(_PROBABILITIES[:size], _LOGITS[:size])
-    return _SCORES[size]
+    return _ready_made(len(inputs))[1]
 
 
 # At import, not in main: the server spawns its engines, which import this module again (as __mp_main__).
