@@ -165,8 +165,9 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("preprocess-threads", positive_int, "threads that decode and preprocess images (one torch thread each)"),
     ("torch-threads", non_negative_int, "torch threads of each replica's forward pass (0: every core)"),
     ("switch-interval-ms", positive_float, "how long a Python thread holds the GIL while another waits for it "
-                                            "(sys.setswitchinterval); shorter lets a replica's worker launch its "
-                                            "next GPU kernel sooner while the event loop is busy"),
+                                            "(sys.setswitchinterval), in every process; shorter lets an engine's "
+                                            "batcher launch its next GPU kernel sooner while its other threads "
+                                            "are busy"),
     ("frontends", _auto_count, "gRPC front-end processes sharing the port (SO_REUSEPORT) and feeding one engine "
                                "process per device through shared memory; auto: half the cores left after one "
                                "per device, 1 to 8 (--workers is the old name)"),

@@ -114,7 +114,8 @@ class Engine:
         replica = self.replica
         return {"name": replica.name, "device": str(replica.device), "weights": replica.weights.source,
                 "warning": replica.weights.warning, "max_batch_size": replica.batcher.max_batch_size,
-                "decode_on_device": replica.decode_on_device, "in_rotation": replica.healthy}
+                "decode_on_device": replica.decode_on_device, "in_rotation": replica.healthy,
+                "switch_interval_ms": sys.getswitchinterval() * 1000}
 
     def stop(self, grace: float) -> None:
         """Take no new front-end, finish what is queued, and answer it."""
@@ -252,6 +253,9 @@ def engine_main(link: EngineLink, device: str, config: ServerConfig, live_owners
     # Ctrl-C reaches every process of the group; the supervisor stops the engines last, with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     use_torch_threads(1)  # the replica's own thread sets its team; the socket threads compute nothing
+    # The batcher's thread gives the GIL up at every torch call and must win it back from the socket readers and
+    # the finisher: the flag bounds that wait here, where the forward pass is launched (Python's own is 5 ms).
+    sys.setswitchinterval(config.switch_interval_ms / 1000)
     metrics = Metrics(config.largest_batch, statistics)
     http = serve_metrics(metrics, "127.0.0.1", metrics_port) if metrics_port else None
     engine = Engine(link, torch.device(device), config, metrics)

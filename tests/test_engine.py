@@ -54,6 +54,9 @@ def test_a_front_end_in_another_process_answers_as_the_in_process_server(engines
         assert [c.index for c in answer.top_k] == [c.index for c in expected.top_k]
         assert answer.device == "cpu"
     assert engine_set.taken_slots() == 0  # every slot given back once its answer was read
+    # The engine took the GIL switch interval asked for (Python's own, 5 ms, would leave its batcher waiting).
+    engine_info = frontend.app.core.router.replicas[0].info
+    assert engine_info["switch_interval_ms"] == pytest.approx(engine_set.config.switch_interval_ms) != 5.0
 
 
 def test_one_batch_holds_calls_from_two_front_ends(engines):
