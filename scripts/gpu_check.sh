@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Every GPU check, for a machine with CUDA, in three parts that each fit in a 10-minute slot:
-#   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement
-#   ceilings  the in-process forward ceiling: eager per precision (fp16 also with batch norms unfolded);
-#             fp16 compiled, plain and as CUDA graphs; fp32 and fp16 as TorchScript
+# Every GPU check, for a machine with CUDA, in three parts, most wanted first:
 #   served    the served sweeps (one engine process, --frontends auto unless named): uint8 fp32 and fp16, batching
 #             off, one front-end, sixteen images a call, the forward pass as CUDA graphs; JPEG decoded on the GPU
 #             vs the CPU; and the front-end's own cost with a free model against bare grpc.aio
+#   ceilings  the in-process forward ceiling: first the three the served targets are set against (fp32, fp16, fp16
+#             as CUDA graphs), then bf16, fp16 with batch norms unfolded, fp16 compiled, fp32 and fp16 TorchScript
+#   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement
 # Writes OUT_DIR (default results/gpu), ending with gpu_table.md (scripts/gpu_table.py, from whatever OUT_DIR
 # holds, so parts run in separate calls can be tabled together): the README's GPU table and the device
-# issue's targets. A step whose JSON is already in OUT_DIR is skipped, so a run cut short resumes where it stopped.
-# Usage: scripts/gpu_check.sh [OUT_DIR [PART...]]   (all three parts by default; about 12 minutes on one H100)
+# issue's targets. A step whose output is already in OUT_DIR is skipped, so a run cut short resumes where it
+# stopped. GPU_CHECK_BUDGET_S=N starts no step after N seconds (then tables what it has): a lent machine's one
+# call can then end on time, and the next call on the same machine resumes.
+# Usage: scripts/gpu_check.sh [OUT_DIR [PART...]]   (all three parts by default; about 14 minutes on one H200)
 set -uo pipefail
 out=${1:-results/gpu}
 parts=("${@:2}")
-[ ${#parts[@]} -eq 0 ] && parts=(checks ceilings served)
+[ ${#parts[@]} -eq 0 ] && parts=(served ceilings checks)
 for part in "${parts[@]}"; do
   case $part in checks|ceilings|served) ;; *) echo "unknown part $part (checks, ceilings or served)" >&2; exit 2 ;; esac
 done
@@ -29,7 +31,7 @@ device=${GPU_CHECK_DEVICE:-cuda:0} duration=${GPU_CHECK_DURATION:-15}
 if [ -d .whl/gpu ]; then
   python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/gpu/*.whl 2>&1 | tail -3
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"  # py-spy's, if carried
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 frontends=$(python -c 'from server.config import ServerConfig; from server.supervisor import frontend_count
@@ -39,25 +41,34 @@ server=(resnet-server); type -P resnet-server >/dev/null || server=(python -m se
 command -v resnet-client >/dev/null || resnet-client() { python -c 'import sys; from client.cli import main; sys.exit(main())' "$@"; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 
-serve() {  # serve NAME FRONTENDS [FLAGS...]: a server on $device, its log in OUT_DIR/NAME.server.log
+serve() {  # serve NAME FRONTENDS [FLAGS...]: a server on $device, its log in OUT_DIR/NAME.server.log; false if it
+  # did not serve within 5 minutes (compiling a graph per batch size takes minutes), and then it is stopped
   local log="$out/$1.server.log" count=$2
   port=$((port + 20)) metrics=$((metrics + 20))  # fresh ports (children take metrics+1...): a stray server blocks none
   "${server[@]}" --host 127.0.0.1 --port $port --metrics-port $metrics --device "$device" --weights random \
     --frontends "$count" "${@:3}" 2> "$log" & server_pid=$!
-  for _ in $(seq 240); do  # every front-end SERVING (one health call reaches only one of them)
+  for _ in $(seq 600); do  # every front-end SERVING (one health call reaches only one of them)
     local serving; serving=$(grep -c 'serving resnet18' "$log" 2>/dev/null)
     [ "${serving:-0}" -ge "$count" ] && return 0
     kill -0 "$server_pid" 2>/dev/null || { tail -3 "$log"; return 1; }
     sleep 0.5
-  done; return 1
+  done; echo "$1: not serving after 5 minutes" >&2; stop; return 1
 }
 stop() { kill -TERM "$server_pid"; wait "$server_pid"; }
 
 trap 'kill -TERM "${server_pid:-}" 2>/dev/null || true' EXIT
-owed() {  # owed NAME...: true when a bench named is still to run (its JSON missing or empty), so a rerun resumes;
-  # GPU_CHECK_SKIP="NAME ..." leaves those steps for a later call (a lease too short for every step)
+owed() {  # owed NAME...: true when a step named is still to run (its NAME.json missing or empty), so a rerun
+  # resumes; false once GPU_CHECK_BUDGET_S has passed. GPU_CHECK_SKIP="NAME ..." leaves those steps for later.
+  [ "$SECONDS" -lt "${GPU_CHECK_BUDGET_S:-86400}" ] || return 1
   for name; do [[ " ${GPU_CHECK_SKIP:-} " == *" $name "* ]] && continue; [ -s "$out/$name.json" ] || return 0; done
   return 1
+}
+profile_engine() {  # profile_engine NAME SECONDS: with py-spy at hand, which engine threads hold the GIL for 5 s
+  # from SECONDS on (the engine is the server's one serial part: the bound once the front-ends are many enough)
+  command -v py-spy >/dev/null || return 0
+  local engine; engine=$(grep -oP 'started resnet-engine-\S+ \(pid \K\d+' "$out/$1.server.log" | tail -1)
+  (sleep "$2"; py-spy record --gil --nonblocking -d 5 -r 200 -f raw -p "$engine" -o "$out/$1.engine_gil.txt") \
+    >/dev/null 2>&1 &
 }
 bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise; skipped when its JSON is there
   owed "$1" || return 0
@@ -65,27 +76,31 @@ bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise; skip
     --image-size 224x224 --duration "$duration" --warmup 3 --processes 8 --quiet --json "${@:2}" > "$out/$1.json"
 }
 checks() {
+  owed cuda_tests || return 0
   # Only the modules with CUDA tests: the others import test-only packages the GPU box may not have.
   python -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_raw_batch.py tests/test_device_decode.py \
     tests/test_replicas.py 2>&1 | tee "$out/cuda_tests.txt"
   python scripts/precision_check.py --device cuda:0 --json "$out/precision.json" | tee "$out/precision.txt"
   python scripts/decode_check.py --device cuda:0 --json "$out/decode.json" | tee "$out/decode.txt"
+  echo '{}' > "$out/cuda_tests.json"  # done: a rerun skips the checks
+}
+model_bench() {  # model_bench NAME BATCH_SIZES [bench-model FLAGS...]: the forward ceiling, unless already measured
+  owed "$1" || return 0
+  "${server[@]}" bench-model --device cuda:0 --batch-sizes "$2" --input uint8 --image-size 224x224 --duration 5 \
+    --json "${@:3}" > "$out/$1.json"
 }
 ceilings() {
-  for precision in fp32 fp16 bf16; do
-    "${server[@]}" bench-model --device cuda:0 --precision $precision --batch-sizes 1,8,32,64,128 \
-      --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_$precision.json"
-  done
+  # The three the served targets are measured against, at the served batch caps (and batch 1), first.
+  model_bench ceiling_fp32 1,8,32,64,128 --precision fp32
+  model_bench ceiling_fp16 1,8,32,64,128 --precision fp16
+  # The compiled graphs replayed as CUDA graphs, then launched kernel by kernel.
+  model_bench ceiling_fp16_compiled_reduce-overhead 1,8,64,128 --precision fp16 --compile --compile-mode reduce-overhead
+  model_bench ceiling_bf16 1,8,32,64,128 --precision bf16
   # What folding batch norms into the convolutions saves: the same eager fp16 model with them left in.
-  "${server[@]}" bench-model --device cuda:0 --precision fp16 --fold-batch-norms false --batch-sizes 1,8,32,128 \
-    --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_fp16_unfolded.json"
-  for mode in default reduce-overhead; do  # the compiled graphs, launched kernel by kernel or replayed as CUDA graphs
-    "${server[@]}" bench-model --device cuda:0 --precision fp16 --compile --compile-mode $mode --batch-sizes 1,8,64,128 \
-      --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_fp16_compiled_$mode.json"
-  done
+  model_bench ceiling_fp16_unfolded 1,8,32,128 --precision fp16 --fold-batch-norms false
+  model_bench ceiling_fp16_compiled_default 1,8,64,128 --precision fp16 --compile --compile-mode default
   for precision in fp32 fp16; do  # the whole forward pass in C++: one GIL round trip a batch
-    "${server[@]}" bench-model --device cuda:0 --precision $precision --torchscript --batch-sizes 1,8,64,128 \
-      --input uint8 --image-size 224x224 --duration 5 --json > "$out/ceiling_${precision}_torchscript.json"
+    model_bench "ceiling_${precision}_torchscript" 1,8,64,128 --precision $precision --torchscript
   done
 }
 served() {
@@ -96,6 +111,7 @@ served() {
     stop
   fi
   if owed served_fp16 && serve fp16 $frontends --max-batch-size $fp16_batch --precision fp16; then
+    profile_engine fp16 $((2 * (duration + 3) + 6))  # into the c=256 point
     bench served_fp16 --sweep 16,64,256 --connections 4; stop
   fi
   if owed served_fp16_cuda_graphs && serve graphs $frontends --max-batch-size $fp16_batch --precision fp16 --compile \
