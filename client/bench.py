@@ -166,8 +166,37 @@ def _code(error: Exception) -> str:
     return error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__
 
 
-def _worker(spec: LoadSpec) -> list[tuple[float, str]]:
-    return _closed_loop(spec) if spec.concurrency else asyncio.run(_open_loop(spec))
+class _WindowCpu:
+    """This process's CPU seconds (all its threads, gRPC's own included) over the measured window: whether the
+    client, sharing the machine with the server, had cores to spare."""
+
+    def __init__(self, spec: LoadSpec) -> None:
+        self._ended = threading.Event()
+        self._span = (spec.warmup, spec.duration)
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._meter, daemon=True)
+        self._thread.start()
+
+    def _meter(self) -> None:
+        warmup, duration = self._span
+        if self._ended.wait(warmup):
+            return  # the run ended during its warm-up: nothing measured
+        start, started = time.process_time(), time.monotonic()
+        self._ended.wait(duration)
+        # Per second of the window, times its length: the same figure if the run ended a little early.
+        self.seconds = (time.process_time() - start) * duration / max(time.monotonic() - started, 1e-9)
+
+    def stop(self) -> float:
+        self._ended.set()
+        self._thread.join()
+        return self.seconds
+
+
+def _worker(spec: LoadSpec) -> tuple[list[tuple[float, str]], float]:
+    """The calls made (latency, code) and the process's CPU seconds over the measured window."""
+    cpu = _WindowCpu(spec)
+    records = _closed_loop(spec) if spec.concurrency else asyncio.run(_open_loop(spec))
+    return records, cpu.stop()
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -255,7 +284,9 @@ def run_point(args: argparse.Namespace, request: bytes, concurrency: int | None,
         pending = pool.map_async(_worker, per_process)
         label = f"{load_label(concurrency, rate):>8}"
         _wait(pending, args.warmup + args.duration, ProgressBar(label, args.quiet))
-        records = [record for chunk in pending.get() for record in chunk]
+        outcomes = pending.get()
+    records = [record for chunk, _ in outcomes for record in chunk]
+    client_cpu = sum(cpu for _, cpu in outcomes)
     after = scrape(args.metrics)
     latencies = sorted(latency for latency, code in records if code == "OK")
     ok = len(latencies)
@@ -266,6 +297,7 @@ def run_point(args: argparse.Namespace, request: bytes, concurrency: int | None,
         "p50_ms": 1000 * percentile(latencies, 50), "p90_ms": 1000 * percentile(latencies, 90),
         "p99_ms": 1000 * percentile(latencies, 99), "max_ms": 1000 * (latencies[-1] if latencies else float("nan")),
         "errors": dict(Counter(code for _, code in records if code != "OK")),
+        "client_cpu_cores": client_cpu / args.duration,  # the client processes' CPU over the window, in cores
         "server": server_view(before, after),
     }
 
@@ -294,11 +326,12 @@ def print_table(points: list[dict]) -> None:
     """One line a point; the server's view per device (a line more for each device after the first; '-' where
     there is no view: no --metrics answered), and a line for its waits for callers where it made any."""
     print(f"{'load':>10} {'req/s':>8} {'img/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} "
-          f"{'device':>8} {'batch':>6} {'queue ms':>9} {'compute ms':>10}  errors")
+          f"{'cli-cores':>9} {'device':>8} {'batch':>6} {'queue ms':>9} {'compute ms':>10}  errors")
     for point in points:
         load = load_label(point["concurrency"], point["rate"])
         client = (f"{load:>10} {point['requests_per_s']:8.1f} {point['images_per_s']:8.1f} {point['p50_ms']:8.1f} "
-                  f"{point['p90_ms']:8.1f} {point['p99_ms']:8.1f} {point['max_ms']:8.1f}")
+                  f"{point['p90_ms']:8.1f} {point['p99_ms']:8.1f} {point['max_ms']:8.1f} "
+                  f"{point['client_cpu_cores']:9.2f}")
         views = list(point["server"].items()) or [("-", {})]
         for index, (device, view) in enumerate(views):
             server = " ".join(f"{view[key]:{width}.2f}" if key in view else f"{'-':>{width}}"

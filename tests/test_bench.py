@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -75,11 +76,12 @@ def test_bench_table_gives_the_server_view_of_every_device(make_server, capsys):
                         "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"])
     assert code == 0
     header, first, second = (line.split() for line in capsys.readouterr().out.splitlines())
-    assert header == ["load", "req/s", "img/s", "p50", "ms", "p90", "ms", "p99", "ms", "max", "ms", "device", "batch",
-                      "queue", "ms", "compute", "ms", "errors"]
-    assert first[0] == "c=4" and float(first[2]) > 0 and first[7] == "cpu#0"
+    assert header == ["load", "req/s", "img/s", "p50", "ms", "p90", "ms", "p99", "ms", "max", "ms", "cli-cores",
+                      "device", "batch", "queue", "ms", "compute", "ms", "errors"]
+    assert first[0] == "c=4" and float(first[2]) > 0 and first[8] == "cpu#0"
+    assert 0 < float(first[7]) <= os.cpu_count()  # the client process's CPU over the window, in cores
     assert second[0] == "cpu#1" and len(second) == 4
-    for view in (first[8:], second[1:]):
+    for view in (first[9:], second[1:]):
         batch, queue_ms, compute_ms = map(float, view)
         assert 1 <= batch <= 4 and queue_ms >= 0 and compute_ms > 0
 
@@ -362,6 +364,8 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert f"| in-process forward, fp32, batch 2 | {ceiling:.0f} |" in table
     assert "| in-process forward, fp16, batch norms not folded, batch 1 |" in table
     assert "| served batched, c=4 |" in table and "| served nobatch, c=4 |" in table
+    cores = json.loads((tmp_path / "served_batched.json").read_text().splitlines()[-1])["client_cpu_cores"]
+    assert f"| {batched:.0f} |" in table and f"| {cores:.1f} |  |" in table  # the client's cores, no errors
     assert f"- served_batched c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
     assert "| served one frontend, c=4 |" in table
     assert f"- served_one_frontend c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
