@@ -33,6 +33,8 @@ if [ -d .whl/gpu ]; then
     .whl/gpu/*.whl 2>&1 | tail -3
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"  # py-spy's, if carried
 fi
+# Triton's perf_analyzer, if carried: the binary in .whl/gpu/bin, the libraries it links in .whl/gpu/lib.
+[ -x .whl/gpu/bin/perf_analyzer ] && export PATH="$PWD/.whl/gpu/bin:$PATH"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 frontends=$(python -c 'from server.config import ServerConfig; from server.supervisor import frontend_count
 print(frontend_count(ServerConfig(), 1))')  # what --frontends auto starts here, with one device
@@ -110,9 +112,17 @@ served() {
     bench served_16_per_request --concurrency 16 --images-per-request 16  # 256 images: the queue's default cap
     stop
   fi
-  if owed served_fp16 && serve fp16 $frontends --max-batch-size $fp16_batch --precision fp16; then
+  if owed served_fp16 served_fp16_perf_analyzer && serve fp16 $frontends --max-batch-size $fp16_batch --precision fp16
+  then
     profile_engine fp16 $((2 * (duration + 3) + 6))  # into the c=256 point
-    bench served_fp16 --sweep 16,64,256 --connections 4; stop
+    bench served_fp16 --sweep 16,64,256 --connections 4
+    # The same server under Triton's C++ client (FP32 requests through the Open Inference Protocol), where carried:
+    # a client that costs the shared cores far less than Python's.
+    if command -v perf_analyzer >/dev/null && owed served_fp16_perf_analyzer; then
+      LD_LIBRARY_PATH="$PWD/.whl/gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" python scripts/perf_analyzer.py \
+        --server 127.0.0.1:$port --concurrency 256 > "$out/served_fp16_perf_analyzer.json"
+    fi
+    stop
   fi
   if owed served_fp16_cuda_graphs && serve graphs $frontends --max-batch-size $fp16_batch --precision fp16 --compile \
       --compile-mode reduce-overhead; then

@@ -81,6 +81,11 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
         lines.append(f"- batching on / off at c={batched['concurrency']}: {batched['images_per_s']:.0f} / "
                      f"{unbatched['images_per_s']:.0f} images/s = "
                      f"{batched['images_per_s'] / unbatched['images_per_s']:.1f} x; target >= 10")
+    for point in results(folder, "served_fp16_perf_analyzer"):
+        lines.append(f"- served fp16 under perf_analyzer (C++, FP32 requests) c={point['concurrency']}: "
+                     f"{point['throughput']:.0f} images/s, p50 {point['p50_us'] / 1000:.1f} ms, "
+                     f"p99 {point['p99_us'] / 1000:.1f} ms; the server's own split of a request: queue "
+                     f"{point['queue_us'] / 1000:.1f} ms, compute {point['compute_infer_us'] / 1000:.1f} ms")
     if cost := results(folder, "frontend_cost"):
         cpu = ", ".join(f"{name} {us:.0f} us" for name, us in cost[0]["cpu_us_per_call"].items())
         lines.append(f"- one front-end with a free model: {cost[0]['frontend_calls_per_s']:.0f} calls/s = "

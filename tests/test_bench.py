@@ -355,6 +355,9 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     cost = {"bare_calls_per_s": 1800.0, "frontend_calls_per_s": 990.0, "ratio": 0.55,  # frontend_cost.py's shape
             "cpu_us_per_call": {"bare": 650.0, "engine": 350.0, "frontend": 1020.0}}
     (tmp_path / "frontend_cost.json").write_text(json.dumps(cost))
+    triton = {"concurrency": 256, "throughput": 9876.4, "p50_us": 25100, "p99_us": 40200,  # perf_analyzer.py's shape
+              "queue_us": 6100, "compute_infer_us": 9900}
+    (tmp_path / "served_fp16_perf_analyzer.json").write_text(json.dumps(triton))
     (tmp_path / "ceiling_fp16_compiled_default.json").write_text("")  # a step that failed before writing
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as when run as a script: it imports bench_table
     load_script("gpu_table").main(tmp_path, 2, 128)
@@ -372,6 +375,8 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert "batching on / off at c=4" in table
     scripted = json.loads((tmp_path / "ceiling_fp32_torchscript.json").read_text())["forward_images_per_s"]["2"]
     assert f"| in-process forward, fp32 TorchScript, batch 2 | {scripted:.0f} |" in table
+    assert ("- served fp16 under perf_analyzer (C++, FP32 requests) c=256: 9876 images/s, p50 25.1 ms, p99 40.2 ms; "
+            "the server's own split of a request: queue 6.1 ms, compute 9.9 ms") in table
     assert ("- one front-end with a free model: 990 calls/s = 0.55 x bare grpc.aio (1800); target >= 0.6; "
             "CPU a call: bare 650 us, engine 350 us, frontend 1020 us") in table
 
