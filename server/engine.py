@@ -33,7 +33,7 @@ from .config import ServerConfig
 from .device_decode import DeferredJpeg
 from .errors import ServingError, StartupError
 from .metrics import Metrics, serve_metrics
-from .preprocess import FLOAT_SHAPE, RawImage
+from .preprocess import FLOAT_SHAPE, RawImage, SlotBytes
 from .replicas import Replica, load_replica
 from .slab import Slab, SlabLayout
 from .statistics import SharedRow
@@ -95,6 +95,7 @@ class Engine:
         self.config = config
         self.metrics = metrics
         self.slab = Slab(link.slab_fd, link.layout)
+        self._input_rows = torch.from_numpy(self.slab.input_rows())  # raw images are read from here a batch at once
         self.replica: Replica | None = None
         self._lock = threading.Lock()
         self._frontends: set[_FrontEnd] = set()
@@ -168,13 +169,12 @@ class Engine:
 
     def _item(self, frontend: _FrontEnd, entry: Entry) -> WorkItem:
         slot, kind, dtype, shape, nbytes, temperature, k, deadline, request_id = entry
-        data = self.slab.input(slot, nbytes)
-        if kind == "float":
-            model_input = torch.frombuffer(data, dtype=torch.float32).view(FLOAT_SHAPE)
-        elif kind == "jpeg":
-            model_input = DeferredJpeg(torch.frombuffer(data, dtype=torch.uint8))
-        else:
-            model_input = RawImage(dtype, tuple(shape), data)
+        if kind == "raw":
+            model_input = RawImage(dtype, tuple(shape), SlotBytes(self._input_rows, slot, nbytes))
+        elif kind == "float":
+            model_input = torch.frombuffer(self.slab.input(slot, nbytes), dtype=torch.float32).view(FLOAT_SHAPE)
+        else:  # jpeg
+            model_input = DeferredJpeg(torch.frombuffer(self.slab.input(slot, nbytes), dtype=torch.uint8))
         return WorkItem(model_input, temperature, k, deadline, Ticket(frontend, slot), request_id)
 
     def _cancel(self, frontend: _FrontEnd, slots: list[int]) -> None:

@@ -146,6 +146,12 @@ class Slab:
         start = self.layout.header_bytes + slot * self.layout.slot_bytes
         return self._view[start:start + nbytes]
 
+    def input_rows(self) -> np.ndarray:
+        """Every slot's input area as one strided uint8 [slots, inline bytes] array (the engine gathers a batch's
+        images from it with one copy)."""
+        return np.ndarray((self.layout.slots, self.layout.inline_bytes), dtype=np.uint8, buffer=self._memory,
+                          offset=self.layout.header_bytes, strides=(self.layout.slot_bytes, 1))
+
     def output(self, slot: int) -> np.ndarray:
         """float32 [2, 1000]: the slot's probabilities and logits."""
         return self.outputs[slot]

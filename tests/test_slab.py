@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
+import torch
 
+from server.preprocess import RawImage, SlotBytes, raw_batch
 from server.slab import FREE, Slab, SlabLayout, create_slab_memory
 
 A, B = 1, 2  # two front-ends' owner numbers
@@ -62,3 +65,23 @@ def test_a_take_larger_than_what_is_free_takes_nothing(views):
     assert b.take(4, B) is None  # three free: refused, none taken
     assert a.owners.tolist() == [A, A, A, A, A, FREE, FREE, FREE]
     assert b.take(3, B) == [5, 6, 7]
+
+
+@pytest.mark.parametrize("dtype, shape", [("uint8", (32, 24, 3)), ("float32", (3, 224, 224))])
+def test_images_read_from_their_slots_convert_as_their_bytes_do(views, dtype, shape):
+    """What a front-end wrote into scattered slots, gathered by the engine a batch at once (SlotBytes), is the
+    batch the same images' own bytes give."""
+    front_end, engine = views
+    rng = np.random.default_rng(7)
+    images = [(rng.integers(0, 256, shape, dtype=np.uint8) if dtype == "uint8"
+               else rng.standard_normal(shape).astype(np.float32)).tobytes() for _ in range(3)]
+    slots = front_end.take(5, A)[::2]  # 0, 2 and 4: not side by side
+    for slot, data in zip(slots, images, strict=True):
+        front_end.input(slot, len(data))[:] = data
+    rows = torch.from_numpy(engine.input_rows())
+    gathered = raw_batch([RawImage(dtype, shape, SlotBytes(rows, slot, len(data)))
+                          for slot, data in zip(slots, images, strict=True)], torch.device("cpu"))
+    expected = raw_batch([RawImage(dtype, shape, data) for data in images], torch.device("cpu"))
+    for got, want in zip(gathered, expected, strict=True):
+        assert torch.equal(got, want)
+    del rows, gathered  # the slab's memory may then be unmapped
