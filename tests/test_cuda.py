@@ -16,7 +16,7 @@ from client import Client
 from server.model import build_model, load_weights
 from server.preprocess import RawImage
 from server.runner import ModelRunner
-from tests.helpers import random_rgb
+from tests.helpers import EngineSet, base_config, free_port_block, random_rgb
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PIXELS = [random_rgb(seed) for seed in (51, 52, 53)]
@@ -85,6 +85,23 @@ def test_cuda_answers_match_the_cpu_reference(make_server, reference, precision,
         want = reference.logits(model_input.unsqueeze(0))[0].numpy()
         assert result.device == "cuda:0"
         np.testing.assert_allclose(result.logits, want, atol=tolerance * np.abs(want).max(), rtol=0)
+
+
+def test_an_engine_process_on_cuda_answers_like_the_cpu_reference(weights_file, reference):
+    """The served path: a front-end hands raw images to an engine process on the GPU through the slab (gathered
+    from their slots a batch at once, uploaded from pinned memory), as every server does."""
+    engine_set = EngineSet(base_config(str(weights_file[0]), devices=("cuda:0",), frontends=1,
+                                       metrics_port=free_port_block(4)))
+    try:
+        with Client(engine_set.frontend().target) as client:
+            results = client.classify(PIXELS, full=True, logits=True)
+        for result, pixels in zip(results, PIXELS, strict=True):
+            want = reference.logits(reference.input_from_array(pixels).unsqueeze(0))[0].numpy()
+            assert result.device == "cuda:0"
+            np.testing.assert_allclose(result.logits, want, atol=0.02 * np.abs(want).max(), rtol=0)
+        assert engine_set.taken_slots() == 0
+    finally:
+        engine_set.stop()
 
 
 def test_two_replicas_share_one_gpu_with_their_own_labels(make_server):
