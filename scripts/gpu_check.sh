@@ -112,10 +112,15 @@ served() {
     bench served_16_per_request --concurrency 16 --images-per-request 16  # 256 images: the queue's default cap
     stop
   fi
-  if owed served_fp16 served_fp16_perf_analyzer && serve fp16 $frontends --max-batch-size $fp16_batch --precision fp16
+  if owed served_fp16 served_fp16_connections16 served_fp16_perf_analyzer && serve fp16 $frontends --max-batch-size $fp16_batch --precision fp16
   then
     profile_engine fp16 $((2 * (duration + 3) + 6))  # into the c=256 point
     bench served_fp16 --sweep 16,64,256 --connections 4
+    # Front-ends get connections by SO_REUSEPORT's hash: 32 connections may load one front-end well above the
+    # mean. Four times as many even it out; each process's counts go to fp16.metrics.txt (label worker).
+    bench served_fp16_connections16 --concurrency 256 --connections 16
+    python -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
+      "http://127.0.0.1:$metrics/metrics" > "$out/fp16.metrics.txt" 2>&1
     # The same server under Triton's C++ client (FP32 requests through the Open Inference Protocol), where carried:
     # a client that costs the shared cores far less than Python's.
     if command -v perf_analyzer >/dev/null && owed served_fp16_perf_analyzer; then
