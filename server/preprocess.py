@@ -145,7 +145,7 @@ def raw_batch(images: list[RawImage], device: torch.device) -> list[torch.Tensor
     return results
 
 
-def _convert_group(datas: list[bytes], dtype: str, shape: tuple[int, ...], device: torch.device
+def _convert_group(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ...], device: torch.device
                    ) -> list[torch.Tensor | InvalidInput]:
     on_cpu = _stack_bytes(datas, dtype, shape, pinned=device.type == "cuda")
     if dtype == "uint8":  # [B, H, W, 3]: resized as channels-last, which torch's uint8 resize handles natively
