@@ -65,8 +65,8 @@ owed() {  # owed NAME...: true when a step named is still to run (its NAME.json 
   for name; do [[ " ${GPU_CHECK_SKIP:-} " == *" $name "* ]] && continue; [ -s "$out/$name.json" ] || return 0; done
   return 1
 }
-profile_engine() {  # profile_engine NAME SECONDS: with py-spy at hand, which engine threads hold the GIL for 5 s
-  # from SECONDS on (the engine is the server's one serial part: the bound once the front-ends are many enough)
+profile_engine() {  # profile_engine NAME SECONDS: with py-spy at hand, which engine threads hold the GIL for 5 s,
+  # SECONDS from now (the engine is the server's one serial part: the bound once the front-ends are many enough)
   command -v py-spy >/dev/null || return 0
   local engine; engine=$(grep -oP 'started resnet-engine-\S+ \(pid \K\d+' "$out/$1.server.log" | tail -1)
   (sleep "$2"; py-spy record --gil --nonblocking -d 5 -r 200 -f raw -p "$engine" -o "$out/$1.engine_gil.txt") \
@@ -114,10 +114,10 @@ served() {
   fi
   if owed served_fp16 served_fp16_connections16 served_fp16_perf_analyzer && serve fp16 $frontends --max-batch-size $fp16_batch --precision fp16
   then
-    profile_engine fp16 $((2 * (duration + 3) + 6))  # into the c=256 point
     bench served_fp16 --sweep 16,64,256 --connections 4
     # Front-ends get connections by SO_REUSEPORT's hash: 32 connections may load one front-end well above the
     # mean. Four times as many even it out; each process's counts go to fp16.metrics.txt (label worker).
+    profile_engine fp16 5  # 5 s from now: past the client's start and warm-up, inside its measured window
     bench served_fp16_connections16 --concurrency 256 --connections 16
     python -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
       "http://127.0.0.1:$metrics/metrics" > "$out/fp16.metrics.txt" 2>&1
