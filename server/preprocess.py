@@ -22,6 +22,7 @@ import io
 import math
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from PIL import Image
@@ -85,10 +86,10 @@ class EncodedImage:
     data: bytes
 
 
-@dataclass(frozen=True)
-class SlotBytes:
+class SlotBytes(NamedTuple):
     """An image's bytes where its front-end wrote them: the first ``nbytes`` of row ``slot`` of ``rows``, the
-    engine's uint8 [slots, bytes] tensor over the shared slab (``server.slab``). Read a batch at a time."""
+    engine's uint8 [slots, bytes] tensor over the shared slab (``server.slab``). Read a batch at a time. A
+    NamedTuple: the engine makes one an image, at a third of a frozen dataclass's cost."""
 
     rows: torch.Tensor
     slot: int
