@@ -117,10 +117,12 @@ served() {
     bench served_fp16 --sweep 16,64,256 --connections 4
     # Front-ends get connections by SO_REUSEPORT's hash: 32 connections may load one front-end well above the
     # mean. Four times as many even it out; each process's counts go to fp16.metrics.txt (label worker).
-    profile_engine fp16 5  # 5 s from now: past the client's start and warm-up, inside its measured window
-    bench served_fp16_connections16 --concurrency 256 --connections 16
-    python -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
-      "http://127.0.0.1:$metrics/metrics" > "$out/fp16.metrics.txt" 2>&1
+    if owed served_fp16_connections16; then  # a resumed run that has it neither profiles nor scrapes again
+      profile_engine fp16 5  # 5 s from now: past the client's start and warm-up, inside its measured window
+      bench served_fp16_connections16 --concurrency 256 --connections 16
+      python -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
+        "http://127.0.0.1:$metrics/metrics" > "$out/fp16.metrics.txt" 2>&1
+    fi
     # The same server under Triton's C++ client (FP32 requests through the Open Inference Protocol), where carried:
     # a client that costs the shared cores far less than Python's.
     if command -v perf_analyzer >/dev/null && owed served_fp16_perf_analyzer; then
