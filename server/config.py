@@ -163,7 +163,7 @@ _FLAGS: list[tuple[str, object, str]] = [
                                                 "(HTTP/2 GOAWAY; calls in flight get --grace-period), so that "
                                                 "clients rebalance over servers and workers added since (0: never)"),
     ("preprocess-threads", positive_int, "threads that decode and preprocess images (one torch thread each)"),
-    ("torch-threads", non_negative_int, "torch threads of each replica's forward pass (0: every core)"),
+    ("torch-threads", non_negative_int, "torch threads of each replica (0: every core for a CPU, one for a GPU)"),
     ("switch-interval-ms", positive_float, "how long a Python thread holds the GIL while another waits for it "
                                             "(sys.setswitchinterval), in every process; shorter lets an engine's "
                                             "batcher launch its next GPU kernel sooner while its other threads "

@@ -116,7 +116,7 @@ class Engine:
         return {"name": replica.name, "device": str(replica.device), "weights": replica.weights.source,
                 "warning": replica.weights.warning, "max_batch_size": replica.batcher.max_batch_size,
                 "decode_on_device": replica.decode_on_device, "in_rotation": replica.healthy,
-                "switch_interval_ms": sys.getswitchinterval() * 1000}
+                "switch_interval_ms": sys.getswitchinterval() * 1000, "torch_threads": replica.torch_threads}
 
     def stop(self, grace: float) -> None:
         """Take no new front-end, finish what is queued, and answer it."""

@@ -39,6 +39,7 @@ class Replica:
     batcher: Batcher
     weights: LoadedWeights
     decode_on_device: bool = False  # JPEGs go to the batcher undecoded, decoded there in one batch
+    torch_threads: int = 1  # the OpenMP team of its worker thread (replica_torch_threads)
     inline_bytes: int | None = None  # the most bytes an image goes as it came; None: any (an engine's slab sets one)
     pending: int = 0  # images routed here and not yet answered; touched on the event loop only
 
@@ -60,7 +61,7 @@ class _ReplicaSetup:
     def __call__(self) -> ModelRunner:
         config, device = self.config, self.device
         # This thread's OpenMP team: set here, since other threads (preprocessing) set theirs to 1.
-        use_torch_threads(config.torch_threads or len(os.sched_getaffinity(0)))
+        use_torch_threads(replica_torch_threads(config, device))
         self.weights = load_weights(config.weights, device)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = config.cudnn_benchmark
@@ -111,7 +112,16 @@ def load_replica(name: str, device: torch.device, config: ServerConfig, metrics:
         log.warning("%s", weights.warning)
     decode_on_device = config.decode_on_device == "true" or (
         config.decode_on_device == "auto" and device.type == "cuda")
-    return Replica(name, device, runner, batcher, weights, decode_on_device)
+    return Replica(name, device, runner, batcher, weights, decode_on_device, replica_torch_threads(config, device))
+
+
+def replica_torch_threads(config: ServerConfig, device: torch.device) -> int:
+    """--torch-threads, or by default every core for a CPU replica (its forward pass runs there) and one for a
+    GPU's, whose host work is copying a batch's bytes: an OpenMP team there shares the cores with the front-ends,
+    spins, and every copy waits for its slowest member (docs/performance.md, "One host thread a GPU engine")."""
+    if config.torch_threads:
+        return config.torch_threads
+    return len(os.sched_getaffinity(0)) if device.type == "cpu" else 1
 
 
 def _watch_gpu(name: str, device: torch.device, runner: ModelRunner, metrics: Metrics) -> None:

@@ -91,16 +91,20 @@ class ModelRunner:
             return (self._stack(kept) if kept else torch.empty((0, *FLOAT_SHAPE))), errors
 
     def _stack(self, rows: list[torch.Tensor]) -> torch.Tensor:
-        """The rows as one batch in the model's layout, written into a buffer this runner keeps, so a batch
-        costs one copy and no allocation (a fresh batch-8 tensor is 4.8 MB, which glibc may hand back to
-        the kernel after every batch and fault in again, page by page). Valid until the next ``prepare``:
-        a host buffer is copied (pinned) when its batch is launched, and a device one is written on this
-        runner's stream, so the next batch's stack waits for the forward pass still reading it."""
+        """The rows as one batch in the model's layout, one copy and no allocation the kernel sees: host rows
+        for a GPU go into a fresh block of the caching pinned allocator (handed out again only once its upload
+        is done), uploaded from as they are; otherwise into a buffer this runner keeps (a fresh batch-8 tensor
+        is 4.8 MB, which glibc may hand back to the kernel after every batch and fault in again, page by page).
+        The kept buffer is valid until the next ``prepare``: a device one is written on this runner's stream,
+        so the next batch's stack waits for the forward pass still reading it."""
         first = rows[0]
+        shape = (len(rows), *first.shape)
+        if self.cuda and first.device.type == "cpu":  # a fresh pinned block, uploaded from as it is (to_device)
+            return torch.stack(rows, out=torch.empty(shape, dtype=first.dtype, pin_memory=True,
+                                                     memory_format=self.memory_format))
         buffer = self._batch_buffer
         if buffer is None or len(buffer) < len(rows) or (buffer.device, buffer.dtype) != (first.device, first.dtype):
-            buffer = torch.empty((len(rows), *first.shape), dtype=first.dtype, device=first.device,
-                                 memory_format=self.memory_format)
+            buffer = torch.empty(shape, dtype=first.dtype, device=first.device, memory_format=self.memory_format)
             self._batch_buffer = buffer
         return torch.stack(rows, out=buffer[: len(rows)])
 

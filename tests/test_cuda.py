@@ -71,6 +71,22 @@ def test_a_launch_returns_before_its_batch_is_done_and_two_in_flight_answer_alik
         torch.testing.assert_close(pending.wait()[0], expected, atol=1e-6, rtol=0)
 
 
+def test_host_rows_for_a_gpu_are_stacked_into_pinned_memory_and_launched_without_a_sync(weights_file):
+    """Images decoded on the CPU (front-ends, float32 clients) reach a GPU runner as host rows: one copy into
+    pinned memory in the model's layout, uploaded from as it is."""
+    device = torch.device("cuda:0")
+    runner = ModelRunner(build_model(load_weights(str(weights_file[0]), device), device), device, "fp32", True)
+    runner.warm_up([4])
+    rows = [torch.rand(3, 224, 224) for _ in range(3)]
+    inputs, errors = runner.prepare(rows)
+    assert not errors and inputs.is_pinned() and inputs.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(inputs, torch.stack(rows), atol=0, rtol=0)
+    alone = runner(torch.stack(rows), torch.ones(3))[0]
+    launched = []
+    assert synchronisations(lambda: launched.append(runner.launch(inputs, torch.ones(3)))) == 0
+    torch.testing.assert_close(launched[0].wait()[0], alone, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("precision, tolerance", [("fp32", 0.02), ("fp16", 0.05), ("bf16", 0.1)])
 def test_cuda_answers_match_the_cpu_reference(make_server, reference, precision, tolerance):
     # TF32 convolutions (torch's default for fp32 on Ampere and later), reduced precision and the GPU
@@ -93,13 +109,16 @@ def test_an_engine_process_on_cuda_answers_like_the_cpu_reference(weights_file, 
     engine_set = EngineSet(base_config(str(weights_file[0]), devices=("cuda:0",), frontends=1,
                                        metrics_port=free_port_block(4)))
     try:
-        with Client(engine_set.frontend().target) as client:
+        frontend = engine_set.frontend()
+        with Client(frontend.target) as client:
             results = client.classify(PIXELS, full=True, logits=True)
         for result, pixels in zip(results, PIXELS, strict=True):
             want = reference.logits(reference.input_from_array(pixels).unsqueeze(0))[0].numpy()
             assert result.device == "cuda:0"
             np.testing.assert_allclose(result.logits, want, atol=0.02 * np.abs(want).max(), rtol=0)
         assert engine_set.taken_slots() == 0
+        # The engine copies bytes on one host thread: an OpenMP team would spin beside the front-ends.
+        assert frontend.app.core.router.replicas[0].info["torch_threads"] == 1
     finally:
         engine_set.stop()
 

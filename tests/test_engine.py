@@ -57,6 +57,7 @@ def test_a_front_end_in_another_process_answers_as_the_in_process_server(engines
     # The engine took the GIL switch interval asked for (Python's own, 5 ms, would leave its batcher waiting).
     engine_info = frontend.app.core.router.replicas[0].info
     assert engine_info["switch_interval_ms"] == pytest.approx(engine_set.config.switch_interval_ms) != 5.0
+    assert engine_info["torch_threads"] == len(os.sched_getaffinity(0))  # a CPU engine's forward uses every core
 
 
 def test_one_batch_holds_calls_from_two_front_ends(engines):

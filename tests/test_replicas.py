@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ import torch
 from client import AsyncClient, ClassifierError, Client
 from server.config import ServerConfig
 from server.devices import cpu_bf16_unit
-from server.replicas import FAILURES_BEFORE_EVICTION, max_batch_size
+from server.replicas import FAILURES_BEFORE_EVICTION, max_batch_size, replica_torch_threads
 from server.runner import ModelRunner, _split, bucket_sizes, cuda_graph_state_for_this_thread
 from tests.helpers import (
     break_until_evicted,
@@ -416,3 +417,10 @@ def test_random_batch_sizes_run_only_warmed_shapes_and_match_the_unsplit_answer(
         torch.testing.assert_close(probabilities, expected_probabilities, rtol=0, atol=1e-6)
         assert runner.padding_for(size) == 0  # the CPU splits, never pads
     assert runner.sizes_run and runner.sizes_run <= set(runner.buckets)
+
+
+def test_a_replica_uses_every_core_on_the_cpu_and_one_host_thread_for_a_gpu_unless_told():
+    cores = len(os.sched_getaffinity(0))
+    cpu, gpu = torch.device("cpu"), torch.device("cuda:0")
+    assert [replica_torch_threads(ServerConfig(), device) for device in (cpu, gpu)] == [cores, 1]
+    assert [replica_torch_threads(ServerConfig(torch_threads=3), device) for device in (cpu, gpu)] == [3, 3]
