@@ -3,9 +3,10 @@
 #   served    the served sweeps (one engine process, --frontends auto unless named): uint8 fp32 and fp16, batching
 #             off, one front-end, sixteen images a call, the forward pass as CUDA graphs; JPEG decoded on the GPU
 #             vs the CPU; and the front-end's own cost with a free model against bare grpc.aio
+#   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement (before the ceilings:
+#             they gate code changed since the last lent GPU, while a machine's ceilings change only with it)
 #   ceilings  the in-process forward ceiling: first the three the served targets are set against (fp32, fp16, fp16
 #             as CUDA graphs), then bf16, fp16 with batch norms unfolded, fp16 compiled, fp32 and fp16 TorchScript
-#   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement
 # Writes OUT_DIR (default results/gpu), ending with gpu_table.md (scripts/gpu_table.py, from whatever OUT_DIR
 # holds, so parts run in separate calls can be tabled together): the README's GPU table and the device
 # issue's targets. A step whose output is already in OUT_DIR is skipped, so a run cut short resumes where it
@@ -15,7 +16,7 @@
 set -uo pipefail
 out=${1:-results/gpu}
 parts=("${@:2}")
-[ ${#parts[@]} -eq 0 ] && parts=(served ceilings checks)
+[ ${#parts[@]} -eq 0 ] && parts=(served checks ceilings)
 for part in "${parts[@]}"; do
   case $part in checks|ceilings|served) ;; *) echo "unknown part $part (checks, ceilings or served)" >&2; exit 2 ;; esac
 done
