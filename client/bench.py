@@ -208,6 +208,10 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 _SAMPLE = re.compile(r'^(resnet_\w+)\{([^}]*)\} ([-+\deE.naif]+)$')
 _CALLER_WAITS = "resnet_caller_waits_total"
+_BATCH_PART = "resnet_batch_part_seconds_total"
+# Counters the server view reads by a second label, which goes into the key: series:value.
+_BY_LABEL = {_CALLER_WAITS: "outcome", _BATCH_PART: "part"}
+BATCH_PARTS = ("input", "infer", "output")
 
 
 def metrics_urls(urls: str | None) -> list[str]:
@@ -235,8 +239,8 @@ def _scrape_one(url: str) -> dict[tuple[str, str], float]:
         if not match:
             continue
         series, labels, value = match.groups()
-        if series == _CALLER_WAITS:  # a counter by outcome: the outcome goes in the key
-            series += ":" + _label(labels, "outcome")
+        if series in _BY_LABEL:
+            series += ":" + _label(labels, _BY_LABEL[series])
         elif not series.endswith(("_sum", "_count")):
             continue
         device = _label(labels, "device")
@@ -251,8 +255,9 @@ def _label(labels: str, name: str) -> str | None:
 
 
 def server_view(before: dict, after: dict) -> dict[str, dict[str, float]]:
-    """Per device: mean batch size and mean queue wait / compute time (ms) over the run; with
-    --wait-for-callers-ms, how many of its waits held a batch back until the callers came back or it ran out."""
+    """Per device: mean batch size, mean queue wait, and a batch's mean compute time and its parts (input,
+    infer, output; ms) over the run; with --wait-for-callers-ms, how many of its waits held a batch back until
+    the callers came back or it ran out."""
     def delta(series: str, device: str) -> float:
         return after.get((series, device), 0.0) - before.get((series, device), 0.0)
 
@@ -267,6 +272,9 @@ def server_view(before: dict, after: dict) -> dict[str, dict[str, float]]:
             "mean_queue_ms": 1000 * delta("resnet_queue_wait_seconds_sum", device) / max(images, 1),
             "mean_compute_ms": 1000 * delta("resnet_batch_compute_seconds_sum", device) / batches,
         }
+        if any((f"{_BATCH_PART}:{part}", device) in after for part in BATCH_PARTS):  # a server from before has none
+            view[device].update({f"mean_{part}_ms": 1000 * delta(f"{_BATCH_PART}:{part}", device) / batches
+                                 for part in BATCH_PARTS})
         waits = {outcome: delta(f"{_CALLER_WAITS}:{outcome}", device) for outcome in ("came_back", "ran_out")}
         if any(waits.values()):
             view[device].update({f"caller_waits_{outcome}": count for outcome, count in waits.items()})
@@ -326,7 +334,7 @@ def print_table(points: list[dict]) -> None:
     """One line a point; the server's view per device (a line more for each device after the first; '-' where
     there is no view: no --metrics answered), and a line for its waits for callers where it made any."""
     print(f"{'load':>10} {'req/s':>8} {'img/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} "
-          f"{'cli-cores':>9} {'device':>8} {'batch':>6} {'queue ms':>9} {'compute ms':>10}  errors")
+          f"{'cli-cores':>9} {'device':>8} {'batch':>6} {'queue ms':>9} {'compute ms':>10} {'input ms':>8}  errors")
     for point in points:
         load = load_label(point["concurrency"], point["rate"])
         client = (f"{load:>10} {point['requests_per_s']:8.1f} {point['images_per_s']:8.1f} {point['p50_ms']:8.1f} "
@@ -336,7 +344,7 @@ def print_table(points: list[dict]) -> None:
         for index, (device, view) in enumerate(views):
             server = " ".join(f"{view[key]:{width}.2f}" if key in view else f"{'-':>{width}}"
                               for key, width in (("mean_batch_size", 6), ("mean_queue_ms", 9),
-                                                 ("mean_compute_ms", 10)))
+                                                 ("mean_compute_ms", 10), ("mean_input_ms", 8)))
             first = index == 0
             errors = (point["errors"] or "") if first else ""
             print(f"{client if first else ' ' * len(client)} {device:>8} {server}  {errors}".rstrip())

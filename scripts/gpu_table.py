@@ -27,7 +27,7 @@ def ceiling_rows(folder: Path) -> list[str]:
     for name in (*(f"ceiling_{p}" for p in PRECISIONS), "ceiling_fp16_unfolded", *compiled, *torchscript):
         for ceiling in results(folder, name)[:1]:
             for size, rate in ceiling["forward_images_per_s"].items():
-                rows.append(f"| in-process forward, {ceiling_label(ceiling)}, batch {size} | {rate:.0f} | | | | | |")
+                rows.append(f"| in-process forward, {ceiling_label(ceiling)}, batch {size} | {rate:.0f} | | | | | | |")
     return rows
 
 
@@ -50,9 +50,17 @@ def served_rows(folder: Path) -> list[str]:
             errors = ", ".join(f"{code} {count}" for code, count in point["errors"].items())
             rows.append(f"| {name.replace('_', ' ')}, c={point['concurrency']} | {point['images_per_s']:.0f} | "
                         f"{point['p50_ms']:.1f} | {point['p99_ms']:.1f} | "
-                        f"{view.get('mean_batch_size', float('nan')):.1f} | "
+                        f"{view.get('mean_batch_size', float('nan')):.1f} | {batch_split(view)} | "
                         f"{point.get('client_cpu_cores', float('nan')):.1f} | {errors} |")
     return rows
+
+
+def batch_split(view: dict) -> str:
+    """A batch's mean input and infer ms (the engine's conversion and copy in, and its forward pass to the copy
+    back): where a served batch's time goes; empty without the server's view."""
+    if "mean_input_ms" not in view:
+        return ""
+    return f"{view['mean_input_ms']:.1f} / {view['mean_infer_ms']:.1f}"
 
 
 def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
@@ -113,8 +121,8 @@ def main(folder: Path, fp32_batch: int, fp16_batch: int) -> None:
     gpu = next((" ".join(cells[1:-1]) for cells in rows if len(cells) > 2), "GPU")
     print(f"Measured {time.strftime('%Y-%m-%d')} with scripts/gpu_check.sh on {gpu}; uint8 224x224 unless "
           "named, seeded random weights.\n")
-    print("| what | images/s | p50 ms | p99 ms | mean batch | client cores | errors |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| what | images/s | p50 ms | p99 ms | mean batch | batch input / infer ms | client cores | errors |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     print("\n".join(ceiling_rows(folder) + served_rows(folder)))
     print()
     print("\n".join(targets(folder, fp32_batch, fp16_batch)))

@@ -188,6 +188,7 @@ class Batcher:
         self._queue_depth = metrics.queue_depth.labels(name)
         self._queue_wait = metrics.queue_wait.labels(name)
         self._compute_time = metrics.compute.labels(name)
+        self._part_seconds = tuple(metrics.batch_part.labels(name, part) for part in BatchTiming._fields)
         self._batch_size = metrics.batch_size.labels(name)
         self._padded = metrics.padded.labels(name)
         self._dropped = metrics.dropped
@@ -470,6 +471,8 @@ class Batcher:
         self._batch_size.observe(len(batch))
         self._padded.inc(self._runner.padding_for(len(batch)))
         self._compute_time.observe(timing.total)
+        for counter, seconds in zip(self._part_seconds, timing, strict=True):
+            counter.inc(seconds)
         self._statistics.record_batch(len(batch), timing)
         for item in batch:
             self._queue_wait.observe(started - item.enqueued)

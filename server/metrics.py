@@ -42,6 +42,11 @@ class Metrics:
             PREFIX + "batch_compute_seconds", "Time of one batch on the device: converting inputs left "
             "to the replica (raw tensors, JPEGs decoded on the device), copy in, forward pass, softmax and the "
             "copy back to the CPU", buckets=LATENCY_BUCKETS, **by_device)
+        self.batch_part = Counter(
+            PREFIX + "batch_part_seconds", "Seconds of batch compute by part (Triton's compute_input, compute_infer "
+            "and compute_output): input (converting the inputs left to the replica, copy in), infer (forward "
+            "pass, softmax, copy back) and output (top-k and each image's results)",
+            labelnames=["device", "part"], registry=self.registry)
         self.batch_size = Histogram(
             PREFIX + "batch_size", "Images per forward pass", buckets=BATCH_SIZE_BUCKETS, **by_device)
         self.padded = Counter(

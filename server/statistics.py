@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import RawArray
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -36,9 +36,8 @@ PARTS = 6
 SETTLE_SECONDS = 0.1  # how long a reader waits for a sibling's write to end (its writer may have been killed)
 
 
-@dataclass(frozen=True)
-class BatchTiming:
-    """Seconds one batch spent in each part of its compute."""
+class BatchTiming(NamedTuple):
+    """Seconds one batch spent in each part of its compute (the parts in order: the metrics iterate them)."""
 
     input: float  # converting the batch's inputs (raw tensors, deferred JPEGs) and copying them in
     infer: float  # the forward pass, softmax and the copy back to the CPU

@@ -45,7 +45,11 @@ def test_bench_closed_loop_reports_throughput_latency_and_the_server_view(make_s
     for point in points:
         assert point["ok"] > 0 and point["errors"] == {} and point["images_per_s"] > 0
         assert 0 < point["p50_ms"] <= point["p99_ms"] <= point["max_ms"]
-        assert point["server"]["cpu"]["mean_batch_size"] >= 1
+        view = point["server"]["cpu"]
+        assert view["mean_batch_size"] >= 1
+        # A batch's compute in its parts (raw uint8 is converted on the replica: input is not zero).
+        parts = [view[f"mean_{part}_ms"] for part in ("input", "infer", "output")]
+        assert all(ms > 0 for ms in parts) and sum(parts) == pytest.approx(view["mean_compute_ms"], rel=1e-6)
     assert points[1]["server"]["cpu"]["mean_batch_size"] > 1  # four in flight share forward passes
     assert "caller_waits_came_back" not in points[1]["server"]["cpu"]  # this server does not wait for callers
     assert plot.stat().st_size > 0
@@ -77,13 +81,13 @@ def test_bench_table_gives_the_server_view_of_every_device(make_server, capsys):
     assert code == 0
     header, first, second = (line.split() for line in capsys.readouterr().out.splitlines())
     assert header == ["load", "req/s", "img/s", "p50", "ms", "p90", "ms", "p99", "ms", "max", "ms", "cli-cores",
-                      "device", "batch", "queue", "ms", "compute", "ms", "errors"]
+                      "device", "batch", "queue", "ms", "compute", "ms", "input", "ms", "errors"]
     assert first[0] == "c=4" and float(first[2]) > 0 and first[8] == "cpu#0"
     assert 0 < float(first[7]) <= os.cpu_count()  # the client process's CPU over the window, in cores
-    assert second[0] == "cpu#1" and len(second) == 4
+    assert second[0] == "cpu#1" and len(second) == 5
     for view in (first[9:], second[1:]):
-        batch, queue_ms, compute_ms = map(float, view)
-        assert 1 <= batch <= 4 and queue_ms >= 0 and compute_ms > 0
+        batch, queue_ms, compute_ms, input_ms = map(float, view)
+        assert 1 <= batch <= 4 and queue_ms >= 0 and 0 < input_ms < compute_ms
 
 
 def test_bench_open_loop_counts_errors_by_code(make_server, capsys):
@@ -336,7 +340,7 @@ def test_handling_ceiling_serves_the_costless_model_from_every_worker(weights_fi
 def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, capsys, tmp_path, monkeypatch):
     """scripts/gpu_table.py on files written as scripts/gpu_check.sh writes them, by CPU runs of the same
     commands (one ceiling, served with batching on and off), so the GPU run's last step is known to work."""
-    running = make_server(max_batch_size=2)
+    running = make_server(max_batch_size=2, metrics_port=free_port())
     assert server_main(["bench-model", "--batch-sizes", "1,2", "--duration", "0.3", "--image-size", "64x48",
                         "--json"]) == 0
     (tmp_path / "ceiling_fp32.json").write_text(capsys.readouterr().out)
@@ -348,7 +352,8 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     (tmp_path / "ceiling_fp32_torchscript.json").write_text(capsys.readouterr().out)
     for name, concurrency in (("served_batched", "1,4"), ("served_nobatch", "4")):
         assert client_main(["bench", "--server", running.target, "--sweep", concurrency, "--duration", "0.5",
-                            "--warmup", "0", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet"]) == 0
+                            "--warmup", "0", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet",
+                            "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"]) == 0
         (tmp_path / f"{name}.json").write_text(capsys.readouterr().out)
     # The one-front-end run's JSON has the same shape (the bench sums the server's processes): a copy stands in.
     (tmp_path / "served_one_frontend.json").write_text((tmp_path / "served_batched.json").read_text())
@@ -367,8 +372,10 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert f"| in-process forward, fp32, batch 2 | {ceiling:.0f} |" in table
     assert "| in-process forward, fp16, batch norms not folded, batch 1 |" in table
     assert "| served batched, c=4 |" in table and "| served nobatch, c=4 |" in table
-    cores = json.loads((tmp_path / "served_batched.json").read_text().splitlines()[-1])["client_cpu_cores"]
-    assert f"| {batched:.0f} |" in table and f"| {cores:.1f} |  |" in table  # the client's cores, no errors
+    last = json.loads((tmp_path / "served_batched.json").read_text().splitlines()[-1])
+    view = last["server"]["cpu"]
+    split = f"{view['mean_input_ms']:.1f} / {view['mean_infer_ms']:.1f}"  # where the batches' time went
+    assert f"| {batched:.0f} |" in table and f"| {split} | {last['client_cpu_cores']:.1f} |  |" in table  # no errors
     assert f"- served_batched c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
     assert "| served one frontend, c=4 |" in table
     assert f"- served_one_frontend c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table

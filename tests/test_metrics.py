@@ -28,6 +28,10 @@ def test_samples_count_requests_images_and_timings(make_server):
     assert sample("resnet_batch_size_sum", device="cpu") == 4
     assert 1 <= sample("resnet_batch_compute_seconds_count", device="cpu") <= 4
     assert sample("resnet_batch_compute_seconds_sum", device="cpu") > 0
+    parts = [sample("resnet_batch_part_seconds_total", device="cpu", part=part)
+             for part in ("input", "infer", "output")]
+    assert all(seconds > 0 for seconds in parts)  # JPEGs decoded in preprocessing: input is the stack and copy in
+    assert sum(parts) == pytest.approx(sample("resnet_batch_compute_seconds_sum", device="cpu"), rel=1e-9)
     assert sample("resnet_queue_depth", device="cpu") == 0
     assert sample("resnet_requests_in_flight", device="cpu") == 0
     assert sample("resnet_replica_healthy", device="cpu") == 1
