@@ -33,12 +33,12 @@ class DeferredJpeg:
         return cls(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
-def defer_or_preprocess(image: ImageInput, max_pixels: int) -> torch.Tensor | DeferredJpeg:
+def defer_or_preprocess(image: ImageInput, max_pixels: int, crop_only: bool = False) -> torch.Tensor | DeferredJpeg:
     """JPEGs are checked now and decoded later on the device; other encoded images are decoded now."""
     if isinstance(image, EncodedImage) and image.data[:3] == JPEG_MAGIC:
         check_header(image.data, max_pixels)
         return DeferredJpeg.of(image.data)
-    return preprocess(image, max_pixels)
+    return preprocess(image, max_pixels, crop_only)
 
 
 def decode_batch(images: list[DeferredJpeg], device: torch.device) -> list[torch.Tensor | InvalidInput]:

@@ -33,7 +33,7 @@ from .config import ServerConfig
 from .device_decode import DeferredJpeg
 from .errors import ServingError, StartupError
 from .metrics import Metrics, serve_metrics
-from .preprocess import FLOAT_SHAPE, RawImage, SlotBytes
+from .preprocess import FLOAT_SHAPE, CroppedImage, RawImage, SlotBytes
 from .replicas import Replica, load_replica
 from .slab import Slab, SlabLayout
 from .statistics import SharedRow
@@ -41,7 +41,8 @@ from .statistics import SharedRow
 log = logging.getLogger("server.engine")
 
 # What a front-end sends per image: (slot, kind, dtype, shape, nbytes, temperature, top_k, deadline, request_id).
-# kind: "float" (a preprocessed [3, 224, 224] float32 image), "raw" (a checked raw tensor) or "jpeg".
+# kind: "raw" (a checked raw tensor), "jpeg" (decoded here), "crop" (a front-end's uint8 [224, 224, 3] crop,
+# normalised here) or "float" (the model's float32 input).
 Entry = tuple[int, str, str, tuple[int, ...], int, float, int, "float | None", str]
 
 
@@ -171,6 +172,8 @@ class Engine:
         slot, kind, dtype, shape, nbytes, temperature, k, deadline, request_id = entry
         if kind == "raw":
             model_input = RawImage(dtype, tuple(shape), SlotBytes(self._input_rows, slot, nbytes))
+        elif kind == "crop":
+            model_input = CroppedImage(SlotBytes(self._input_rows, slot, nbytes))
         elif kind == "float":
             model_input = torch.frombuffer(self.slab.input(slot, nbytes), dtype=torch.float32).view(FLOAT_SHAPE)
         else:  # jpeg

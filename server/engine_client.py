@@ -19,12 +19,14 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from types import SimpleNamespace
 
+import torch
+
 from . import errors
 from .batcher import ImageOutput, WorkItem
 from .device_decode import DeferredJpeg
 from .engine import EngineLink, Entry, send_message
 from .errors import Overloaded, ServingError, StartupError, Unavailable
-from .preprocess import FLOAT_SHAPE, RawImage
+from .preprocess import CROP_SHAPE, FLOAT_SHAPE, RawImage
 from .slab import Slab
 from .statistics import BatchTiming
 
@@ -136,13 +138,15 @@ class EngineClient:
             self._lost()  # fails these items too: UNAVAILABLE, and the client retries
 
     def _write(self, slot: int, item: WorkItem) -> Entry:
-        """The image into its slot, as it came (raw pixels, JPEG bytes) or preprocessed (float32)."""
+        """The image into its slot, as it came (raw pixels, JPEG bytes) or preprocessed (a uint8 crop)."""
         image = item.model_input
         if isinstance(image, RawImage):
             kind, dtype, shape, data = "raw", image.dtype, tuple(image.shape), image.data
         elif isinstance(image, DeferredJpeg):
             kind, dtype, shape, data = "jpeg", "uint8", (), memoryview(image.data.numpy())
-        else:
+        elif image.dtype == torch.uint8:  # preprocess's crop, [224, 224, 3] contiguous
+            kind, dtype, shape, data = "crop", "uint8", CROP_SHAPE, memoryview(image.numpy()).cast("B")
+        else:  # the model's float32 input (a raw float32 image that did not fit its slot)
             kind, dtype, shape, data = "float", "float32", FLOAT_SHAPE, memoryview(image.contiguous().numpy()).cast("B")
         nbytes = len(data) if isinstance(data, bytes) else data.nbytes
         self.slab.input(slot, nbytes)[:] = data

@@ -39,13 +39,21 @@ MEAN, STD = list(PRESET.mean), list(PRESET.std)
 
 
 def transform(pixels: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 3, H, W] RGB (one image or a batch, on any device) to the model's float [..., 3, 224, 224].
+    """uint8 [..., 3, H, W] RGB (one image or a batch, on any device) to the model's float [..., 3, 224, 224]:
+    :func:`crop`, then :func:`normalise`."""
+    return normalise(crop(pixels))
 
-    The preset's resize and centre crop (torchvision v2 functional), then scaling to [0, 1] and normalising
-    fused into one multiply-add with per-device constants. v2's ToDtype + Normalize steps cost 0.25 ms more
-    per 224x224 image here, and Normalize copies its mean and std to the device on every call, a blocking
-    copy on CUDA; the values agree within 1e-6."""
-    cropped = F.center_crop(F.resize(pixels, [RESIZE], interpolation=PRESET.interpolation, antialias=True), [CROP])
+
+def crop(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 3, H, W] to uint8 [..., 3, 224, 224]: the preset's resize and centre crop (torchvision v2)."""
+    return F.center_crop(F.resize(pixels, [RESIZE], interpolation=PRESET.interpolation, antialias=True), [CROP])
+
+
+def normalise(cropped: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 3, 224, 224] to the model's float input: scaling to [0, 1] and normalising fused into one
+    multiply-add with per-device constants. v2's ToDtype + Normalize steps cost 0.25 ms more per 224x224 image
+    here, and Normalize copies its mean and std to the device on every call, a blocking copy on CUDA; the values
+    agree within 1e-6."""
     batch = cropped if cropped.dim() == 4 else cropped.unsqueeze(0)
     normalised = _normalise(batch)
     return normalised if cropped.dim() == 4 else normalised[0]
@@ -102,18 +110,32 @@ class RawImage(NamedTuple):
     data: bytes | SlotBytes  # SlotBytes in the engine
 
 
+class CroppedImage(NamedTuple):
+    """An image a front-end decoded, resized and cropped: uint8 [224, 224, 3] bytes (SlotBytes in the engine),
+    normalised with its batch on the engine's device. A quarter of the float input's bytes through the slab."""
+
+    data: bytes | SlotBytes
+
+
 ImageInput = EncodedImage | RawImage
+CROP_SHAPE = (CROP, CROP, 3)  # a front-end's crop, as it travels: HWC
 
 
-def preprocess(image: ImageInput, max_pixels: int) -> torch.Tensor:
-    """Validate, decode and transform one image on the CPU; InvalidInput says what is wrong with it."""
+def preprocess(image: ImageInput, max_pixels: int, crop_only: bool = False) -> torch.Tensor:
+    """Validate, decode and transform one image on the CPU; InvalidInput says what is wrong with it. With
+    ``crop_only`` a uint8 image stops at its crop, uint8 [224, 224, 3] contiguous (to go to an engine, which
+    normalises it); a float32 one is the model's input already."""
     if isinstance(image, EncodedImage):
-        return transform(decode(image.data, max_pixels))
-    check_raw(image, max_pixels)
-    converted = raw_batch([image], torch.device("cpu"))[0]
-    if isinstance(converted, InvalidInput):
-        raise converted
-    return converted
+        pixels = decode(image.data, max_pixels)
+    else:
+        check_raw(image, max_pixels)
+        if image.dtype != "uint8" or not crop_only:
+            converted = raw_batch([image], torch.device("cpu"))[0]
+            if isinstance(converted, InvalidInput):
+                raise converted
+            return converted
+        pixels = _stack_bytes([image.data], "uint8", tuple(image.shape), pinned=False)[0].permute(2, 0, 1)
+    return crop(pixels).permute(1, 2, 0).contiguous() if crop_only else transform(pixels)
 
 
 def check_raw(image: RawImage, max_pixels: int) -> None:
@@ -153,6 +175,13 @@ def _convert_group(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int,
     finite = torch.isfinite(on_cpu).flatten(1).all(1).tolist()  # checked on the CPU: no device sync
     return [row if ok else InvalidInput("raw float32 image contains NaN or infinity")
             for row, ok in zip(to_device(on_cpu, device).unbind(0), finite, strict=True)]
+
+
+def cropped_batch(images: list[CroppedImage], device: torch.device) -> list[torch.Tensor]:
+    """Front-ends' crops as the model's float [3, 224, 224] inputs on ``device``: gathered with one copy (pinned,
+    for an upload), uploaded as uint8, normalised as one batch."""
+    on_cpu = _stack_bytes([image.data for image in images], "uint8", CROP_SHAPE, pinned=device.type == "cuda")
+    return list(normalise(to_device(on_cpu, device).permute(0, 3, 1, 2)).unbind(0))
 
 
 def _stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ...], pinned: bool) -> torch.Tensor:

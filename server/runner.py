@@ -37,11 +37,11 @@ from .device_decode import DeferredJpeg, decode_batch
 from .devices import to_device
 from .errors import InvalidInput
 from .postprocess import temperature_softmax
-from .preprocess import FLOAT_SHAPE, RawImage, raw_batch
+from .preprocess import FLOAT_SHAPE, CroppedImage, RawImage, cropped_batch, raw_batch
 
 # What the batcher hands the runner per image: a ready CPU tensor (decoded in a preprocessing thread),
 # a JPEG to decode on the device, or a checked raw tensor to convert with its batch.
-ModelInput = torch.Tensor | DeferredJpeg | RawImage
+ModelInput = torch.Tensor | DeferredJpeg | RawImage | CroppedImage
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -109,9 +109,9 @@ class ModelRunner:
         return torch.stack(rows, out=buffer[: len(rows)])
 
     def _convert_deferred(self, images: list[ModelInput]) -> dict[int, torch.Tensor | InvalidInput]:
-        """Deferred JPEGs and raw tensors, each kind converted as one batch on this device, by position."""
+        """Deferred JPEGs, raw tensors and crops, each kind converted as one batch on this device, by position."""
         converted: dict[int, torch.Tensor | InvalidInput] = {}
-        for kind, convert in ((DeferredJpeg, decode_batch), (RawImage, raw_batch)):
+        for kind, convert in ((DeferredJpeg, decode_batch), (RawImage, raw_batch), (CroppedImage, cropped_batch)):
             positions = [i for i, image in enumerate(images) if isinstance(image, kind)]
             if positions:
                 converted.update(zip(positions, convert([images[i] for i in positions], self.device), strict=True))

@@ -20,6 +20,7 @@ from tests.helpers import EngineSet, base_config, free_port_block, random_rgb
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PIXELS = [random_rgb(seed) for seed in (51, 52, 53)]
+LARGE = random_rgb(54, 720, 960)  # 2 MB of raw pixels: more than an engine's slot takes as it came
 
 
 def synchronisations(action) -> int:
@@ -104,15 +105,17 @@ def test_cuda_answers_match_the_cpu_reference(make_server, reference, precision,
 
 
 def test_an_engine_process_on_cuda_answers_like_the_cpu_reference(weights_file, reference):
-    """The served path: a front-end hands raw images to an engine process on the GPU through the slab (gathered
-    from their slots a batch at once, uploaded from pinned memory), as every server does."""
+    """The served path: a front-end hands raw images (and the crop of one too large for a slot) to an engine
+    process on the GPU through the slab (gathered from their slots a batch at once, uploaded from pinned memory,
+    normalised there), as every server does."""
     engine_set = EngineSet(base_config(str(weights_file[0]), devices=("cuda:0",), frontends=1,
                                        metrics_port=free_port_block(4)))
     try:
         frontend = engine_set.frontend()
+        images = [*PIXELS, LARGE]  # LARGE is over a slot: the front-end crops it, the engine normalises it
         with Client(frontend.target) as client:
-            results = client.classify(PIXELS, full=True, logits=True)
-        for result, pixels in zip(results, PIXELS, strict=True):
+            results = client.classify(images, full=True, logits=True)
+        for result, pixels in zip(results, images, strict=True):
             want = reference.logits(reference.input_from_array(pixels).unsqueeze(0))[0].numpy()
             assert result.device == "cuda:0"
             np.testing.assert_allclose(result.logits, want, atol=0.02 * np.abs(want).max(), rtol=0)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from client import ClassifierError, Client
+from server.engine_client import EngineClient
 from tests.helpers import EngineSet, base_config, encode, free_port_block, random_rgb, scraped_value, serving, wait_for
 
 JPEG = encode(random_rgb(41))
@@ -41,13 +42,25 @@ def engine_sample(engine_set: EngineSet, sample: str) -> float:
     return scraped_value(engine_set.engine_metrics_port(), sample)
 
 
-def test_a_front_end_in_another_process_answers_as_the_in_process_server(engines, server):
+def test_a_front_end_in_another_process_answers_as_the_in_process_server(engines, server, monkeypatch):
     engine_set = engines()
     frontend = engine_set.frontend()
     images = [JPEG, PIXELS, LARGE, FLOATS]
+    sent = []  # how each image went to the engine (the front-end runs in this process: its writes are seen)
+    write = EngineClient._write
+
+    def recorded(client: EngineClient, slot: int, item):
+        sent.append(write(client, slot, item))
+        return sent[-1]
+
+    monkeypatch.setattr(EngineClient, "_write", recorded)
     with Client(frontend.target, timeout=60) as remote, Client(server.target, timeout=60) as local:
         got = remote.classify(images, full=True, logits=True, temperature=1.7)
         want = local.classify(images, full=True, logits=True, temperature=1.7)
+    # The JPEG (decoded here: a CPU engine decodes none) and the image too large for its slot went as crops.
+    crop = ("crop", (224, 224, 3), 224 * 224 * 3)
+    assert [(kind, shape, nbytes) for _, kind, _, shape, nbytes, *_ in sent] == [
+        crop, ("raw", PIXELS.shape, PIXELS.nbytes), crop, ("raw", FLOATS.shape, FLOATS.nbytes)]
     for answer, expected in zip(got, want, strict=True):
         np.testing.assert_allclose(answer.probabilities, expected.probabilities, atol=1e-6, rtol=0)
         np.testing.assert_allclose(answer.logits, expected.logits, atol=1e-5, rtol=0)

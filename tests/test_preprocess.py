@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torchvision.models import ResNet18_Weights
 
 from server.errors import InvalidInput
-from server.preprocess import STD, decode, transform
+from server.preprocess import (
+    CROP_SHAPE,
+    FLOAT_SHAPE,
+    STD,
+    CroppedImage,
+    EncodedImage,
+    RawImage,
+    cropped_batch,
+    decode,
+    preprocess,
+    transform,
+)
 from tests.helpers import encode, random_rgb
 
 ONE_GREY_LEVEL = 1.0 / 255.0 / min(STD)  # in normalised units
@@ -44,3 +56,21 @@ def test_a_broken_image_of_a_known_format_says_what_the_decoder_found(data, mess
         decode(data, max_pixels=10_000_000)
     assert str(refused.value).startswith(message)
     assert "not a JPEG" not in str(refused.value) or message.endswith("WEBP file")
+
+
+def test_a_crop_normalised_with_its_batch_is_the_image_preprocessed_in_one_go():
+    """What a front-end hands an engine for an image it decodes (the uint8 crop, a quarter of the float input's
+    bytes) and what the engine makes of it (normalised with its batch) equal the whole preprocessing; a float32
+    image is the model's input already."""
+    side = (300, 400)
+    jpeg = EncodedImage(encode(random_rgb(61, *side)))
+    raw = RawImage("uint8", (*side, 3), random_rgb(62, *side).tobytes())
+    for image in (jpeg, raw):
+        cropped = preprocess(image, 10**8, crop_only=True)
+        assert cropped.dtype == torch.uint8 and cropped.shape == CROP_SHAPE and cropped.is_contiguous()
+        batch = cropped_batch([CroppedImage(cropped.numpy().tobytes())] * 2, torch.device("cpu"))
+        for row in batch:
+            torch.testing.assert_close(row, preprocess(image, 10**8), atol=1e-6, rtol=0)
+    floats = np.random.default_rng(63).standard_normal(FLOAT_SHAPE).astype(np.float32)
+    as_given = preprocess(RawImage("float32", FLOAT_SHAPE, floats.tobytes()), 10**8, crop_only=True)
+    torch.testing.assert_close(as_given, torch.from_numpy(floats), atol=0, rtol=0)
