@@ -72,6 +72,13 @@ class EngineClient:
         return self.info["max_batch_size"]
 
     @property
+    def takes_crops(self) -> bool:
+        """Images preprocessed here go as their uint8 crop, normalised by the engine with its batch: on a GPU (a
+        quarter of the bytes through the slab, its one host thread's copy and the upload; normalised on the
+        device). A CPU engine's thread runs the forward pass, the bound there: it takes the float input."""
+        return self.info["device"].startswith("cuda")
+
+    @property
     def decode_on_device(self) -> bool:
         return self.info["decode_on_device"]
 

@@ -141,8 +141,8 @@ class InferenceCore:
         """Raw tensors are checked here and converted later, with their batch, on the replica; encoded
         images are decoded (or, to be decoded on the device, header-checked) in the preprocessing threads. An
         image too large to hand an engine process as it came (its slab's ``inline_bytes``) is preprocessed
-        here, in those threads; for an engine only as far as its uint8 crop, which the engine normalises with
-        its batch (a quarter of the float input's bytes)."""
+        here, in those threads; for an engine on a GPU only as far as its uint8 crop, which the engine
+        normalises with its batch (``takes_crops``)."""
         invalid: dict[int, str] = {}  # every invalid image's reason, so the caller can drop just those
         for index, image in enumerate(images):
             if isinstance(image, RawImage):
@@ -163,7 +163,7 @@ class InferenceCore:
                 if i not in invalid and (decode := decoder(image)) is not None]
         if not work and not invalid:  # raw pixels that fit their slots: nothing to decode (most calls)
             return list(images)
-        crop_only = inline is not None  # an engine process's replica
+        crop_only = replica.takes_crops
         decoded = await asyncio.gather(*(loop.run_in_executor(self._executor, decode, images[i],
                                                               self.limits.max_pixels, crop_only)
                                          for i, decode in work), return_exceptions=True)

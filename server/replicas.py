@@ -41,6 +41,7 @@ class Replica:
     decode_on_device: bool = False  # JPEGs go to the batcher undecoded, decoded there in one batch
     torch_threads: int = 1  # the OpenMP team of its worker thread (replica_torch_threads)
     inline_bytes: int | None = None  # the most bytes an image goes as it came; None: any (an engine's slab sets one)
+    takes_crops: bool = False  # images preprocessed for it go as uint8 crops (EngineClient's; in process: floats)
     pending: int = 0  # images routed here and not yet answered; touched on the event loop only
 
     @property

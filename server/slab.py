@@ -34,7 +34,8 @@ from .preprocess import FLOAT_SHAPE
 FREE = 0
 RECENT_SLOTS = 64  # slots a process gave back that its next take tries first
 # Bytes an image may take in its slot as it came: a 640x480 RGB raw image (921,600) or a JPEG of up to
-# 1 MiB. A larger one is decoded and cropped by its front-end and goes as its uint8 crop (147 KiB).
+# 1 MiB. A larger one is preprocessed by its front-end: for a GPU engine to its uint8 crop (147 KiB), for a
+# CPU engine to the model's float input (588 KiB).
 SLOT_INPUT_BYTES = 1 << 20
 FLOAT_INPUT_BYTES = 4 * FLOAT_SHAPE[0] * FLOAT_SHAPE[1] * FLOAT_SHAPE[2]  # a raw float32 image always fits
 OUTPUT_BYTES = 2 * NUM_CLASSES * 4  # float32 probabilities, then logits

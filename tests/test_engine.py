@@ -42,7 +42,13 @@ def engine_sample(engine_set: EngineSet, sample: str) -> float:
     return scraped_value(engine_set.engine_metrics_port(), sample)
 
 
-def test_a_front_end_in_another_process_answers_as_the_in_process_server(engines, server, monkeypatch):
+@pytest.mark.parametrize("crops", [False, True], ids=["floats", "crops"])
+def test_a_front_end_in_another_process_answers_as_the_in_process_server(engines, server, monkeypatch, crops):
+    """Images the front-end preprocesses (the JPEG: a CPU engine decodes none; the one too large for its slot) go
+    as the float input to a CPU engine, and as uint8 crops to a GPU one: here forced onto the CPU engine, whose
+    answers are the same."""
+    if crops:
+        monkeypatch.setattr(EngineClient, "takes_crops", True)
     engine_set = engines()
     frontend = engine_set.frontend()
     images = [JPEG, PIXELS, LARGE, FLOATS]
@@ -57,10 +63,9 @@ def test_a_front_end_in_another_process_answers_as_the_in_process_server(engines
     with Client(frontend.target, timeout=60) as remote, Client(server.target, timeout=60) as local:
         got = remote.classify(images, full=True, logits=True, temperature=1.7)
         want = local.classify(images, full=True, logits=True, temperature=1.7)
-    # The JPEG (decoded here: a CPU engine decodes none) and the image too large for its slot went as crops.
-    crop = ("crop", (224, 224, 3), 224 * 224 * 3)
+    preprocessed = ("crop", (224, 224, 3), 224 * 224 * 3) if crops else ("float", FLOATS.shape, FLOATS.nbytes)
     assert [(kind, shape, nbytes) for _, kind, _, shape, nbytes, *_ in sent] == [
-        crop, ("raw", PIXELS.shape, PIXELS.nbytes), crop, ("raw", FLOATS.shape, FLOATS.nbytes)]
+        preprocessed, ("raw", PIXELS.shape, PIXELS.nbytes), preprocessed, ("raw", FLOATS.shape, FLOATS.nbytes)]
     for answer, expected in zip(got, want, strict=True):
         np.testing.assert_allclose(answer.probabilities, expected.probabilities, atol=1e-6, rtol=0)
         np.testing.assert_allclose(answer.logits, expected.logits, atol=1e-5, rtol=0)
