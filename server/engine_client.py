@@ -145,7 +145,8 @@ class EngineClient:
             self._lost()  # fails these items too: UNAVAILABLE, and the client retries
 
     def _write(self, slot: int, item: WorkItem) -> Entry:
-        """The image into its slot, as it came (raw pixels, JPEG bytes) or preprocessed (a uint8 crop)."""
+        """The image into its slot, as it came (raw pixels, JPEG bytes) or preprocessed here (a uint8 crop for a
+        GPU engine, the model's float input for a CPU one)."""
         image = item.model_input
         if isinstance(image, RawImage):
             kind, dtype, shape, data = "raw", image.dtype, tuple(image.shape), image.data
@@ -153,7 +154,7 @@ class EngineClient:
             kind, dtype, shape, data = "jpeg", "uint8", (), memoryview(image.data.numpy())
         elif image.dtype == torch.uint8:  # preprocess's crop, [224, 224, 3] contiguous
             kind, dtype, shape, data = "crop", "uint8", CROP_SHAPE, memoryview(image.numpy()).cast("B")
-        else:  # the model's float32 input (a raw float32 image that did not fit its slot)
+        else:  # the model's float32 input
             kind, dtype, shape, data = "float", "float32", FLOAT_SHAPE, memoryview(image.contiguous().numpy()).cast("B")
         nbytes = len(data) if isinstance(data, bytes) else data.nbytes
         self.slab.input(slot, nbytes)[:] = data

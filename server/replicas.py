@@ -119,7 +119,7 @@ def load_replica(name: str, device: torch.device, config: ServerConfig, metrics:
 def replica_torch_threads(config: ServerConfig, device: torch.device) -> int:
     """--torch-threads, or by default every core for a CPU replica (its forward pass runs there) and one for a
     GPU's, whose host work is copying a batch's bytes: an OpenMP team there shares the cores with the front-ends,
-    spins, and every copy waits for its slowest member (docs/performance.md, "One host thread a GPU engine")."""
+    spins, and every copy waits for its slowest member (docs/operations.md; the H100 run in performance.md)."""
     if config.torch_threads:
         return config.torch_threads
     return len(os.sched_getaffinity(0)) if device.type == "cpu" else 1

@@ -40,7 +40,8 @@ from .postprocess import temperature_softmax
 from .preprocess import FLOAT_SHAPE, CroppedImage, RawImage, cropped_batch, raw_batch
 
 # What the batcher hands the runner per image: a ready CPU tensor (decoded in a preprocessing thread),
-# a JPEG to decode on the device, or a checked raw tensor to convert with its batch.
+# a JPEG to decode on the device, a checked raw tensor to convert with its batch, or a front-end's crop to
+# normalise with it.
 ModelInput = torch.Tensor | DeferredJpeg | RawImage | CroppedImage
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -37,7 +37,7 @@ RECENT_SLOTS = 64  # slots a process gave back that its next take tries first
 # 1 MiB. A larger one is preprocessed by its front-end: for a GPU engine to its uint8 crop (147 KiB), for a
 # CPU engine to the model's float input (588 KiB).
 SLOT_INPUT_BYTES = 1 << 20
-FLOAT_INPUT_BYTES = 4 * FLOAT_SHAPE[0] * FLOAT_SHAPE[1] * FLOAT_SHAPE[2]  # a raw float32 image always fits
+FLOAT_INPUT_BYTES = 4 * FLOAT_SHAPE[0] * FLOAT_SHAPE[1] * FLOAT_SHAPE[2]  # the model's float input always fits
 OUTPUT_BYTES = 2 * NUM_CLASSES * 4  # float32 probabilities, then logits
 _PAGE = mmap.PAGESIZE
 
@@ -48,8 +48,8 @@ def _aligned(size: int, to: int) -> int:
 
 @dataclass(frozen=True)
 class SlabLayout:
-    """``slots`` slots of ``input_bytes`` (at least a raw float32 image, which always goes as it came) and the
-    outputs' bytes each."""
+    """``slots`` slots of ``input_bytes`` (at least the model's float input: raw float32 images and those
+    preprocessed for a CPU engine) and the outputs' bytes each."""
 
     slots: int
     input_bytes: int
