@@ -56,13 +56,14 @@ class _ReplicaSetup:
         self.device = device
         self.config = config
         self.batch_limit = batch_limit
+        self.torch_threads = replica_torch_threads(config, device)
         self.weights: LoadedWeights | None = None
         self.runner: ModelRunner | None = None
 
     def __call__(self) -> ModelRunner:
         config, device = self.config, self.device
         # This thread's OpenMP team: set here, since other threads (preprocessing) set theirs to 1.
-        use_torch_threads(replica_torch_threads(config, device))
+        use_torch_threads(self.torch_threads)
         self.weights = load_weights(config.weights, device)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = config.cudnn_benchmark
@@ -113,7 +114,7 @@ def load_replica(name: str, device: torch.device, config: ServerConfig, metrics:
         log.warning("%s", weights.warning)
     decode_on_device = config.decode_on_device == "true" or (
         config.decode_on_device == "auto" and device.type == "cuda")
-    return Replica(name, device, runner, batcher, weights, decode_on_device, replica_torch_threads(config, device))
+    return Replica(name, device, runner, batcher, weights, decode_on_device, setup.torch_threads)
 
 
 def replica_torch_threads(config: ServerConfig, device: torch.device) -> int:
