@@ -119,7 +119,10 @@ def test_a_failing_replica_leaves_the_rotation_and_the_other_keeps_serving(make_
 
 def test_all_replicas_failing_is_unavailable(make_server):
     running = make_server()
-    running.app.core.router.replicas[0].batcher.consecutive_failures = FAILURES_BEFORE_EVICTION
+    batcher = running.app.core.router.replicas[0].batcher
+    with batcher._cond:  # evicted as failed batches evict it, so its first probe is a probe interval away
+        for _ in range(FAILURES_BEFORE_EVICTION):
+            batcher._batch_failed()
     with Client(running.target) as client, pytest.raises(ClassifierError) as caught:
         client.classify([IMAGE])
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
