@@ -11,10 +11,12 @@ on a shared VM the same server's calls a second drift by a quarter from one minu
 then falls on both alike. The median of the rounds' ratios is the issue's target (>= 0.6). Beside it, each
 server process's CPU time a call (median of the rounds; warm-up included, over every call made): on a machine
 whose cores the clients share, a steadier measure than calls a second, and it says whether the front-end or
-its engine costs what. Both servers listen on 127.0.0.1 and are stopped when done.
+its engine costs what. The bare server runs on asyncio's own event loop, the issue's reference; the
+front-end on uvloop where installed (server.event_loop), so ``--bare-loop uvloop`` gives the front-end's own
+cost alone. Both servers listen on 127.0.0.1 and are stopped when done.
 
 Usage: python scripts/frontend_cost.py [--processes 4] [--concurrency 16] [--duration 10] [--rounds 3]
-       [--server-flags "..."] [--json]
+       [--server-flags "..."] [--bare-loop asyncio|uvloop] [--json]
 """
 
 from __future__ import annotations
@@ -104,10 +106,10 @@ def cpu_seconds(processes: dict[str, int]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def bare_server() -> Iterator[Server]:
+def bare_server(loop: str) -> Iterator[Server]:
     context = multiprocessing.get_context("spawn")
     ports, stop = context.Queue(), context.Event()
-    server = context.Process(target=serve_aio, args=(ports, stop))
+    server = context.Process(target=serve_aio, args=(ports, stop, loop))
     server.start()
     try:
         yield Server(f"127.0.0.1:{ports.get(timeout=60)}", BARE_METHOD, {"bare": server.pid})
@@ -144,7 +146,7 @@ def frontend_server(args: argparse.Namespace) -> Iterator[Server]:
 def measure(args: argparse.Namespace) -> dict:
     """Both servers, ``args.rounds`` times; the medians, and every round's ratio."""
     rounds = []
-    with bare_server() as bare, frontend_server(args) as frontend:
+    with bare_server(args.bare_loop) as bare, frontend_server(args) as frontend:
         for number in range(args.rounds):
             order = [("bare", bare), ("frontend", frontend)]
             if number % 2:
@@ -165,12 +167,16 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds measured per server and round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each measuring both servers once")
     parser.add_argument("--server-flags", default="", help="more resnet-server flags for the front-end's side")
+    parser.add_argument("--bare-loop", choices=("asyncio", "uvloop"), default="asyncio",
+                        help="the bare server's event loop: asyncio's own (the target's reference), or uvloop (as the "
+                             "front-end's, by default: its own cost alone)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a line of text")
     args = parser.parse_args()
-    result = {**measure(args), "processes": args.processes, "concurrency": args.concurrency,
-              "duration_s": args.duration, "rounds": args.rounds, "cores": len(os.sched_getaffinity(0))}
+    result = {**measure(args), "bare_loop": args.bare_loop, "processes": args.processes,
+              "concurrency": args.concurrency, "duration_s": args.duration, "rounds": args.rounds,
+              "cores": len(os.sched_getaffinity(0))}
     print(json.dumps(result) if args.json else
-          f"bare grpc.aio {result['bare_calls_per_s']:.0f} calls/s, one front-end with a free model "
+          f"bare grpc.aio ({args.bare_loop}) {result['bare_calls_per_s']:.0f} calls/s, one front-end with a free model "
           f"{result['frontend_calls_per_s']:.0f} calls/s (medians of {args.rounds} rounds): {result['ratio']:.2f} x "
           f"(target >= 0.6; rounds {', '.join(f'{ratio:.2f}' for ratio in result['ratios'])}); CPU a call: "
           + ", ".join(f"{name} {us:.0f} us" for name, us in result["cpu_us_per_call"].items()))

@@ -29,7 +29,8 @@ def _one_method(method) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler("floor.Floor", {"Call": grpc.unary_unary_rpc_method_handler(method)})
 
 
-def serve_aio(ports, stop) -> None:
+def serve_aio(ports, stop, loop: str = "asyncio") -> None:
+    """Serve on ``loop`` (asyncio's own, or uvloop) until ``stop`` is set."""
     async def call(request: bytes, context) -> bytes:
         return ANSWER
 
@@ -42,7 +43,12 @@ def serve_aio(ports, stop) -> None:
         await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         await server.stop(0)
 
-    asyncio.run(main())
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
 
 
 def serve_threads(ports, stop) -> None:

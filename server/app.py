@@ -21,7 +21,7 @@ from client.api import classifier_pb2 as pb
 from client.api import classifier_pb2_grpc as pb_grpc
 from client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 
-from . import __version__
+from . import __version__, event_loop
 from .config import ConfigError, ServerConfig, parse_config
 from .devices import cpu_bf16_unit, replica_names, resolve_devices
 from .engine import EngineLink
@@ -97,8 +97,9 @@ class App:
         """The line that says the server is up (scripts and tests wait for it)."""
         config = self.config
         worker = f"; front-end {config.worker} of {config.frontends}" if config.frontends > 1 else ""
-        log.info("serving %s on %s:%d (devices %s%s)", MODEL_NAME, config.host, self.port,
-                 ", ".join(replica.name for replica in self.core.router.replicas), worker)
+        log.info("serving %s on %s:%d (devices %s; event loop %s%s)", MODEL_NAME, config.host, self.port,
+                 ", ".join(replica.name for replica in self.core.router.replicas),
+                 event_loop.resolved(config.event_loop), worker)
 
     async def bind(self) -> int:
         """Start gRPC, with health NOT_SERVING unless the model is loaded already; until load() is done,
@@ -354,7 +355,8 @@ def run(config: ServerConfig, on_bound: Callable[[int], object] | None = None,
     """Serve until stopped and drain; serve()'s exit code, or exit 1 at once with the error in one line if
     start-up fails."""
     try:
-        return asyncio.run(serve(config, on_bound, on_serving, load_first, metrics, engines, owner))
+        return event_loop.run(serve(config, on_bound, on_serving, load_first, metrics, engines, owner),
+                              config.event_loop)
     except StartupError as exc:
         worker = f"front-end {config.worker}: " if config.frontends > 1 else ""
         print(f"resnet-server: error: {worker}{exc}", file=sys.stderr)

@@ -27,6 +27,7 @@ from torchvision.transforms import v2
 from client import ClassifierError, Client
 from server.app import App
 from server.config import ServerConfig
+from server.event_loop import new_event_loop
 from server.metrics import Metrics
 
 TEST_SEED = 1234
@@ -65,7 +66,7 @@ class ServerThread:
     def __init__(self, config: ServerConfig, engines=(), owner: int = 1) -> None:
         self.metrics = Metrics(config.largest_batch)
         self.app = App(config, self.metrics, engines, owner)
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop(config.event_loop)  # uvloop where installed, as the server's own processes run
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
 

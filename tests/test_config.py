@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from server.config import _FLAGS, ConfigError, ServerConfig, env_name, parse_config
 from server.devices import replica_names, resolve_devices
 from server.errors import StartupError
+from server.event_loop import resolved
 
 
 def test_defaults():
@@ -74,6 +76,18 @@ def test_decode_on_device_is_auto_true_or_false():
     assert parse_config(["--decode-on-device", "AUTO"], env={}).decode_on_device == "auto"
 
 
+def test_the_event_loop_is_auto_uvloop_or_asyncio(monkeypatch):
+    assert parse_config([], env={}).event_loop == "auto"
+    assert parse_config([], env={"RESNET_SERVER_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
+    assert parse_config(["--event-loop", "uvloop"], env={}).event_loop == "uvloop"
+    assert resolved("auto") == "uvloop"  # the server extra installs it
+    # Where uvloop is missing, auto falls back to asyncio's loop and naming uvloop is a clear error.
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    assert resolved("auto") == "asyncio"
+    with pytest.raises(ConfigError, match="--event-loop uvloop: uvloop is not installed"):
+        parse_config(["--event-loop", "uvloop"], env={})
+
+
 @pytest.mark.parametrize("argv", [["--temperature", "0"], ["--temperature", "nan"], ["--temperature", "-1"],
                                   ["--temperature", "inf"], ["--max-batch-size", "-1"], ["--max-queue", "-3"],
                                   ["--port", "x"], ["--compile", "maybe"],
@@ -81,7 +95,8 @@ def test_decode_on_device_is_auto_true_or_false():
                                   ["--replica-probe-interval", "-1"], ["--replica-probe-interval", "inf"],
                                   ["--unhealthy-exit-after", "-5"],
                                   ["--max-connection-age", "nan"], ["--workers", "0"],
-                                  ["--switch-interval-ms", "0"], ["--switch-interval-ms", "inf"]])
+                                  ["--switch-interval-ms", "0"], ["--switch-interval-ms", "inf"],
+                                  ["--event-loop", "trio"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as caught:
         parse_config(argv, env={})

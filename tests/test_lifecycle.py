@@ -55,16 +55,19 @@ def test_health_not_serving_until_loaded_and_while_draining(weights_file):
 
 
 @pytest.mark.slow
-def test_sigterm_answers_every_accepted_request_then_exits_zero(weights_file):
+@pytest.mark.parametrize("loop", ["auto", "asyncio"])
+def test_sigterm_answers_every_accepted_request_then_exits_zero(weights_file, loop):
     metrics_port = free_port()
     env = {**os.environ, "RESNET_SERVER_METRICS_PORT": str(metrics_port), "RESNET_SERVER_HOST": "127.0.0.1"}
     # A long batch delay keeps the requests queued, so SIGTERM surely finds them in flight.
     process = subprocess.Popen(
         [sys.executable, "-m", "server", "--port", "0", "--device", "cpu", "--weights", str(weights_file[0]),
-         "--max-batch-size", "64", "--max-batch-delay-ms", "3000", "--grace-period", "20"],
+         "--max-batch-size", "64", "--max-batch-delay-ms", "3000", "--grace-period", "20", "--event-loop", loop],
         stderr=subprocess.PIPE, text=True, env=env)
     try:
-        port = _port_from_log(process)
+        port, serving_line = _port_from_log(process)
+        # auto is uvloop here: the server extra installs it, and the front-end says which loop it runs.
+        assert f"event loop {'uvloop' if loop == 'auto' else 'asyncio'}" in serving_line
         results: list = []
 
         def send_all() -> None:
@@ -171,13 +174,13 @@ def test_a_client_gets_through_again_once_a_stopped_server_is_back_on_its_port(w
     assert ("grpc.max_reconnect_backoff_ms", 5000) in ChannelConfig().options()
 
 
-def _port_from_log(process: subprocess.Popen) -> int:
-    """The server logs 'serving resnet18 on HOST:PORT' once it is SERVING."""
+def _port_from_log(process: subprocess.Popen) -> tuple[int, str]:
+    """The server logs 'serving resnet18 on HOST:PORT (...)' once it is SERVING: the port, and that line."""
     for line in process.stderr:
         if "serving resnet18 on" in line:
             port = int(line.split("serving resnet18 on ")[1].split()[0].rsplit(":", 1)[1])
             threading.Thread(target=process.stderr.read, daemon=True).start()  # keep draining the pipe
-            return port
+            return port, line
     raise AssertionError("server exited before serving")
 
 
