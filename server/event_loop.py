@@ -2,9 +2,9 @@
 
 A front-end's event loop runs every call's Python: gRPC's completion callbacks, the handler's task, the
 engine's answers (``add_reader``) and the futures they settle. uvloop (libuv, in Cython) does that loop's own
-part for less: with a free model on the 2-core VM (``scripts/frontend_cost.py``, three alternating pairs of
-three rounds) a front-end took 790-890 us of CPU a call on uvloop against 990-1,050 on asyncio's loop, and
-answered 0.56-0.67 of bare grpc.aio's calls a second against 0.52-0.57. The engines have no event loop.
+part for less: with a free model on the 2-core VM (``scripts/frontend_cost.py``, three alternating pairs, one
+with ``--server-flags "--event-loop asyncio"``) a front-end took 914-1,060 us of CPU a call on uvloop against
+1,113-1,162 on asyncio's loop. The engines have no event loop.
 """
 
 from __future__ import annotations
