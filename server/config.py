@@ -174,7 +174,7 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("frontends", _auto_count, "gRPC front-end processes sharing the port (SO_REUSEPORT) and feeding one engine "
                                "process per device through shared memory; auto: half the cores left after one "
                                "per device, 1 to 8 (--workers is the old name)"),
-    ("event-loop", _event_loop, "the front-ends' event loop: uvloop (libuv; about a fifth less CPU a call), asyncio "
+    ("event-loop", _event_loop, "the front-ends' event loop: uvloop (libuv; 7-21% less CPU a call), asyncio "
                                 "(Python's own), or auto: uvloop where installed (the server extra installs it)"),
     ("grace-period", non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
     ("replica-probe-interval", non_negative_float, "seconds between test batches (one blank image) on a replica "
