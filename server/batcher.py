@@ -44,7 +44,6 @@ from .statistics import BatchTiming
 from .threads import use_torch_threads
 
 if TYPE_CHECKING:
-    from .inbox import Inbox
     from .runner import ModelInput, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -153,16 +152,12 @@ class Batcher:
     def __init__(self, name: str, setup: Callable[[], ModelRunner], metrics: Metrics, *, max_batch_size: int,
                  max_batch_delay_ms: float, max_queue: int, failures_before_eviction: int, probe_interval: float,
                  on_rejoin: Callable[[], None], wait_for_callers_ms: float = 0.0, deliver: Deliver | None = None,
-                 fail: Fail | None = None, on_dropped: Callable[[list[WorkItem]], None] | None = None,
-                 inbox: Inbox | None = None) -> None:
+                 fail: Fail | None = None, on_dropped: Callable[[list[WorkItem]], None] | None = None) -> None:
         self.name = name
         # By default answers settle asyncio futures on their loop; an engine process passes its own.
         self._deliver = deliver or self._resolve
         self._fail = fail or _fail
         self._on_dropped = on_dropped or (lambda items: None)  # cancelled items left out of a batch
-        # An engine process's front-ends' sockets, which the worker reads itself while it looks for work (their
-        # messages submit here); None: work comes from other threads, which notify the worker.
-        self._inbox = inbox
         self._setup = setup
         self._compute: ComputeFn | None = None  # the runner's forward pass; tests swap it to inject faults
         self._runner: ModelRunner | None = None
@@ -217,8 +212,6 @@ class Batcher:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._inbox is not None:
-            self._inbox.wake()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -274,10 +267,8 @@ class Batcher:
         with self._cond:
             while self._in_flight >= self._most_in_flight:
                 self._cond.wait()
-            if self._inbox is not None:  # what has come meanwhile joins this batch
-                self._wait_for_work(0)
             while not self._queue and not self._stopping:
-                if not self._wait_for_work(self._time_to_probe()):
+                if not self._cond.wait(self._time_to_probe()):
                     return []
             if not self._queue:
                 return None
@@ -289,17 +280,6 @@ class Batcher:
             batch = [self._queue.popleft() for _ in range(size)]
             self._queue_depth.set(len(self._queue))
             return batch
-
-    def _wait_for_work(self, timeout: float | None) -> bool:
-        """With the lock held: wait up to ``timeout`` seconds (None: without limit) for a submit or a stop; False
-        if the wait ran out."""
-        if self._inbox is None:
-            return self._cond.wait(timeout)
-        self._cond.release()  # the inbox's handlers submit, and other threads may stop the batcher meanwhile
-        try:
-            return self._inbox.wait(timeout)
-        finally:
-            self._cond.acquire()
 
     def _time_to_probe(self) -> float | None:
         """Seconds until the next probe is due; None (wait for work alone) while in rotation or not probing."""
@@ -345,7 +325,7 @@ class Batcher:
             remaining = until - time.monotonic()
             if remaining <= 0:
                 return True
-            self._wait_for_work(remaining)
+            self._cond.wait(remaining)
         return False
 
     def _wait_for_fuller_batch(self) -> None:

@@ -5,8 +5,7 @@ file is left behind; authenticated with a key the supervisor makes) and send it 
 slots of the shared slab (``server.slab``) hold new images, with each one's temperature, top-k and
 deadline. The pixels never go through the socket. The batcher forms batches across every connected
 front-end, the runner converts, runs and scores them, and the answers go back the same way: each image's
-probabilities and logits into its slot, then one message per front-end per batch. The batcher's worker reads
-the sockets itself when it looks for work (``server.inbox``): no thread of the engine waits on them.
+probabilities and logits into its slot, then one message per front-end per batch.
 
 A front-end that goes away (it ended, or was killed) is noticed by its socket closing: its queued images
 are dropped and its slots freed, and nothing else changes. The engine accepts connections only once its
@@ -33,7 +32,6 @@ from .batcher import BatchOutput, Ticket, WorkItem
 from .config import ServerConfig
 from .device_decode import DeferredJpeg
 from .errors import ServingError, StartupError
-from .inbox import Inbox
 from .metrics import Metrics, serve_metrics
 from .preprocess import FLOAT_SHAPE, CroppedImage, RawImage, SlotBytes
 from .replicas import Replica, load_replica
@@ -81,13 +79,13 @@ class _FrontEnd:
         self.owner = owner
         self.items: dict[int, WorkItem] = {}  # by slot; guarded by the engine's lock
         self.alive = True
-        self._sending = threading.Lock()  # the worker, the finisher and the accepting thread send
+        self._sending = threading.Lock()  # the batcher's thread and this front-end's reader both send
 
     def send(self, message: tuple) -> None:
         try:
             with self._sending:
                 send_message(self.connection, message)
-        except OSError:  # it has gone; the inbox sees its socket close and cleans up
+        except OSError:  # it has gone; its reader sees the socket close and cleans up
             pass
 
 
@@ -103,14 +101,11 @@ class Engine:
         self._lock = threading.Lock()
         self._frontends: set[_FrontEnd] = set()
         self._listener: Listener | None = None
-        # The front-ends' sockets, read by the batcher's worker when it looks for work (server.inbox).
-        self._inbox: Inbox[_FrontEnd] = Inbox(self._on_message, self._gone)
 
     def start(self, live_owners: Iterable[int]) -> None:
         """Load and warm the model, free the slots of front-ends that ended while no engine ran, then listen."""
         self.replica = load_replica(self.link.name, self.device, self.config, self.metrics, self._rejoined,
-                                    deliver=self._deliver, fail=self._fail, on_dropped=self._released,
-                                    inbox=self._inbox)
+                                    deliver=self._deliver, fail=self._fail, on_dropped=self._released)
         freed = self.slab.free_all_but(set(live_owners))
         if freed:
             log.info("freed %d slots of front-ends that have ended", freed)
@@ -140,26 +135,29 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a peer that failed the handshake: keep listening
                 log.warning("refused a connection: %s: %s", type(exc).__name__, exc)
                 continue
-            self._join(connection)
+            threading.Thread(target=self._serve, args=(connection,), name="engine-frontend", daemon=True).start()
 
-    def _join(self, connection: Connection) -> None:
-        """A new front-end: its handshake here, on the accepting thread, then its messages go to the inbox."""
+    def _serve(self, connection: Connection) -> None:
+        """Read one front-end's messages until its socket closes."""
+        frontend = None
         try:
             _, owner = connection.recv()  # ("hello", owner)
+            frontend = _FrontEnd(connection, owner)
+            with self._lock:
+                self._frontends.add(frontend)
+            frontend.send(("ready", self.info()))
+            while True:
+                kind, payload = connection.recv()
+                if kind == "submit":
+                    self._submit(frontend, payload)
+                elif kind == "cancel":
+                    self._cancel(frontend, payload)
         except (EOFError, OSError):
+            pass
+        finally:
+            if frontend is not None:
+                self._gone(frontend)
             connection.close()
-            return
-        frontend = _FrontEnd(connection, owner)
-        with self._lock:
-            self._frontends.add(frontend)
-        frontend.send(("ready", self.info()))
-        self._inbox.add(connection, frontend)
-
-    def _on_message(self, frontend: _FrontEnd, kind: str, payload) -> None:
-        if kind == "submit":
-            self._submit(frontend, payload)
-        elif kind == "cancel":
-            self._cancel(frontend, payload)
 
     def _submit(self, frontend: _FrontEnd, entries: list[Entry]) -> None:
         items = [self._item(frontend, entry) for entry in entries]
@@ -257,9 +255,9 @@ def engine_main(link: EngineLink, device: str, config: ServerConfig, live_owners
     configure_logging(config.log_level, config.log_format)
     # Ctrl-C reaches every process of the group; the supervisor stops the engines last, with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    use_torch_threads(1)  # the replica's own thread sets its team; the other threads compute nothing
-    # The batcher's thread gives the GIL up at every torch call and must win it back from the finisher and the
-    # accepting thread: the flag bounds that wait here, where the forward pass is launched (Python's own is 5 ms).
+    use_torch_threads(1)  # the replica's own thread sets its team; the socket threads compute nothing
+    # The batcher's thread gives the GIL up at every torch call and must win it back from the socket readers and
+    # the finisher: the flag bounds that wait here, where the forward pass is launched (Python's own is 5 ms).
     sys.setswitchinterval(config.switch_interval_ms / 1000)
     metrics = Metrics(config.largest_batch, statistics)
     http = serve_metrics(metrics, "127.0.0.1", metrics_port) if metrics_port else None
