@@ -18,7 +18,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from client.api import classifier_pb2 as pb
-from client.api import classifier_pb2_grpc as pb_grpc
 from client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 
 from . import __version__, event_loop
@@ -36,7 +35,7 @@ from .oip_service import model_config as oip_model_config
 from .preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
 from .replicas import Replica, Router, load_replica
 from .security import TokenAuthInterceptor, load_tokens, server_credentials
-from .service import ClassifierService
+from .service import ClassifierService, add_classifier_to_server
 from .supervisor import run_server
 from .temperature import default_temperature
 from .threads import use_torch_threads
@@ -118,7 +117,7 @@ class App:
             ("grpc.so_reuseport", int(config.frontends > 1)),
             *_connection_age_options(config),
         ])
-        pb_grpc.add_ClassifierServicer_to_server(self.classifier, self._server)
+        add_classifier_to_server(self.classifier, self._server)
         oip_grpc.add_GRPCInferenceServiceServicer_to_server(self.inference, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME),

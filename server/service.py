@@ -20,16 +20,16 @@ from client.api import classifier_pb2_grpc as pb_grpc
 from client.errors import INVALID_IMAGES_KEY  # the client reads it; it installs without torch
 
 from .batcher import ImageOutput
-from .errors import InvalidImages, ServingError, Unavailable, status_for
+from .classify_request import ReadRequest, read_classify_request
+from .errors import InvalidImages, InvalidInput, ServingError, Unavailable, status_for
 from .inference import ClassifyCall, InferenceCore
-from .preprocess import EncodedImage, ImageInput, RawImage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 # Requests of one stream computed ahead of the one being answered.
 STREAM_PIPELINE_DEPTH = 32
-_DTYPES = {pb.RawTensor.UINT8: "uint8", pb.RawTensor.FLOAT32: "float32"}
+SERVICE = pb.DESCRIPTOR.services_by_name["Classifier"].full_name  # resnet.v1.Classifier
 # Fresh request ids: this process's random prefix and a count, unique across processes and restarts (as a
 # uuid4 is) at a fifth of its cost, which every call without an x-request-id pays.
 _ID_PREFIX = os.urandom(4).hex()
@@ -98,18 +98,14 @@ async def in_order(requests: AsyncIterator[R], handle: Callable[[R], Awaitable[T
                 task.cancel()
 
 
-def to_image_input(image: pb.Image) -> ImageInput:
-    if image.WhichOneof("data") == "raw":
-        raw = image.raw
-        return RawImage(_DTYPES.get(raw.dtype, ""), tuple(raw.shape), raw.data)
-    return EncodedImage(image.encoded)
-
-
-def to_call(request: pb.ClassifyRequest, context: grpc.aio.ServicerContext, rid: str) -> ClassifyCall:
+def to_call(request: ReadRequest, context: grpc.aio.ServicerContext, rid: str) -> ClassifyCall:
+    if request.unreadable is not None:
+        raise InvalidInput(f"the request is not a resnet.v1.ClassifyRequest: {request.unreadable}")
+    fields = request.fields
     return ClassifyCall(
-        images=[to_image_input(image) for image in request.images],
-        temperature=request.temperature if request.HasField("temperature") else None,
-        top_k=request.top_k if request.HasField("top_k") else None,
+        images=request.images,
+        temperature=fields.temperature if fields.HasField("temperature") else None,
+        top_k=fields.top_k if fields.HasField("top_k") else None,
         timeout=context.time_remaining(),
         request_id=rid,
     )
@@ -130,6 +126,24 @@ def to_result(output: ImageOutput, labels: list[str], request: pb.ClassifyReques
     return result
 
 
+def add_classifier_to_server(servicer: ClassifierService, server: grpc.aio.Server) -> None:
+    """``pb_grpc.add_ClassifierServicer_to_server``, with the requests read by ``read_classify_request``: each raw
+    image's pixels stay in gRPC's bytes until they are copied into the engine's slab."""
+    handlers = {
+        "Classify": grpc.unary_unary_rpc_method_handler(
+            servicer.Classify, request_deserializer=read_classify_request,
+            response_serializer=pb.ClassifyResponse.SerializeToString),
+        "ClassifyStream": grpc.stream_stream_rpc_method_handler(
+            servicer.ClassifyStream, request_deserializer=read_classify_request,
+            response_serializer=pb.ClassifyResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
+            response_serializer=pb.ModelInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
 class ClassifierService(pb_grpc.ClassifierServicer):
     """Answers UNAVAILABLE until :meth:`attach` hands it the loaded core."""
 
@@ -148,9 +162,9 @@ class ClassifierService(pb_grpc.ClassifierServicer):
             raise Unavailable("the model is still loading; retry when health reports SERVING")
         return self._core
 
-    async def _classify(self, request: pb.ClassifyRequest, context, rid: str) -> pb.ClassifyResponse:
+    async def _classify(self, request: ReadRequest, context, rid: str) -> pb.ClassifyResponse:
         outputs = await self._ready_core().classify(to_call(request, context, rid))
-        return pb.ClassifyResponse(results=[to_result(output, self._labels, request) for output in outputs])
+        return pb.ClassifyResponse(results=[to_result(output, self._labels, request.fields) for output in outputs])
 
     async def Classify(self, request, context):
         rid = request_id(context)

@@ -1,0 +1,123 @@
+"""Reading a ClassifyRequest with its pixels left in place means what protobuf's own parse means, to the byte."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.protobuf.message import DecodeError
+
+from client import Client
+from client.api import classifier_pb2 as pb
+from server.classify_request import image_input, read_classify_request
+from server.preprocess import EncodedImage, RawImage
+from tests.helpers import encode, random_rgb
+
+PIXELS = bytes(range(256)) * 588  # 150,528 bytes: a uint8 224x224x3 image
+
+
+def raw(data: bytes = PIXELS, dtype=pb.RawTensor.UINT8, shape=(224, 224, 3)) -> pb.Image:
+    return pb.Image(raw=pb.RawTensor(dtype=dtype, shape=shape, data=data))
+
+
+def key(number: int, wire_type: int) -> bytes:
+    return bytes([number << 3 | wire_type])
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append(value & 0x7F | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def delimited(number: int, payload: bytes) -> bytes:
+    return key(number, 2) + varint(len(payload)) + payload
+
+
+def unknown_fields() -> bytes:
+    """One unknown field of every wire type protobuf keeps: varint, fixed64, length-delimited, fixed32."""
+    return key(15, 0) + varint(300) + key(14, 1) + bytes(8) + delimited(13, b"later") + key(12, 5) + bytes(4)
+
+
+def serialized(request: pb.ClassifyRequest) -> bytes:
+    return request.SerializeToString()
+
+
+ONE_RAW = serialized(pb.ClassifyRequest(images=[raw()], top_k=1))
+WIRE = {
+    "one raw image": ONE_RAW,
+    "no images": b"",
+    "every field": serialized(pb.ClassifyRequest(
+        images=[raw(), pb.Image(encoded=encode(random_rgb(1))), raw(bytes(3 * 224 * 224 * 4), pb.RawTensor.FLOAT32,
+                                                                    (3, 224, 224))],
+        temperature=2.5, top_k=3, return_probabilities=True, return_logits=True)),
+    "zero temperature and top_k, set": serialized(pb.ClassifyRequest(images=[raw()], temperature=0.0, top_k=0)),
+    "negative top_k (a ten-byte varint)": serialized(pb.ClassifyRequest(images=[raw()], top_k=-1)),
+    "an image without data": serialized(pb.ClassifyRequest(images=[pb.Image()])),
+    "a tensor without data": serialized(pb.ClassifyRequest(images=[raw(b"")])),
+    "an unknown dtype": serialized(pb.ClassifyRequest(images=[raw(dtype=7)])),
+    "fields in another order, images apart": (key(3, 0) + varint(2) + delimited(1, serialized(raw()))
+                                               + key(2, 1) + bytes(7) + b"\x40" + delimited(1, serialized(raw()))),
+    "unknown fields at every level": (unknown_fields() + delimited(1, unknown_fields() + delimited(
+        2, unknown_fields() + key(1, 0) + b"\x01" + delimited(3, PIXELS) + delimited(2, varint(224) * 2 + b"\x03")))),
+    "shape unpacked": delimited(1, delimited(2, key(1, 0) + b"\x01" + b"".join(
+        key(2, 0) + varint(side) for side in (224, 224, 3)) + delimited(3, PIXELS))),
+    "shape in two packed runs": delimited(1, delimited(2, key(1, 0) + b"\x01" + delimited(2, varint(224) * 2)
+                                                        + delimited(3, PIXELS) + delimited(2, b"\x03"))),
+    "data twice (the last one counts)": delimited(1, delimited(2, key(1, 0) + b"\x01" + delimited(3, b"first")
+                                                               + delimited(2, b"\x01\x01\x03") + delimited(3, b"abc"))),
+    # What the reader leaves to protobuf: the oneof set twice (the last wins), the tensor twice (merged), a group.
+    "encoded, then raw": delimited(1, delimited(1, b"jpeg") + delimited(2, serialized(raw().raw))),
+    "raw twice (merged)": delimited(1, delimited(2, key(1, 0) + b"\x01") + delimited(2, delimited(3, PIXELS)
+                                                                                     + delimited(2, b"\x01\x01\x03"))),
+    "a group": key(9, 3) + key(9, 4) + delimited(1, serialized(raw())),
+}
+
+
+def as_bytes(image):
+    """An image with its data as bytes, to compare a memoryview's contents with protobuf's copy."""
+    return image._replace(data=bytes(image.data))
+
+
+@pytest.mark.parametrize("name", list(WIRE))
+def test_the_reader_reads_what_protobuf_reads(name):
+    wire = WIRE[name]
+    expected = pb.ClassifyRequest.FromString(wire)
+    read = read_classify_request(wire)
+    assert [as_bytes(image) for image in read.images] == [as_bytes(image_input(image)) for image in expected.images]
+    for field in ("temperature", "top_k"):
+        assert read.fields.HasField(field) == expected.HasField(field)
+        assert getattr(read.fields, field) == getattr(expected, field)
+    assert read.fields.return_probabilities == expected.return_probabilities
+    assert read.fields.return_logits == expected.return_logits
+
+
+def test_a_raw_image_stays_in_the_request_bytes():
+    (image,) = read_classify_request(ONE_RAW).images
+    assert isinstance(image, RawImage) and (image.dtype, image.shape) == ("uint8", (224, 224, 3))
+    assert isinstance(image.data, memoryview) and image.data.obj is ONE_RAW  # no copy made
+    assert image.data == PIXELS
+    (encoded,) = read_classify_request(serialized(pb.ClassifyRequest(images=[pb.Image(encoded=b"jpeg")]))).images
+    assert encoded == EncodedImage(b"jpeg") and type(encoded.data) is bytes  # decoders take bytes
+
+
+@pytest.mark.parametrize("wire", [ONE_RAW[:-1], ONE_RAW[:3], b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+                                  b"\x00\x01", delimited(1, b"\x00\x01")],
+                         ids=["truncated data", "truncated length", "overlong varint", "field 0", "field 0 inside"])
+def test_bytes_that_are_no_request_are_unreadable_as_protobuf_finds_them(wire):
+    with pytest.raises(DecodeError) as caught:
+        pb.ClassifyRequest.FromString(wire)
+    assert read_classify_request(wire).unreadable == str(caught.value)
+
+
+def test_a_request_that_is_no_protobuf_is_invalid_argument_and_the_server_keeps_serving(server):
+    with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as caught:
+        channel.unary_unary("/resnet.v1.Classifier/Classify")(ONE_RAW[:-1], timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == ("the request is not a resnet.v1.ClassifyRequest: Error parsing message with "
+                                      "type 'resnet.v1.ClassifyRequest': Wire format was corrupt")
+    with Client(server.target, timeout=60) as client:
+        (result,) = client.classify([random_rgb(2)])
+    assert len(result.top_k) == 5
