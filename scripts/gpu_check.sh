@@ -149,6 +149,10 @@ served() {
     fi
   done
   if owed frontend_cost; then python scripts/frontend_cost.py --processes 8 --duration 6 --json > "$out/frontend_cost.json"; fi
+  if owed engine_ceiling; then  # what one engine process passes on, whatever the device computes
+    python scripts/engine_ceiling.py --feeders 4 --in-flight 96 --compute-ms 5 --duration 6 --json \
+      > "$out/engine_ceiling.json"
+  fi
 }
 for part in "${parts[@]}"; do $part; done
 python scripts/gpu_table.py "$out" $fp32_batch $fp16_batch | tee "$out/gpu_table.md"  # the README's GPU table and targets

@@ -100,6 +100,12 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
         lines.append(f"- one front-end with a free model: {cost[0]['frontend_calls_per_s']:.0f} calls/s = "
                      f"{cost[0]['ratio']:.2f} x bare grpc.aio ({cost[0]['bare_calls_per_s']:.0f}); target >= 0.6; "
                      f"CPU a call: {cpu}")
+    if ceiling := results(folder, "engine_ceiling"):
+        engine = ceiling[0]
+        lines.append(f"- one engine's own ceiling (free model, scores {engine['compute_ms']:g} ms after launch, "
+                     f"{engine['feeders']} feeders x {engine['in_flight']} in flight): {engine['images_per_s']:.0f} "
+                     f"images/s at {engine['engine_cpu_us_per_image']:.1f} us of its CPU an image, mean batch "
+                     f"{engine['mean_batch']:.1f}")
     if (folder / "precision.json").exists():
         precision = json.loads((folder / "precision.json").read_text())
         for name in ("fp16", "bf16"):

@@ -7,13 +7,20 @@ beside ``resnet-server bench-model``'s ceiling for your device: a GPU that compu
 the front-ends can hand it needs more ``--frontends``. scripts/frontend_cost.py runs it beside bare grpc.aio.
 Its answers are meaningless (every probability 0.001): a measuring instrument, never a server.
 
-Usage: python scripts/handling_ceiling.py [resnet-server flags]
+``--compute-ms N`` makes every batch's scores land N ms after its launch, as a GPU's do: the engine's threads
+wait for them with the GIL released and the CPU idle, so the engine is busy between batches as it is on a
+device, rather than always waiting for the next message (what the front-ends' messages then cost differs).
+
+Usage: python scripts/handling_ceiling.py [--compute-ms N] [resnet-server flags]
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import os
 import sys
+import time
 
 import torch
 
@@ -24,6 +31,8 @@ _INPUTS = torch.zeros((MOST_IMAGES, 3, 224, 224))
 _PROBABILITIES = torch.full((MOST_IMAGES, 1000), 1e-3)
 _LOGITS = torch.zeros((MOST_IMAGES, 1000))
 _NONE_REJECTED: dict = {}
+COMPUTE_MS = "HANDLING_CEILING_COMPUTE_MS"  # how --compute-ms reaches the engines, which import this module again
+_compute_seconds = float(os.environ.get(COMPUTE_MS, "0")) / 1000
 
 
 @functools.cache
@@ -37,8 +46,20 @@ def _prepare(runner, images):
     return _ready_made(len(images))[0], _NONE_REJECTED
 
 
+class _Computing(server.runner.PendingScores):
+    """A batch's ready-made scores, waited for until ``--compute-ms`` after its launch."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(_PROBABILITIES[:size], _LOGITS[:size])
+        self._landed_at = time.monotonic() + _compute_seconds
+
+    def wait(self):
+        time.sleep(max(0.0, self._landed_at - time.monotonic()))
+        return super().wait()
+
+
 def _launch(runner, inputs, temperatures):
-    return _ready_made(len(inputs))[1]
+    return _Computing(len(inputs)) if _compute_seconds else _ready_made(len(inputs))[1]
 
 
 # At import, not in main: the server spawns its engines, which import this module again (as __mp_main__).
@@ -48,4 +69,9 @@ server.runner.ModelRunner.launch = _launch
 if __name__ == "__main__":
     from server.app import main
 
-    sys.exit(main(sys.argv[1:]))
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--compute-ms", type=float, default=0.0)
+    own, server_flags = parser.parse_known_args(sys.argv[1:])
+    os.environ[COMPUTE_MS] = str(own.compute_ms)
+    _compute_seconds = own.compute_ms / 1000
+    sys.exit(main(server_flags))

@@ -20,7 +20,7 @@ from client.bench import print_table
 from client.cli import main as client_main
 from server.app import main as server_main
 from server.bench_model import Replicas, add_model_arguments
-from tests.helpers import ROOT, free_port, load_script, needs_perf_analyzer, serving, wait_for
+from tests.helpers import ROOT, free_port, free_port_block, load_script, needs_perf_analyzer, serving, wait_for
 
 
 def model_arguments(*argv: str) -> argparse.Namespace:
@@ -319,11 +319,12 @@ def test_frontend_cost_measures_both_servers_in_rounds_and_each_process_cpu_a_ca
 
 
 def test_handling_ceiling_serves_the_costless_model_from_every_worker(weights_file):
-    """scripts/handling_ceiling.py: the server with its model replaced, in worker processes too."""
+    """scripts/handling_ceiling.py: the server with its model replaced, in worker processes too; with
+    --compute-ms, each batch's scores land that long after its launch, in the engine process."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "handling_ceiling.py"), "--host", "127.0.0.1",
-                                "--port", str(port), "--metrics-port", "0", "--device", "cpu", "--weights",
-                                str(weights_file[0]), "--workers", "2", "--log-level", "WARNING"])
+    process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "handling_ceiling.py"), "--compute-ms", "40",
+                                "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--device", "cpu",
+                                "--weights", str(weights_file[0]), "--workers", "2", "--log-level", "WARNING"])
     try:
         answers = []
         for _ in range(6):  # six connections: the kernel hands them to either worker
@@ -335,6 +336,19 @@ def test_handling_ceiling_serves_the_costless_model_from_every_worker(weights_fi
         assert process.wait(timeout=30) == 0
     for answer in answers:
         np.testing.assert_array_equal(answer.probabilities, np.full(1000, 1e-3, dtype=np.float32))
+        assert answer.compute_ms >= 40
+
+
+def test_engine_ceiling_feeds_one_engine_and_reports_its_cpu_an_image():
+    """scripts/engine_ceiling.py end to end, briefly: two feeders' images through one engine whose batches take
+    50 ms, so at most the images in flight (2 x 4) pass every 50 ms, in batches of more than one."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_ceiling.py"), "--feeders", "2",
+                           "--in-flight", "4", "--compute-ms", "50", "--duration", "2", "--metrics-port",
+                           str(free_port_block(3)), "--json"], capture_output=True, text=True, timeout=240, check=True)
+    result = json.loads(done.stdout)
+    assert 0 < result["images_per_s"] <= 8 / 0.050 * 1.05
+    assert 1 < result["mean_batch"] <= 8
+    assert result["engine_cpu_us_per_image"] > 0
 
 
 def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, capsys, tmp_path, monkeypatch):
@@ -360,6 +374,9 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     cost = {"bare_calls_per_s": 1800.0, "frontend_calls_per_s": 990.0, "ratio": 0.55,  # frontend_cost.py's shape
             "cpu_us_per_call": {"bare": 650.0, "engine": 350.0, "frontend": 1020.0}}
     (tmp_path / "frontend_cost.json").write_text(json.dumps(cost))
+    engine = {"images_per_s": 14975.2, "engine_cpu_us_per_image": 20.84, "mean_batch": 67.7,  # engine_ceiling.py's
+              "feeders": 4, "in_flight": 96, "compute_ms": 5.0, "rounds": 1}
+    (tmp_path / "engine_ceiling.json").write_text(json.dumps(engine))
     triton = {"concurrency": 256, "throughput": 9876.4, "p50_us": 25100, "p99_us": 40200,  # perf_analyzer.py's shape
               "queue_us": 6100, "compute_infer_us": 9900}
     (tmp_path / "served_fp16_perf_analyzer.json").write_text(json.dumps(triton))
@@ -386,6 +403,8 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
             "the server's own split of a request: queue 6.1 ms, compute 9.9 ms") in table
     assert ("- one front-end with a free model: 990 calls/s = 0.55 x bare grpc.aio (1800); target >= 0.6; "
             "CPU a call: bare 650 us, engine 350 us, frontend 1020 us") in table
+    assert ("- one engine's own ceiling (free model, scores 5 ms after launch, 4 feeders x 96 in flight): 14975 "
+            "images/s at 20.8 us of its CPU an image, mean batch 67.7") in table
 
 
 def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsys, tmp_path, monkeypatch):

@@ -1,0 +1,147 @@
+"""The engine's own ceiling: how many images a second one engine process hands through, and its CPU an image.
+
+A GPU engine is one process, and its threads share one GIL, so its CPU time an image bounds what one device
+can serve however many front-ends feed it (on an H200 the engine's 157 us an image held a served GPU near
+7.5k images/s). This starts one engine as the server does, with handling_ceiling's free model (ready-made
+inputs and scores; with ``--compute-ms`` each batch's scores land that long after its launch, as a GPU's do, so
+batches grow as they do on a device), and feeds it from ``--feeders`` processes that do what a front-end does
+after gRPC: the real ``EngineClient`` (a slot each image, the pixels into the slab, one message a loop turn, the
+answers read back), ``--in-flight`` images each, one image a call. No gRPC and no client: what is left is the
+engine and the hand-off. It prints images a second, the engine's CPU microseconds an image (every thread of
+the process, over the measured window) and the mean batch.
+
+Usage: python scripts/engine_ceiling.py [--feeders 2] [--in-flight 64] [--compute-ms 4] [--duration 10]
+       [--rounds 1] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's server package
+from cpu_split import thread_cpu_seconds  # noqa: E402 - scripts/ is this script's first path entry
+from handling_ceiling import COMPUTE_MS  # noqa: E402 - patches the runner: the free model, here and in the engine
+
+RAW_BYTES = 224 * 224 * 3
+
+
+def feed(link, owner: int, in_flight: int, pipe) -> None:
+    """One feeder process: connects, says so, and keeps ``in_flight`` images in flight through an EngineClient
+    from the (start, end) it is sent (time.monotonic(), one clock for every process) until end; sends back how
+    many were answered in that window."""
+    from server.batcher import WorkItem
+    from server.engine_client import EngineClient
+    from server.preprocess import RawImage
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        client = EngineClient(link, owner, on_lost=lambda: None, on_back=lambda: None)
+        await client.open()
+        pipe.send("connected")
+        start, end = await loop.run_in_executor(None, pipe.recv)
+        image = RawImage("uint8", (224, 224, 3), bytes(RAW_BYTES))
+        counted = 0
+
+        async def caller() -> None:
+            nonlocal counted
+            while time.monotonic() < end:
+                item = WorkItem(image, 1.0, 1, None, loop.create_future())
+                client.submit([item])
+                await item.future
+                counted += start <= time.monotonic() < end
+
+        await asyncio.gather(*(caller() for _ in range(in_flight)))
+        client.stop()
+        return counted
+
+    pipe.send(asyncio.run(main()))
+
+
+def engine_cpu_seconds(pid: int) -> float:
+    return sum(seconds for (process, _), seconds in thread_cpu_seconds(pid).items() if process == pid)
+
+
+def batch_totals(port: int) -> tuple[float, float]:
+    """The engine's resnet_batch_size (sum, count) from its /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(("resnet_batch_size_sum", "resnet_batch_size_count"))}
+    return values["resnet_batch_size_sum"], values["resnet_batch_size_count"]
+
+
+def one_round(supervisor, args: argparse.Namespace) -> dict:
+    from server.worker_metrics import worker_metrics_port
+
+    context = multiprocessing.get_context("spawn")
+    pid = supervisor.children["engine-0"].process.pid
+    port = worker_metrics_port(supervisor.config.metrics_port, supervisor.frontends)
+    pipes = []
+    for number in range(args.feeders):
+        ours, theirs = context.Pipe()
+        context.Process(target=feed, args=(supervisor.links[0], 5000 + number, args.in_flight, theirs)).start()
+        pipes.append(ours)
+    for pipe in pipes:
+        pipe.recv()  # every feeder connected
+    start = time.monotonic() + 1.0  # a second of warm-up
+    end = start + args.duration
+    for pipe in pipes:
+        pipe.send((start, end))
+    time.sleep(max(0.0, start - time.monotonic()))
+    cpu, batches = engine_cpu_seconds(pid), batch_totals(port)
+    time.sleep(max(0.0, end - time.monotonic()))
+    cpu, batches = engine_cpu_seconds(pid) - cpu, [b - a for a, b in zip(batches, batch_totals(port), strict=True)]
+    images = sum(pipe.recv() for pipe in pipes)
+    return {"images_per_s": images / args.duration, "engine_cpu_us_per_image": 1e6 * cpu / images,
+            "mean_batch": batches[0] / batches[1] if batches[1] else 0.0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--feeders", type=int, default=2, help="feeder processes (front-ends without gRPC)")
+    parser.add_argument("--in-flight", type=int, default=64, help="images in flight per feeder")
+    parser.add_argument("--compute-ms", type=float, default=4.0, help="each batch's scores land this long after launch")
+    parser.add_argument("--max-batch-size", type=int, default=128)
+    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds a round")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--metrics-port", type=int, default=50170,
+                        help="the engine's /metrics is on the port two after it (its mean batch is read there)")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of a line of text")
+    args = parser.parse_args()
+    os.environ[COMPUTE_MS] = str(args.compute_ms)  # the engine, spawned, imports handling_ceiling again
+
+    from server.config import ServerConfig
+    from server.devices import resolve_devices
+    from server.supervisor import Supervisor
+
+    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=args.metrics_port, devices=("cpu",),
+                          weights="random", max_batch_size=args.max_batch_size,
+                          max_queue=max(1024, args.feeders * args.in_flight))
+    supervisor = Supervisor(replace(config, frontends=1), resolve_devices(config.devices))
+    try:
+        if supervisor.start_engines() is not None:
+            raise SystemExit("the engine ended before it was ready")
+        rounds = [one_round(supervisor, args) for _ in range(args.rounds)]
+    finally:
+        supervisor.stop()
+        supervisor.close()
+    result = {key: statistics.median(measured[key] for measured in rounds) for key in rounds[0]}
+    result.update(feeders=args.feeders, in_flight=args.in_flight, compute_ms=args.compute_ms, rounds=args.rounds)
+    print(json.dumps(result) if args.json else
+          f"one engine: {result['images_per_s']:.0f} images/s, {result['engine_cpu_us_per_image']:.1f} us of its CPU "
+          f"an image, mean batch {result['mean_batch']:.1f} ({args.feeders} feeders x {args.in_flight} in flight, "
+          f"scores {args.compute_ms:g} ms after launch)")
+
+
+if __name__ == "__main__":
+    main()
