@@ -18,9 +18,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from client.api import classifier_pb2 as pb
+from client.api import classifier_pb2_grpc as pb_grpc
 from client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 
 from . import __version__, event_loop
+from .classify_request import read_classify_request
 from .config import ConfigError, ServerConfig, parse_config
 from .devices import cpu_bf16_unit, replica_names, resolve_devices
 from .engine import EngineLink
@@ -30,12 +32,12 @@ from .inference import InferenceCore, Limits
 from .logs import configure_logging
 from .metrics import Metrics, serve_metrics
 from .model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION
-from .oip_service import InferenceService
+from .oip_service import InferenceService, read_infer_request
 from .oip_service import model_config as oip_model_config
 from .preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
 from .replicas import Replica, Router, load_replica
 from .security import TokenAuthInterceptor, load_tokens, server_credentials
-from .service import ClassifierService, add_classifier_to_server
+from .service import ClassifierService
 from .supervisor import run_server
 from .temperature import default_temperature
 from .threads import use_torch_threads
@@ -117,8 +119,11 @@ class App:
             ("grpc.so_reuseport", int(config.frontends > 1)),
             *_connection_age_options(config),
         ])
-        add_classifier_to_server(self.classifier, self._server)
-        oip_grpc.add_GRPCInferenceServiceServicer_to_server(self.inference, self._server)
+        # Requests that carry pixels are read with the pixels left in gRPC's bytes (server.wire).
+        add_servicer(pb_grpc.add_ClassifierServicer_to_server, self.classifier, self._server,
+                     {"Classify": read_classify_request, "ClassifyStream": read_classify_request})
+        add_servicer(oip_grpc.add_GRPCInferenceServiceServicer_to_server, self.inference, self._server,
+                     {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request})
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self._server)
@@ -244,6 +249,28 @@ class App:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+
+
+class _Handlers:
+    """Stands in for a server to keep the method handlers a generated ``add_*_to_server`` registers."""
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Server,
+                 deserializers: dict[str, Callable[[bytes], object]]) -> None:
+    """``add_to_server(servicer, server)`` (the generated one), with the named methods' requests read by
+    ``deserializers`` instead of protobuf's parse."""
+    generated = _Handlers()
+    add_to_server(servicer, generated)
+    handlers = {name: handler._replace(request_deserializer=deserializers[name]) if name in deserializers else handler
+                for name, handler in generated.handlers.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generated.service, handlers),))
+    server.add_registered_method_handlers(generated.service, handlers)
 
 
 def _connection_age_options(config: ServerConfig) -> list[tuple[str, int]]:

@@ -13,8 +13,10 @@ import asyncio
 import math
 import struct
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from client.api import classifier_pb2 as pb
 from client.api import grpc_predict_v2_pb2 as oip
@@ -29,6 +31,7 @@ from .model import MODEL_NAME, MODEL_VERSION
 from .preprocess import CROP, EncodedImage, ImageInput, RawImage
 from .service import answer, caller_status, in_order, request_id
 from .statistics import BatchTotals, Duration, ModelStatistics, Totals
+from .wire import WireError, pull_out
 
 INPUT_NAME = "input"
 PROBABILITIES = "probabilities"
@@ -36,6 +39,32 @@ TOP_K_OUTPUTS = ("top_k_indices", "top_k_probabilities", "top_k_labels")
 OUTPUT_TYPES = {PROBABILITIES: "FP32", "top_k_indices": "INT64", "top_k_probabilities": "FP32",
                 "top_k_labels": "BYTES"}
 DEFAULT_TOP_K = 5
+RAW_INPUT_CONTENTS = oip.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
+
+
+class InferRequest(NamedTuple):
+    """A ModelInferRequest without its ``raw_input_contents``, and those apart: memoryviews of the bytes gRPC
+    received (server.wire), not two copies; or, for bytes that are no ModelInferRequest, protobuf's reason."""
+
+    message: oip.ModelInferRequest
+    raw_input_contents: list
+    unreadable: str | None = None
+
+
+def read_infer_request(data: bytes) -> InferRequest:
+    """gRPC's request deserializer for ModelInfer and ModelStreamInfer."""
+    view = memoryview(data)
+    try:
+        return InferRequest(*pull_out(oip.ModelInferRequest, view, 0, len(view), RAW_INPUT_CONTENTS))
+    except WireError:
+        pass
+    try:
+        message = oip.ModelInferRequest.FromString(data)
+    except DecodeError as exc:
+        return InferRequest(oip.ModelInferRequest(), [], str(exc))
+    contents = list(message.raw_input_contents)
+    del message.raw_input_contents[:]
+    return InferRequest(message, contents)
 
 
 def check_model(name: str, version: str) -> None:
@@ -55,7 +84,7 @@ def parse_bytes_tensor(raw: bytes) -> list[bytes]:
         offset += 4
         if offset + length > len(raw):
             raise InvalidInput("BYTES input is malformed: an element is shorter than its length prefix")
-        elements.append(raw[offset:offset + length])
+        elements.append(bytes(raw[offset:offset + length]))  # decoders take bytes
         offset += length
     return elements
 
@@ -97,15 +126,15 @@ def top_k_parameter(parameters) -> int | None:
         raise InvalidInput(f"parameter top_k must be an integer, got {value!r}") from None
 
 
-def input_images(request: oip.ModelInferRequest) -> list[ImageInput]:
+def input_images(request: oip.ModelInferRequest, raw_input_contents: list) -> list[ImageInput]:
     """Split the request's one input tensor into per-image inputs for the core."""
     if len(request.inputs) != 1 or request.inputs[0].name != INPUT_NAME:
         names = [tensor.name for tensor in request.inputs]
         raise InvalidInput(f"expected exactly one input named {INPUT_NAME!r}, got {names}")
     tensor = request.inputs[0]
-    if len(request.raw_input_contents) > 1:
+    if len(raw_input_contents) > 1:
         raise InvalidInput("raw_input_contents has more entries than inputs")
-    raw = request.raw_input_contents[0] if request.raw_input_contents else None
+    raw = raw_input_contents[0] if raw_input_contents else None
     shape = tuple(tensor.shape)
     if tensor.datatype == "BYTES":
         return _bytes_images(shape, raw, tensor.contents)
@@ -230,7 +259,10 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
             return oip.ModelStatisticsResponse(model_stats=[model_statistics(totals)])
         return await answer(context, request_id(context), statistics)
 
-    async def _infer(self, request: oip.ModelInferRequest, context, rid: str) -> oip.ModelInferResponse:
+    async def _infer(self, read: InferRequest, context, rid: str) -> oip.ModelInferResponse:
+        if read.unreadable is not None:
+            raise InvalidInput(f"the request is not an inference.ModelInferRequest: {read.unreadable}")
+        request = read.message
         check_model(request.model_name, request.model_version)
         top_k = top_k_parameter(request.parameters)
         names = requested_outputs(request, top_k is not None)
@@ -238,26 +270,27 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
             top_k = DEFAULT_TOP_K
         if self._core is None:
             raise Unavailable("the model is still loading; retry when the server is ready")
-        call = ClassifyCall(input_images(request), temperature_parameter(request.parameters), top_k,
-                            context.time_remaining(), rid)
+        call = ClassifyCall(input_images(request, read.raw_input_contents), temperature_parameter(request.parameters),
+                            top_k, context.time_remaining(), rid)
         outputs = await self._core.classify(call)
         return build_response(request, outputs, names, self._labels)
 
     async def ModelInfer(self, request, context):
-        rid = request.id or request_id(context)
+        rid = request.message.id or request_id(context)
         return await answer(context, rid, lambda: self._infer(request, context, rid))
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[oip.ModelStreamInferResponse]:
         """Triton's semantics: an error answers that request in the stream; the stream goes on."""
-        async def one(request: oip.ModelInferRequest) -> oip.ModelStreamInferResponse:
-            rid = request.id or request_id(context)
+        async def one(request: InferRequest) -> oip.ModelStreamInferResponse:
+            rid = request.message.id or request_id(context)
             try:
                 return oip.ModelStreamInferResponse(infer_response=await self._infer(request, context, rid))
             except Exception as exc:
                 code, message = caller_status(rid, exc)
                 return oip.ModelStreamInferResponse(
                     error_message=f"[{code.name}] {message}",
-                    infer_response=oip.ModelInferResponse(model_name=request.model_name, id=request.id))
+                    infer_response=oip.ModelInferResponse(model_name=request.message.model_name,
+                                                          id=request.message.id))
 
         async for response in in_order(request_iterator, one):
             yield response

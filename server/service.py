@@ -20,7 +20,7 @@ from client.api import classifier_pb2_grpc as pb_grpc
 from client.errors import INVALID_IMAGES_KEY  # the client reads it; it installs without torch
 
 from .batcher import ImageOutput
-from .classify_request import ReadRequest, read_classify_request
+from .classify_request import ReadRequest
 from .errors import InvalidImages, InvalidInput, ServingError, Unavailable, status_for
 from .inference import ClassifyCall, InferenceCore
 
@@ -29,7 +29,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 # Requests of one stream computed ahead of the one being answered.
 STREAM_PIPELINE_DEPTH = 32
-SERVICE = pb.DESCRIPTOR.services_by_name["Classifier"].full_name  # resnet.v1.Classifier
 # Fresh request ids: this process's random prefix and a count, unique across processes and restarts (as a
 # uuid4 is) at a fifth of its cost, which every call without an x-request-id pays.
 _ID_PREFIX = os.urandom(4).hex()
@@ -124,24 +123,6 @@ def to_result(output: ImageOutput, labels: list[str], request: pb.ClassifyReques
     if request.return_logits:
         result.logits.extend(output.logits.tolist())
     return result
-
-
-def add_classifier_to_server(servicer: ClassifierService, server: grpc.aio.Server) -> None:
-    """``pb_grpc.add_ClassifierServicer_to_server``, with the requests read by ``read_classify_request``: each raw
-    image's pixels stay in gRPC's bytes until they are copied into the engine's slab."""
-    handlers = {
-        "Classify": grpc.unary_unary_rpc_method_handler(
-            servicer.Classify, request_deserializer=read_classify_request,
-            response_serializer=pb.ClassifyResponse.SerializeToString),
-        "ClassifyStream": grpc.stream_stream_rpc_method_handler(
-            servicer.ClassifyStream, request_deserializer=read_classify_request,
-            response_serializer=pb.ClassifyResponse.SerializeToString),
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
-            response_serializer=pb.ModelInfo.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)
 
 
 class ClassifierService(pb_grpc.ClassifierServicer):

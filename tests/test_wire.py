@@ -1,4 +1,5 @@
-"""Reading a ClassifyRequest with its pixels left in place means what protobuf's own parse means, to the byte."""
+"""Reading a request with its pixels left in place (server.wire) means what protobuf's own parse means, to the
+byte: ClassifyRequest and the Open Inference Protocol's ModelInferRequest."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from google.protobuf.message import DecodeError
 
 from client import Client
 from client.api import classifier_pb2 as pb
+from client.api import grpc_predict_v2_pb2 as oip
+from client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 from server.classify_request import image_input, read_classify_request
+from server.oip_service import read_infer_request
 from server.preprocess import EncodedImage, RawImage
 from tests.helpers import encode, random_rgb
 
@@ -121,3 +125,54 @@ def test_a_request_that_is_no_protobuf_is_invalid_argument_and_the_server_keeps_
     with Client(server.target, timeout=60) as client:
         (result,) = client.classify([random_rgb(2)])
     assert len(result.top_k) == 5
+
+
+def infer_request(*contents: bytes) -> oip.ModelInferRequest:
+    request = oip.ModelInferRequest(model_name="resnet18", id="seven", raw_input_contents=contents)
+    request.inputs.add(name="input", datatype="UINT8", shape=[len(contents), 224, 224, 3])
+    request.outputs.add(name="probabilities")
+    request.parameters["top_k"].int64_param = 3
+    return request
+
+
+INFER_WIRE = {
+    "one tensor": serialized(infer_request(PIXELS)),
+    "two tensors, unknown fields between": (unknown_fields() + serialized(infer_request(PIXELS, b"second"))
+                                            + unknown_fields()),
+    "no raw contents": serialized(infer_request()),
+    "a group (left to protobuf)": key(9, 3) + key(9, 4) + serialized(infer_request(PIXELS)),
+}
+
+
+@pytest.mark.parametrize("name", list(INFER_WIRE))
+def test_the_infer_reader_reads_what_protobuf_reads(name):
+    wire = INFER_WIRE[name]
+    expected = oip.ModelInferRequest.FromString(wire)
+    read = read_infer_request(wire)
+    assert [bytes(contents) for contents in read.raw_input_contents] == list(expected.raw_input_contents)
+    del expected.raw_input_contents[:]
+    assert read.message == expected and read.unreadable is None
+
+
+def test_infer_raw_contents_stay_in_the_request_bytes():
+    wire = serialized(infer_request(PIXELS))
+    (contents,) = read_infer_request(wire).raw_input_contents
+    assert isinstance(contents, memoryview) and contents.obj is wire and contents == PIXELS
+
+
+def test_an_infer_request_that_is_no_protobuf_is_invalid_argument_alone_and_in_a_stream(server):
+    wire = serialized(infer_request(PIXELS))[:-1]
+    with pytest.raises(DecodeError) as caught:
+        oip.ModelInferRequest.FromString(wire)
+    expected = f"the request is not an inference.ModelInferRequest: {caught.value}"
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(wire, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and refused.value.details() == expected
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                       response_deserializer=oip.ModelStreamInferResponse.FromString)
+        good = infer_request(bytes(224 * 224 * 3))
+        answers = list(stream(iter([wire, serialized(good)]), timeout=60))
+        assert [answer.error_message for answer in answers] == [f"[INVALID_ARGUMENT] {expected}", ""]
+        assert answers[1].infer_response.id == "seven" and answers[1].infer_response.outputs[0].shape == [1, 1000]
+        assert oip_grpc.GRPCInferenceServiceStub(channel).ServerLive(oip.ServerLiveRequest(), timeout=30).live
