@@ -365,7 +365,7 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
                         "--torchscript", "--json"]) == 0
     (tmp_path / "ceiling_fp32_torchscript.json").write_text(capsys.readouterr().out)
     for name, concurrency in (("served_batched", "1,4"), ("served_nobatch", "4")):
-        assert client_main(["bench", "--server", running.target, "--sweep", concurrency, "--duration", "0.5",
+        assert client_main(["bench", "--server", running.target, "--sweep", concurrency, "--duration", "1.5",
                             "--warmup", "0", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet",
                             "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"]) == 0
         (tmp_path / f"{name}.json").write_text(capsys.readouterr().out)
