@@ -1,14 +1,14 @@
 """The engine's own ceiling: how many images a second one engine process hands through, and its CPU an image.
 
-A GPU engine is one process, and its threads share one GIL, so its CPU time an image bounds what one device
-can serve however many front-ends feed it (on an H200 the engine's 157 us an image held a served GPU near
-7.5k images/s). This starts one engine as the server does, with handling_ceiling's free model (ready-made
+A GPU engine is one process, and its threads share one GIL, so its CPU time an image bounds what one device can
+serve however many front-ends feed it (frontend_cost.py's engine figure is for batches of one or two calls; a GPU's
+batches are far larger). This starts one engine as the server does, with handling_ceiling's free model (ready-made
 inputs and scores; with ``--compute-ms`` each batch's scores land that long after its launch, as a GPU's do, so
-batches grow as they do on a device), and feeds it from ``--feeders`` processes that do what a front-end does
-after gRPC: the real ``EngineClient`` (a slot each image, the pixels into the slab, one message a loop turn, the
-answers read back), ``--in-flight`` images each, one image a call. No gRPC and no client: what is left is the
-engine and the hand-off. It prints images a second, the engine's CPU microseconds an image (every thread of
-the process, over the measured window) and the mean batch.
+batches grow as they do on a device), and feeds it from ``--feeders`` processes that do what a front-end does after
+gRPC: the real ``EngineClient`` (a slot each image, the pixels into the slab, one message a loop turn, the answers
+read back), ``--in-flight`` images each, one image a call. No gRPC and no client: what is left is the engine and the
+hand-off. It prints images a second, the engine's CPU microseconds an image (every thread of the process, over the
+measured window) and the mean batch.
 
 Usage: python scripts/engine_ceiling.py [--feeders 2] [--in-flight 64] [--compute-ms 4] [--duration 10]
        [--rounds 1] [--json]
@@ -22,14 +22,11 @@ import json
 import multiprocessing
 import os
 import statistics
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's server package
-from cpu_split import thread_cpu_seconds  # noqa: E402 - scripts/ is this script's first path entry
-from handling_ceiling import COMPUTE_MS  # noqa: E402 - patches the runner: the free model, here and in the engine
+from frontend_cost import cpu_seconds  # scripts/ is this script's first path entry, and its spawned children's
+from handling_ceiling import COMPUTE_MS  # patches the runner: the free model, here and in the engine
 
 RAW_BYTES = 224 * 224 * 3
 
@@ -66,10 +63,6 @@ def feed(link, owner: int, in_flight: int, pipe) -> None:
     pipe.send(asyncio.run(main()))
 
 
-def engine_cpu_seconds(pid: int) -> float:
-    return sum(seconds for (process, _), seconds in thread_cpu_seconds(pid).items() if process == pid)
-
-
 def batch_totals(port: int) -> tuple[float, float]:
     """The engine's resnet_batch_size (sum, count) from its /metrics."""
     import urllib.request
@@ -84,7 +77,7 @@ def one_round(supervisor, args: argparse.Namespace) -> dict:
     from server.worker_metrics import worker_metrics_port
 
     context = multiprocessing.get_context("spawn")
-    pid = supervisor.children["engine-0"].process.pid
+    engine = {"engine": supervisor.children["engine-0"].process.pid}
     port = worker_metrics_port(supervisor.config.metrics_port, supervisor.frontends)
     pipes = []
     for number in range(args.feeders):
@@ -98,9 +91,10 @@ def one_round(supervisor, args: argparse.Namespace) -> dict:
     for pipe in pipes:
         pipe.send((start, end))
     time.sleep(max(0.0, start - time.monotonic()))
-    cpu, batches = engine_cpu_seconds(pid), batch_totals(port)
+    cpu, batches = cpu_seconds(engine)["engine"], batch_totals(port)
     time.sleep(max(0.0, end - time.monotonic()))
-    cpu, batches = engine_cpu_seconds(pid) - cpu, [b - a for a, b in zip(batches, batch_totals(port), strict=True)]
+    cpu = cpu_seconds(engine)["engine"] - cpu
+    batches = [after - before for before, after in zip(batches, batch_totals(port), strict=True)]
     images = sum(pipe.recv() for pipe in pipes)
     return {"images_per_s": images / args.duration, "engine_cpu_us_per_image": 1e6 * cpu / images,
             "mean_batch": batches[0] / batches[1] if batches[1] else 0.0}
