@@ -81,7 +81,7 @@ bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise; skip
 checks() {
   owed cuda_tests || return 0
   # Only the modules with CUDA tests: the others import test-only packages the GPU box may not have.
-  python -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_raw_batch.py tests/test_device_decode.py \
+  python -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_raw_batch.py tests/test_device_decode.py tests/test_slab.py \
     tests/test_replicas.py 2>&1 | tee "$out/cuda_tests.txt"
   python scripts/precision_check.py --device cuda:0 --json "$out/precision.json" | tee "$out/precision.txt"
   python scripts/decode_check.py --device cuda:0 --json "$out/decode.json" | tee "$out/decode.txt"

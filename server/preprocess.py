@@ -135,7 +135,7 @@ def preprocess(image: ImageInput, max_pixels: int, crop_only: bool = False) -> t
             if isinstance(converted, InvalidInput):
                 raise converted
             return converted
-        pixels = _stack_bytes([image.data], "uint8", tuple(image.shape), pinned=False)[0].permute(2, 0, 1)
+        pixels = _stack_bytes([image.data], "uint8", tuple(image.shape), torch.device("cpu"))[0].permute(2, 0, 1)
     return crop(pixels).permute(1, 2, 0).contiguous() if crop_only else transform(pixels)
 
 
@@ -174,28 +174,34 @@ def raw_batch(images: list[RawImage], device: torch.device) -> list[torch.Tensor
 
 def _convert_group(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ...], device: torch.device
                    ) -> list[torch.Tensor]:
-    on_cpu = _stack_bytes(datas, dtype, shape, pinned=device.type == "cuda")
+    stacked = _stack_bytes(datas, dtype, shape, device)
     if dtype == "uint8":  # [B, H, W, 3]: resized as channels-last, which torch's uint8 resize handles natively
-        return list(transform(to_device(on_cpu, device).permute(0, 3, 1, 2)).unbind(0))
-    return list(to_device(on_cpu, device).unbind(0))
+        return list(transform(to_device(stacked, device).permute(0, 3, 1, 2)).unbind(0))
+    return list(to_device(stacked, device).unbind(0))
 
 
 def cropped_batch(images: list[CroppedImage], device: torch.device) -> list[torch.Tensor]:
     """Front-ends' crops as the model's float [3, 224, 224] inputs on ``device``: gathered with one copy (pinned,
     for an upload), uploaded as uint8, normalised as one batch."""
-    on_cpu = _stack_bytes([image.data for image in images], "uint8", CROP_SHAPE, pinned=device.type == "cuda")
-    return list(normalise(to_device(on_cpu, device).permute(0, 3, 1, 2)).unbind(0))
+    stacked = _stack_bytes([image.data for image in images], "uint8", CROP_SHAPE, device)
+    return list(normalise(to_device(stacked, device).permute(0, 3, 1, 2)).unbind(0))
 
 
-def _stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ...], pinned: bool) -> torch.Tensor:
-    """The images' bytes copied once, into one new (pinned, for an upload) [B, *shape] tensor.
+def _stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ...], device: torch.device
+                 ) -> torch.Tensor:
+    """The images' bytes copied once, into one new [B, *shape] tensor: on ``device`` when they are slots the
+    device reads where they lie (``server.mapped_slab``), else on the CPU (pinned, for an upload to a GPU).
 
     Bytes go through a memoryview: a plain copy that keeps the GIL. A NumPy copy of each image gives the GIL up
     and must win it back, up to a switch interval per image (measured with scripts/gil_probe.py, a probe in git
     at e500ba4)."""
-    batch = torch.empty((len(datas), *shape), dtype=getattr(torch, dtype), pin_memory=pinned)
+    size, torch_dtype = (len(datas), *shape), getattr(torch, dtype)
     if all(isinstance(data, SlotBytes) for data in datas):
-        return _gather_slots(datas, batch)
+        rows = datas[0].rows
+        if rows.is_cuda:
+            return _gather_slots(datas, torch.empty(size, dtype=torch_dtype, device=rows.device))
+        return _gather_slots(datas, torch.empty(size, dtype=torch_dtype, pin_memory=device.type == "cuda"))
+    batch = torch.empty(size, dtype=torch_dtype, pin_memory=device.type == "cuda")
     flat, offset = memoryview(batch.numpy()).cast("B"), 0
     for data in datas:  # each is exactly one image's bytes: check_raw saw to it on arrival
         flat[offset:offset + len(data)] = data
@@ -204,12 +210,16 @@ def _stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, .
 
 
 def _gather_slots(slots: list[SlotBytes], batch: torch.Tensor) -> torch.Tensor:
-    """The slots' bytes into ``batch`` with one index_select: one copy that gives the GIL up once, so the
-    engine's socket readers and finisher run while it copies (a batch of 82 images is 12 MB, 1.8 ms on the
-    2-core VM, which the memoryview copy holds the GIL for)."""
+    """The slots' bytes into ``batch`` with one index_select: on the CPU one copy that gives the GIL up once, so
+    the engine's socket readers and finisher run while it copies (a batch of 82 images is 12 MB, 1.8 ms on the
+    2-core VM, which the memoryview copy holds the GIL for); on a GPU one kernel, queued, that reads the slots
+    over the bus."""
     first = slots[0]
-    index = torch.tensor([slot.slot for slot in slots])
-    torch.index_select(first.rows[:, :first.nbytes], 0, index, out=batch.view(len(slots), -1).view(torch.uint8))
+    rows, out = first.rows[:, :first.nbytes], batch.view(len(slots), -1).view(torch.uint8)
+    if rows.is_cuda and first.nbytes % 8 == 0:  # 8-byte words: each warp then asks the bus for whole lines
+        rows, out = rows.view(torch.int64), out.view(torch.int64)
+    index = to_device(torch.tensor([slot.slot for slot in slots]), rows.device)
+    torch.index_select(rows, 0, index, out=out)
     return batch
 
 

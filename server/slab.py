@@ -144,6 +144,11 @@ class Slab:
         self.owners[gone] = FREE
         return int(gone.sum())
 
+    @property
+    def address(self) -> int:
+        """Where this process maps the slab (what a GPU engine registers with CUDA: ``server.mapped_slab``)."""
+        return np.frombuffer(self._memory, dtype=np.uint8, count=1).ctypes.data
+
     def input(self, slot: int, nbytes: int) -> memoryview:
         start = self.layout.header_bytes + slot * self.layout.slot_bytes
         return self._view[start:start + nbytes]

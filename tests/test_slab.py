@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
 import pytest
 import torch
 
+from server.mapped_slab import _check_reads_what_the_host_wrote, device_input_rows
 from server.preprocess import RawImage, SlotBytes, raw_batch
 from server.slab import FREE, Slab, SlabLayout, create_slab_memory
 
@@ -72,16 +74,63 @@ def test_images_read_from_their_slots_convert_as_their_bytes_do(views, dtype, sh
     """What a front-end wrote into scattered slots, gathered by the engine a batch at once (SlotBytes), is the
     batch the same images' own bytes give."""
     front_end, engine = views
-    rng = np.random.default_rng(7)
-    images = [(rng.integers(0, 256, shape, dtype=np.uint8) if dtype == "uint8"
-               else rng.standard_normal(shape).astype(np.float32)).tobytes() for _ in range(3)]
-    slots = front_end.take(5, A)[::2]  # 0, 2 and 4: not side by side
-    for slot, data in zip(slots, images, strict=True):
-        front_end.input(slot, len(data))[:] = data
+    written = _images_in_slots(front_end, dtype, shape)
     rows = torch.from_numpy(engine.input_rows())
-    gathered = raw_batch([RawImage(dtype, shape, SlotBytes(rows, slot, len(data)))
-                          for slot, data in zip(slots, images, strict=True)], torch.device("cpu"))
-    expected = raw_batch([RawImage(dtype, shape, data) for data in images], torch.device("cpu"))
+    gathered = raw_batch([RawImage(dtype, shape, SlotBytes(rows, slot, len(data))) for slot, data in written],
+                         torch.device("cpu"))
+    expected = raw_batch([RawImage(dtype, shape, data) for _, data in written], torch.device("cpu"))
     for got, want in zip(gathered, expected, strict=True):
         assert torch.equal(got, want)
     del rows, gathered  # the slab's memory may then be unmapped
+
+
+def _images_in_slots(front_end: Slab, dtype: str, shape: tuple[int, ...]) -> list[tuple[int, bytes]]:
+    """Three random images written into slots 0, 2 and 4 (not side by side), as a front-end writes them."""
+    rng = np.random.default_rng(7)
+    images = [(rng.integers(0, 256, shape, dtype=np.uint8) if dtype == "uint8"
+               else rng.standard_normal(shape).astype(np.float32)).tobytes() for _ in range(3)]
+    slots = front_end.take(5, A)[::2]
+    for slot, data in zip(slots, images, strict=True):
+        front_end.input(slot, len(data))[:] = data
+    return list(zip(slots, images, strict=True))
+
+
+def test_the_check_of_a_device_view_writes_only_a_free_slot_and_tells_other_memory_apart(views):
+    front_end, engine = views
+    taken = front_end.take(7, A)
+    front_end.input(taken[0], 4)[:] = b"mine"
+    rows = engine.input_rows()
+    _check_reads_what_the_host_wrote(engine, rows, torch.from_numpy(rows))  # the same memory: passes
+    assert bytes(front_end.input(taken[0], 4)) == b"mine"
+    assert rows[7, :16].any()  # the one free slot took the pattern
+    other = torch.from_numpy(rows.copy())
+    with pytest.raises(RuntimeError, match="other bytes"):
+        _check_reads_what_the_host_wrote(engine, rows, other)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="for a machine where CUDA cannot map the slab")
+def test_without_cuda_the_engine_keeps_the_host_copy(views, caplog):
+    _, engine = views
+    with caplog.at_level(logging.WARNING, logger="server.mapped_slab"):
+        assert device_input_rows(engine, torch.device("cuda:0")) is None
+    assert "cannot read the slab where it lies" in caplog.text
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, shape", [("uint8", (224, 224, 3)), ("uint8", (31, 17, 3)),
+                                          ("float32", (3, 224, 224))])
+def test_a_gpu_reads_images_from_their_slots_as_the_host_copy_gives_them(views, dtype, shape):
+    """The slab registered with CUDA: the batch is gathered on the device, straight from the slots (8-byte words,
+    or bytes for an odd length), and equals what the host copy and upload give."""
+    front_end, engine = views
+    written = _images_in_slots(front_end, dtype, shape)
+    device = torch.device("cuda:0")
+    mapped = device_input_rows(engine, device)
+    assert mapped is not None and mapped.is_cuda
+    host = torch.from_numpy(engine.input_rows())
+    on_device = raw_batch([RawImage(dtype, shape, SlotBytes(mapped, slot, len(data))) for slot, data in written],
+                          device)
+    copied = raw_batch([RawImage(dtype, shape, SlotBytes(host, slot, len(data))) for slot, data in written], device)
+    for got, want in zip(on_device, copied, strict=True):
+        assert got.is_cuda and torch.equal(got, want)
