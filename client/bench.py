@@ -206,7 +206,8 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
-_SAMPLE = re.compile(r'^(resnet_\w+)\{([^}]*)\} ([-+\deE.naif]+)$')
+_SAMPLE = re.compile(r'^(resnet_\w+|process_cpu_seconds_total)\{([^}]*)\} ([-+\deE.naif]+)$')
+_CPU = "process_cpu_seconds_total"  # per server process (label worker): front-ends "0", "1"..., "engine-cuda:0"
 _CALLER_WAITS = "resnet_caller_waits_total"
 _BATCH_PART = "resnet_batch_part_seconds_total"
 # Counters the server view reads by a second label, which goes into the key: series:value.
@@ -239,6 +240,10 @@ def _scrape_one(url: str) -> dict[tuple[str, str], float]:
         if not match:
             continue
         series, labels, value = match.groups()
+        if series == _CPU:
+            kind = _process_kind(_label(labels, "worker"))
+            values[(_CPU, kind)] = values.get((_CPU, kind), 0.0) + float(value)
+            continue
         if series in _BY_LABEL:
             series += ":" + _label(labels, _BY_LABEL[series])
         elif not series.endswith(("_sum", "_count")):
@@ -247,6 +252,19 @@ def _scrape_one(url: str) -> dict[tuple[str, str], float]:
         if device is not None:
             values[(series, device)] = values.get((series, device), 0.0) + float(value)
     return values
+
+
+def _process_kind(worker: str | None) -> str:
+    if worker is None or worker == "supervisor":
+        return "supervisor"
+    return "engines" if worker.startswith("engine") else "frontends"
+
+
+def server_cpu(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """The server's processes' CPU between two scrapes, in cores, by kind (front-ends, engines, supervisor):
+    beside the client's, whether the machine's cores ran out first."""
+    return {kind: (value - before.get((series, kind), 0.0)) / seconds
+            for (series, kind), value in sorted(after.items()) if series == _CPU}
 
 
 def _label(labels: str, name: str) -> str | None:
@@ -262,7 +280,7 @@ def server_view(before: dict, after: dict) -> dict[str, dict[str, float]]:
         return after.get((series, device), 0.0) - before.get((series, device), 0.0)
 
     view = {}
-    for device in sorted({device for _, device in after}):
+    for device in sorted({device for series, device in after if series != _CPU}):
         batches = delta("resnet_batch_size_count", device)
         images = delta("resnet_batch_size_sum", device)
         if not batches:
@@ -287,7 +305,7 @@ def run_point(args: argparse.Namespace, request: bytes, concurrency: int | None,
                             args.warmup, args.duration, connection(args), args.connections)
                    for i in range(args.processes)]
     per_process = [spec for spec in per_process if spec.concurrency or spec.rate]
-    before = scrape(args.metrics)
+    before, scraped = scrape(args.metrics), time.monotonic()
     with multiprocessing.get_context("spawn").Pool(len(per_process)) as pool:
         pending = pool.map_async(_worker, per_process)
         label = f"{load_label(concurrency, rate):>8}"
@@ -295,7 +313,7 @@ def run_point(args: argparse.Namespace, request: bytes, concurrency: int | None,
         outcomes = pending.get()
     records = [record for chunk, _ in outcomes for record in chunk]
     client_cpu = sum(cpu for _, cpu in outcomes)
-    after = scrape(args.metrics)
+    after, between_scrapes = scrape(args.metrics), time.monotonic() - scraped
     latencies = sorted(latency for latency, code in records if code == "OK")
     ok = len(latencies)
     return {
@@ -307,6 +325,8 @@ def run_point(args: argparse.Namespace, request: bytes, concurrency: int | None,
         "errors": dict(Counter(code for _, code in records if code != "OK")),
         "client_cpu_cores": client_cpu / args.duration,  # the client processes' CPU over the window, in cores
         "server": server_view(before, after),
+        # warm-up included, as in the server view: both come from the same two scrapes
+        "server_cpu_cores": server_cpu(before, after, between_scrapes),
     }
 
 

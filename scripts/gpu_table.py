@@ -27,7 +27,8 @@ def ceiling_rows(folder: Path) -> list[str]:
     for name in (*(f"ceiling_{p}" for p in PRECISIONS), "ceiling_fp16_unfolded", *compiled, *torchscript):
         for ceiling in results(folder, name)[:1]:
             for size, rate in ceiling["forward_images_per_s"].items():
-                rows.append(f"| in-process forward, {ceiling_label(ceiling)}, batch {size} | {rate:.0f} | | | | | | |")
+                rows.append(f"| in-process forward, {ceiling_label(ceiling)}, batch {size} | {rate:.0f} "
+                            "| | | | | | | |")
     return rows
 
 
@@ -51,8 +52,14 @@ def served_rows(folder: Path) -> list[str]:
             rows.append(f"| {name.replace('_', ' ')}, c={point['concurrency']} | {point['images_per_s']:.0f} | "
                         f"{point['p50_ms']:.1f} | {point['p99_ms']:.1f} | "
                         f"{view.get('mean_batch_size', float('nan')):.1f} | {batch_split(view)} | "
-                        f"{point.get('client_cpu_cores', float('nan')):.1f} | {errors} |")
+                        f"{point.get('client_cpu_cores', float('nan')):.1f} | {server_cores(point)} | {errors} |")
     return rows
+
+
+def server_cores(point: dict) -> str:
+    """The server's front-ends' and engines' CPU in cores (empty from a bench before it reported them)."""
+    cores = point.get("server_cpu_cores")
+    return f"{cores['frontends']:.1f} / {cores['engines']:.1f}" if cores else ""
 
 
 def batch_split(view: dict) -> str:
@@ -127,8 +134,9 @@ def main(folder: Path, fp32_batch: int, fp16_batch: int) -> None:
     gpu = next((" ".join(cells[1:-1]) for cells in rows if len(cells) > 2), "GPU")
     print(f"Measured {time.strftime('%Y-%m-%d')} with scripts/gpu_check.sh on {gpu}; uint8 224x224 unless "
           "named, seeded random weights.\n")
-    print("| what | images/s | p50 ms | p99 ms | mean batch | batch input / infer ms | client cores | errors |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| what | images/s | p50 ms | p99 ms | mean batch | batch input / infer ms | client cores "
+          "| server cores: front-ends / engines | errors |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     print("\n".join(ceiling_rows(folder) + served_rows(folder)))
     print()
     print("\n".join(targets(folder, fp32_batch, fp16_batch)))

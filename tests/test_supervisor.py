@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import tritonclient.grpc as tc
 
 from client import ClassifierError, Client
 from client.api import classifier_pb2 as pb
-from client.bench import LoadSpec, _closed_loop, scrape
+from client.bench import LoadSpec, _closed_loop, scrape, server_cpu
 from server.config import ServerConfig
 from server.errors import StartupError
 from server.metrics import Metrics, serve_metrics
@@ -157,7 +158,7 @@ def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, 
         # window records the calls that ended inside it: all but the sixteen or fewer still in flight as it closed).
         url = f"http://127.0.0.1:{workers.metrics_port}/metrics"
         request = pb.ClassifyRequest(images=[pb.Image(encoded=IMAGE)], top_k=1).SerializeToString()
-        before = scrape(url)
+        before, scraped = scrape(url), time.monotonic()
         with tc.InferenceServerClient(target) as triton, ThreadPoolExecutor(1) as pool:
             # ModelStatistics asked over and over while both workers write: each answer whole (every request
             # counted with its queue time, no torn row), and the counts never going back.
@@ -167,6 +168,9 @@ def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, 
             loading.set()
             counts = reading.result()
         after = scrape(url)
+        cores = server_cpu(before, after, time.monotonic() - scraped)  # the bench's split of the server's CPU
+        assert set(cores) == {"frontends", "engines", "supervisor"}
+        assert cores["frontends"] > 0 and cores["engines"] > 0 and sum(cores.values()) <= os.cpu_count() + 0.5
         assert len(counts) >= 5 and counts == sorted(counts)
         served = [scraped_value(workers.metrics_port, served_by(i)) for i in range(2)]
         assert all(count > 0 for count in served), served
