@@ -32,9 +32,9 @@ from .batcher import BatchOutput, Ticket, WorkItem
 from .config import ServerConfig
 from .device_decode import DeferredJpeg
 from .errors import ServingError, StartupError
-from .mapped_slab import device_input_rows
 from .metrics import Metrics, serve_metrics
 from .preprocess import FLOAT_SHAPE, CroppedImage, RawImage, SlotBytes
+from .registered_slab import register_slab
 from .replicas import Replica, load_replica
 from .slab import Slab, SlabLayout
 from .statistics import SharedRow
@@ -97,8 +97,7 @@ class Engine:
         self.config = config
         self.metrics = metrics
         self.slab = Slab(link.slab_fd, link.layout)
-        # Raw images and crops are read from here a batch at once: on a GPU, where they lie if it can (start).
-        self._input_rows = torch.from_numpy(self.slab.input_rows())
+        self._input_rows = torch.from_numpy(self.slab.input_rows())  # raw images are read from here a batch at once
         self.replica: Replica | None = None
         self._lock = threading.Lock()
         self._frontends: set[_FrontEnd] = set()
@@ -111,9 +110,8 @@ class Engine:
         freed = self.slab.free_all_but(set(live_owners))
         if freed:
             log.info("freed %d slots of front-ends that have ended", freed)
-        if self.device.type == "cuda":
-            mapped = device_input_rows(self.slab, self.device)
-            self._input_rows = self._input_rows if mapped is None else mapped
+        if self.device.type == "cuda":  # uploads then read the slots themselves (preprocess.copy_slots)
+            register_slab(self.slab, self.device)
         self._listener = Listener(self.link.address, "AF_UNIX", authkey=self.link.authkey)
         threading.Thread(target=self._accept, name="engine-accept", daemon=True).start()
 

@@ -189,17 +189,16 @@ def cropped_batch(images: list[CroppedImage], device: torch.device) -> list[torc
 
 def _stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ...], device: torch.device
                  ) -> torch.Tensor:
-    """The images' bytes copied once, into one new [B, *shape] tensor: on ``device`` when they are slots the
-    device reads where they lie (``server.mapped_slab``), else on the CPU (pinned, for an upload to a GPU).
+    """The images' bytes copied once, into one new [B, *shape] tensor: on a GPU ``device`` when they are slots
+    of a slab registered with CUDA (``server.registered_slab``), else on the CPU (pinned, for an upload to a GPU).
 
     Bytes go through a memoryview: a plain copy that keeps the GIL. A NumPy copy of each image gives the GIL up
     and must win it back, up to a switch interval per image (measured with scripts/gil_probe.py, a probe in git
     at e500ba4)."""
     size, torch_dtype = (len(datas), *shape), getattr(torch, dtype)
     if all(isinstance(data, SlotBytes) for data in datas):
-        rows = datas[0].rows
-        if rows.is_cuda:
-            return _gather_slots(datas, torch.empty(size, dtype=torch_dtype, device=rows.device))
+        if device.type == "cuda" and datas[0].rows.is_pinned():
+            return copy_slots(datas, torch.empty(size, dtype=torch_dtype, device=device))
         return _gather_slots(datas, torch.empty(size, dtype=torch_dtype, pin_memory=device.type == "cuda"))
     batch = torch.empty(size, dtype=torch_dtype, pin_memory=device.type == "cuda")
     flat, offset = memoryview(batch.numpy()).cast("B"), 0
@@ -210,16 +209,22 @@ def _stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, .
 
 
 def _gather_slots(slots: list[SlotBytes], batch: torch.Tensor) -> torch.Tensor:
-    """The slots' bytes into ``batch`` with one index_select: on the CPU one copy that gives the GIL up once, so
-    the engine's socket readers and finisher run while it copies (a batch of 82 images is 12 MB, 1.8 ms on the
-    2-core VM, which the memoryview copy holds the GIL for); on a GPU one kernel, queued, that reads the slots
-    over the bus."""
+    """The slots' bytes into ``batch`` with one index_select: one copy that gives the GIL up once, so the
+    engine's socket readers and finisher run while it copies (a batch of 82 images is 12 MB, 1.8 ms on the
+    2-core VM, which the memoryview copy holds the GIL for)."""
     first = slots[0]
-    rows, out = first.rows[:, :first.nbytes], batch.view(len(slots), -1).view(torch.uint8)
-    if rows.is_cuda and first.nbytes % 8 == 0:  # 8-byte words: each warp then asks the bus for whole lines
-        rows, out = rows.view(torch.int64), out.view(torch.int64)
-    index = to_device(torch.tensor([slot.slot for slot in slots]), rows.device)
-    torch.index_select(rows, 0, index, out=out)
+    index = torch.tensor([slot.slot for slot in slots])
+    torch.index_select(first.rows[:, :first.nbytes], 0, index, out=batch.view(len(slots), -1).view(torch.uint8))
+    return batch
+
+
+def copy_slots(slots: list[SlotBytes], batch: torch.Tensor) -> torch.Tensor:
+    """The slots' bytes, in registered (page-locked) memory, into the rows of ``batch`` on a GPU: one DMA an image
+    by the device's copy engines, queued on the current stream, with no copy on the host. ``_foreach_copy_`` (what
+    torch's optimizers use) queues them all in one call, giving the GIL up once rather than once an image."""
+    rows = batch.view(len(slots), -1).view(torch.uint8)
+    torch._foreach_copy_(list(rows.unbind(0)), [slot.rows[slot.slot, :slot.nbytes] for slot in slots],
+                         non_blocking=True)
     return batch
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from server.mapped_slab import _check_reads_what_the_host_wrote, device_input_rows
-from server.preprocess import RawImage, SlotBytes, raw_batch
+from server.preprocess import RawImage, SlotBytes, _gather_slots, copy_slots, raw_batch
+from server.registered_slab import register_slab
 from server.slab import FREE, Slab, SlabLayout, create_slab_memory
 
 A, B = 1, 2  # two front-ends' owner numbers
@@ -95,42 +95,42 @@ def _images_in_slots(front_end: Slab, dtype: str, shape: tuple[int, ...]) -> lis
     return list(zip(slots, images, strict=True))
 
 
-def test_the_check_of_a_device_view_writes_only_a_free_slot_and_tells_other_memory_apart(views):
+@pytest.mark.parametrize("dtype, shape", [("uint8", (224, 224, 3)), ("float32", (3, 224, 224))])
+def test_copying_each_slot_into_its_row_gives_the_gathered_batch(views, dtype, shape):
+    """What a GPU engine does with a registered slab (one copy a slot into the batch's rows), here on the CPU."""
     front_end, engine = views
-    taken = front_end.take(7, A)
-    front_end.input(taken[0], 4)[:] = b"mine"
-    rows = engine.input_rows()
-    _check_reads_what_the_host_wrote(engine, rows, torch.from_numpy(rows))  # the same memory: passes
-    assert bytes(front_end.input(taken[0], 4)) == b"mine"
-    assert rows[7, :16].any()  # the one free slot took the pattern
-    other = torch.from_numpy(rows.copy())
-    with pytest.raises(RuntimeError, match="other bytes"):
-        _check_reads_what_the_host_wrote(engine, rows, other)
+    rows = torch.from_numpy(engine.input_rows())
+    slots = [SlotBytes(rows, slot, len(data)) for slot, data in _images_in_slots(front_end, dtype, shape)]
+    batch_shape, torch_dtype = (len(slots), *shape), getattr(torch, dtype)
+    copied = copy_slots(slots, torch.empty(batch_shape, dtype=torch_dtype))
+    assert torch.equal(copied, _gather_slots(slots, torch.empty(batch_shape, dtype=torch_dtype)))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="for a machine where CUDA cannot map the slab")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="for a machine where CUDA cannot register the slab")
 def test_without_cuda_the_engine_keeps_the_host_copy(views, caplog):
     _, engine = views
-    with caplog.at_level(logging.WARNING, logger="server.mapped_slab"):
-        assert device_input_rows(engine, torch.device("cuda:0")) is None
-    assert "cannot read the slab where it lies" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="server.registered_slab"):
+        assert not register_slab(engine, torch.device("cuda:0"))
+    assert "cannot upload from the slab where it lies" in caplog.text
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype, shape", [("uint8", (224, 224, 3)), ("uint8", (31, 17, 3)),
                                           ("float32", (3, 224, 224))])
-def test_a_gpu_reads_images_from_their_slots_as_the_host_copy_gives_them(views, dtype, shape):
-    """The slab registered with CUDA: the batch is gathered on the device, straight from the slots (8-byte words,
-    or bytes for an odd length), and equals what the host copy and upload give."""
+def test_a_gpu_uploads_images_from_a_registered_slab_as_the_host_copy_gives_them(views, dtype, shape):
+    """The slab registered with CUDA: each image is uploaded from its slot into the device batch, and the batch
+    equals what the host copy into pinned memory and its upload give; the check wrote only a free slot."""
     front_end, engine = views
     written = _images_in_slots(front_end, dtype, shape)
     device = torch.device("cuda:0")
-    mapped = device_input_rows(engine, device)
-    assert mapped is not None and mapped.is_cuda
-    host = torch.from_numpy(engine.input_rows())
-    on_device = raw_batch([RawImage(dtype, shape, SlotBytes(mapped, slot, len(data))) for slot, data in written],
-                          device)
-    copied = raw_batch([RawImage(dtype, shape, SlotBytes(host, slot, len(data))) for slot, data in written], device)
-    for got, want in zip(on_device, copied, strict=True):
+    rows = torch.from_numpy(engine.input_rows())
+    host_copied = raw_batch([RawImage(dtype, shape, SlotBytes(rows, slot, len(data))) for slot, data in written],
+                            device)
+    assert register_slab(engine, device) and rows.is_pinned()
+    uploaded = raw_batch([RawImage(dtype, shape, SlotBytes(rows, slot, len(data))) for slot, data in written],
+                         device)
+    for got, want in zip(uploaded, host_copied, strict=True):
         assert got.is_cuda and torch.equal(got, want)
+    assert [bytes(front_end.input(slot, len(data))) for slot, data in written] == [data for _, data in written]
+    torch.cuda.cudart().cudaHostUnregister(engine.address)  # before the fixture unmaps it
