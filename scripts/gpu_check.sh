@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check, for a machine with CUDA, in three parts, most wanted first:
-#   served    the served sweeps (one engine process, --frontends auto unless named): uint8 fp32 and fp16, batching
-#             off, one front-end, sixteen images a call, the forward pass as CUDA graphs; JPEG decoded on the GPU
-#             vs the CPU; and the front-end's own cost with a free model against bare grpc.aio
-#   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement (before the ceilings:
-#             they gate code changed since the last lent GPU, while a machine's ceilings change only with it)
+#   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement (first: they gate code
+#             changed since the last lent GPU, and take a minute or two)
+#   served    the served sweeps (one engine process, --frontends auto unless named): uint8 fp32 and fp16, sixteen
+#             images a call, batching off; JPEG decoded on the GPU vs the CPU; the front-end's own cost with a free
+#             model against bare grpc.aio, one engine's own ceiling; then the forward pass as CUDA graphs and one
+#             front-end
 #   ceilings  the in-process forward ceiling: first the three the served targets are set against (fp32, fp16, fp16
 #             as CUDA graphs), then bf16, fp16 with batch norms unfolded, fp16 compiled, fp32 and fp16 TorchScript
 # Writes OUT_DIR (default results/gpu), ending with gpu_table.md (scripts/gpu_table.py, from whatever OUT_DIR
@@ -16,7 +17,7 @@
 set -uo pipefail
 out=${1:-results/gpu}
 parts=("${@:2}")
-[ ${#parts[@]} -eq 0 ] && parts=(served checks ceilings)
+[ ${#parts[@]} -eq 0 ] && parts=(checks served ceilings)
 for part in "${parts[@]}"; do
   case $part in checks|ceilings|served) ;; *) echo "unknown part $part (checks, ceilings or served)" >&2; exit 2 ;; esac
 done
@@ -72,6 +73,10 @@ profile_engine() {  # profile_engine NAME SECONDS: with py-spy at hand, which en
   local engine; engine=$(grep -oP 'started resnet-engine-\S+ \(pid \K\d+' "$out/$1.server.log" | tail -1)
   (sleep "$2"; py-spy record --gil --nonblocking -d 5 -r 200 -f raw -p "$engine" -o "$out/$1.engine_gil.txt") \
     >/dev/null 2>&1 &
+  # Beside it, every thread's stack whether it runs or waits: where the batcher thread's time goes (a wait for
+  # the GIL shows as the call that gave it up).
+  (sleep "$2"; py-spy record --idle --threads --nonblocking -d 5 -r 100 -f raw -p "$engine" \
+    -o "$out/$1.engine_wall.txt") >/dev/null 2>&1 &
 }
 bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise; skipped when its JSON is there
   owed "$1" || return 0
@@ -132,13 +137,6 @@ served() {
     fi
     stop
   fi
-  if owed served_fp16_cuda_graphs && serve graphs $frontends --max-batch-size $fp16_batch --precision fp16 --compile \
-      --compile-mode reduce-overhead; then
-    bench served_fp16_cuda_graphs --sweep 16,64,256 --connections 4; stop
-  fi
-  if owed served_one_frontend && serve one_frontend 1 --max-batch-size $fp32_batch; then
-    bench served_one_frontend --concurrency 256; stop
-  fi
   if owed served_nobatch && serve nobatch $frontends --max-batch-size 1; then
     bench served_nobatch --concurrency 256 --connections 4; stop
   fi
@@ -152,6 +150,14 @@ served() {
   if owed engine_ceiling; then  # what one engine process passes on, whatever the device computes
     python scripts/engine_ceiling.py --feeders 4 --in-flight 96 --compute-ms 5 --duration 6 --json \
       > "$out/engine_ceiling.json"
+  fi
+  # Last: measured on the H100 and H200 already, and compiling a graph per bucket takes a minute or more.
+  if owed served_fp16_cuda_graphs && serve graphs $frontends --max-batch-size $fp16_batch --precision fp16 --compile \
+      --compile-mode reduce-overhead; then
+    bench served_fp16_cuda_graphs --sweep 16,64,256 --connections 4; stop
+  fi
+  if owed served_one_frontend && serve one_frontend 1 --max-batch-size $fp32_batch; then
+    bench served_one_frontend --concurrency 256; stop
   fi
 }
 for part in "${parts[@]}"; do $part; done
