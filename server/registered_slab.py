@@ -26,12 +26,16 @@ _CHECK_BYTES = 4096
 
 def register_slab(slab: Slab, device: torch.device) -> bool:
     """Register the slab's memory with CUDA and check an upload from it; False (and a warning) where either fails."""
+    registered = False
     try:
         with torch.cuda.device(device):
             torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
                 slab.address, slab.layout.size, CUDA_HOST_REGISTER_DEFAULT))
+            registered = True
         _check_uploads_what_the_host_wrote(slab, device)
     except Exception as exc:  # noqa: BLE001 - any failure leaves the host copy, which always works
+        if registered:  # torch would see the slots as pinned and upload from them (preprocess._stack_bytes)
+            torch.cuda.cudart().cudaHostUnregister(slab.address)
         log.warning("%s cannot upload from the slab where it lies (%s: %s); images are copied on the host first",
                     device, type(exc).__name__, exc)
         return False
