@@ -245,18 +245,22 @@ def _scrape_one(url: str) -> dict[tuple[str, str], float]:
         if not match:
             continue
         series, labels, value = match.groups()
-        if series == _CPU:
-            kind = _process_kind(_label(labels, "worker"))
-            values[(_CPU, kind)] = values.get((_CPU, kind), 0.0) + float(value)
-            continue
-        if series in _BY_LABEL:
-            series += ":" + _label(labels, _BY_LABEL[series])
-        elif not series.endswith(("_sum", "_count")):
-            continue
-        device = _label(labels, "device")
-        if device is not None:
-            values[(series, device)] = values.get((series, device), 0.0) + float(value)
+        key = _key(series, labels)
+        if key is not None:
+            values[key] = values.get(key, 0.0) + float(value)
     return values
+
+
+def _key(series: str, labels: str) -> tuple[str, str] | None:
+    """Where a sample is summed: (series, device), a process's CPU by its kind, or None for what is not read."""
+    if series == _CPU:
+        return _CPU, _process_kind(_label(labels, "worker"))
+    if series in _BY_LABEL:
+        series += ":" + _label(labels, _BY_LABEL[series])
+    elif not series.endswith(("_sum", "_count")):
+        return None
+    device = _label(labels, "device")
+    return None if device is None else (series, device)
 
 
 def _process_kind(worker: str | None) -> str:

@@ -17,6 +17,7 @@ import logging
 import numpy as np
 import torch
 
+from .preprocess import SlotBytes, copy_slots
 from .slab import FREE, Slab
 
 log = logging.getLogger("server.registered_slab")
@@ -54,10 +55,10 @@ def _check_uploads_what_the_host_wrote(slab: Slab, device: torch.device) -> None
     slot = int(free[-1])
     pattern = np.random.default_rng().integers(0, 256, _CHECK_BYTES, dtype=np.uint8)
     rows[slot, :_CHECK_BYTES] = pattern
-    source = torch.from_numpy(rows)[slot, :_CHECK_BYTES]
+    source = torch.from_numpy(rows)
     if not source.is_pinned():
         raise RuntimeError("torch does not see the registered slab as pinned memory")
-    uploaded = torch.empty(_CHECK_BYTES, dtype=torch.uint8, device=device)
-    torch._foreach_copy_([uploaded], [source], non_blocking=True)
-    if not np.array_equal(uploaded.cpu().numpy(), pattern):
+    uploaded = copy_slots([SlotBytes(source, slot, _CHECK_BYTES)],
+                          torch.empty((1, _CHECK_BYTES), dtype=torch.uint8, device=device))
+    if not np.array_equal(uploaded[0].cpu().numpy(), pattern):
         raise RuntimeError("the device received other bytes than the host wrote")
