@@ -37,7 +37,7 @@ from .device_decode import DeferredJpeg, decode_batch
 from .devices import to_device
 from .errors import InvalidInput
 from .postprocess import temperature_softmax
-from .preprocess import FLOAT_SHAPE, CroppedImage, RawImage, cropped_batch, raw_batch
+from .preprocess import FLOAT_SHAPE, CroppedImage, RawImage, cropped_batch, raw_batch, whole_batch
 
 # What the batcher hands the runner per image: a ready CPU tensor (decoded in a preprocessing thread),
 # a JPEG to decode on the device, a checked raw tensor to convert with its batch, or a front-end's crop to
@@ -85,6 +85,9 @@ class ModelRunner:
         if all(isinstance(image, torch.Tensor) for image in images):
             return self._stack(images), {}
         with self._on_stream():
+            batch = whole_batch(images, self.device)
+            if batch is not None:
+                return batch, {}
             converted = self._convert_deferred(images)
             errors = {i: result for i, result in converted.items() if isinstance(result, InvalidInput)}
             kept = [to_device(converted.get(i, image), self.device)
@@ -147,8 +150,19 @@ class ModelRunner:
         """[2, B, 1000] float32 on the device: the probabilities, then the logits (one tensor, one copy back)."""
         inputs = inputs.to(dtype=self.dtype).contiguous(memory_format=self.memory_format)
         if self.torchscript:
-            return self._network(inputs, temperatures)
+            return self._run_scripted(inputs, temperatures)
         return _scores(self._run_network(inputs), temperatures)
+
+    def _run_scripted(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        """The traced network and scores at a warmed size: padded on CUDA as the eager network is (a size the
+        executor and cuDNN had not seen would be optimised and autotuned on a user's batch)."""
+        padding = self.padding_for(len(inputs))
+        if padding:
+            inputs = _fresh_batch(inputs, len(inputs) + padding, self.memory_format)
+            temperatures = torch.cat([temperatures, temperatures.new_ones(padding)])
+        if self.buckets:
+            self.sizes_run.add(len(inputs))
+        return self._network(inputs, temperatures)[:, : len(inputs) - padding]
 
     def _run_network(self, inputs: torch.Tensor) -> torch.Tensor:
         if not self.buckets:  # warm-up itself, or a runner used without one

@@ -144,6 +144,8 @@ def test_torchscript_on_cuda_matches_the_cpu_reference(make_server, reference, p
     with Client(running.target) as client:
         batched = client.classify(PIXELS, full=True, logits=True)  # a batch of 3: no warm-up size (1, 2, 4)
         alone = client.classify(PIXELS[:1], full=True, logits=True)
+    runner = running.app.core.router.replicas[0].runner
+    assert runner.sizes_run == {1, 4}  # the batch of 3 ran padded to the warmed 4
     for result, pixels in zip([*batched, *alone], [*PIXELS, PIXELS[0]], strict=True):
         want = reference.logits(reference.input_from_array(pixels).unsqueeze(0))[0].numpy()
         assert result.device == "cuda:0"

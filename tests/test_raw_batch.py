@@ -15,7 +15,7 @@ import torch
 
 from client import AsyncClient, ClassifierError
 from server.errors import InvalidInput
-from server.preprocess import STD, RawImage, check_raw, raw_batch, transform
+from server.preprocess import STD, CroppedImage, RawImage, check_raw, cropped_batch, raw_batch, transform, whole_batch
 from server.runner import ModelRunner
 from tests.helpers import random_rgb
 
@@ -51,8 +51,8 @@ def test_check_raw_refuses_a_float_image_holding_nan_or_infinity(value, where):
 
 
 def test_consecutive_batches_of_any_size_come_out_whole_in_the_model_layout():
-    """The runner writes each batch into one buffer it keeps: a smaller batch after a larger one, and a larger
-    one after that (the buffer grows), each holds exactly its own images, channels-last."""
+    """A smaller batch after a larger one, and a larger one after that, each holds exactly its own images,
+    channels-last (whether converted whole or stacked into the buffer the runner keeps)."""
     runner = ModelRunner(torch.nn.Identity(), torch.device("cpu"))
     pixels = [random_rgb(50 + seed, 224, 224) for seed in range(6)]
     for batch in ([0, 1, 2], [3], [0, 1, 2, 3, 4, 5]):
@@ -62,6 +62,22 @@ def test_consecutive_batches_of_any_size_come_out_whole_in_the_model_layout():
         expected = torch.stack([transform(torch.from_numpy(pixels[i]).permute(2, 0, 1)) for i in batch])
         torch.testing.assert_close(inputs, expected, atol=0, rtol=0)
         assert inputs.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_batch_of_one_kind_and_shape_converts_whole_as_its_images_would_one_by_one():
+    cpu = torch.device("cpu")
+    pixels = [random_rgb(60 + seed, 240, 320) for seed in range(3)]
+    raw = [raw_uint8(p) for p in pixels]
+    torch.testing.assert_close(whole_batch(raw, cpu), torch.stack(raw_batch(raw, cpu)), atol=0, rtol=0)
+    floats = [raw_float(np.random.default_rng(seed).standard_normal((3, 224, 224))) for seed in range(2)]
+    torch.testing.assert_close(whole_batch(floats, cpu), torch.stack(raw_batch(floats, cpu)), atol=0, rtol=0)
+    crops = [CroppedImage(random_rgb(70 + seed, 224, 224).tobytes()) for seed in range(2)]
+    torch.testing.assert_close(whole_batch(crops, cpu), torch.stack(cropped_batch(crops, cpu)), atol=0, rtol=0)
+    # Two shapes, two dtypes or two kinds: not one conversion; each kind converts apart.
+    assert whole_batch([raw[0], raw_uint8(random_rgb(1, 224, 224))], cpu) is None
+    assert whole_batch([raw[0], floats[0]], cpu) is None
+    assert whole_batch([crops[0], raw[0]], cpu) is None
+    assert whole_batch([raw[0], crops[0]], cpu) is None
 
 
 @pytest.mark.parametrize("image, fragment", [
