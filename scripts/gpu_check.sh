@@ -3,9 +3,9 @@
 #   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement (first: they gate code
 #             changed since the last lent GPU, and take a minute or two)
 #   served    the served sweeps (one engine process, --frontends auto unless named): uint8 fp32 and fp16, sixteen
-#             images a call, batching off; JPEG decoded on the GPU vs the CPU; the front-end's own cost with a free
-#             model against bare grpc.aio, one engine's own ceiling; then the forward pass as CUDA graphs and one
-#             front-end
+#             images a call, the fp32 and fp16 ceilings, twelve front-ends, TorchScript, batching off; JPEG decoded
+#             on the GPU vs the CPU; the front-end's own cost with a free model against bare grpc.aio, one
+#             engine's own ceiling; then the forward pass as CUDA graphs and one front-end
 #   ceilings  the in-process forward ceiling: first the three the served targets are set against (fp32, fp16, fp16
 #             as CUDA graphs), then bf16, fp16 with batch norms unfolded, fp16 compiled, fp32 and fp16 TorchScript
 # Writes OUT_DIR (default results/gpu), ending with gpu_table.md (scripts/gpu_table.py, from whatever OUT_DIR
@@ -143,10 +143,21 @@ served() {
     fi
     stop
   fi
-  # Seven front-ends (auto, half the cores after the engine: the client shares the box) topped out near 7.9k
-  # calls/s on the H100 at about 1.1 ms of CPU a call each; twelve say whether more of the cores would serve more.
+  # The ceilings the fp32 and fp16 targets are set against, in this run (the ceilings part may not fit a call).
+  if [ "$device" != cpu ]; then
+    model_bench ceiling_fp16 1,8,32,64,128 --precision fp16
+    model_bench ceiling_fp32 1,8,32,64,128 --precision fp32
+  fi
+  # Seven front-ends (auto, half the cores after the engine: the client shares the box) ran about 78% busy each
+  # at 9k calls/s on the H100 (0.6 ms of CPU a call): twelve say whether less queueing in them serves more.
   if owed served_fp16_frontends12 && serve fp16_frontends12 12 --max-batch-size $fp16_batch --precision fp16; then
     bench served_fp16_frontends12 --concurrency 256 --connections 16; stop
+  fi
+  # The network and softmax as one TorchScript call: one GIL round trip where eager takes about 50, which the
+  # engine's batcher thread waits a third of its time to win back (H100, 2026-11-27).
+  if owed served_fp16_torchscript && serve torchscript $frontends --max-batch-size $fp16_batch --precision fp16 \
+      --torchscript; then
+    bench served_fp16_torchscript --concurrency 256 --connections 4; stop
   fi
   if owed served_nobatch && serve nobatch $frontends --max-batch-size 1; then
     bench served_nobatch --concurrency 256 --connections 4; stop

@@ -43,7 +43,7 @@ def ceiling_label(ceiling: dict) -> str:
 def served_rows(folder: Path) -> list[str]:
     rows = []
     for name in ("served_batched", "served_16_per_request", "served_fp16", "served_fp16_connections16",
-                 "served_fp16_frontends12", "served_fp16_cuda_graphs",
+                 "served_fp16_frontends12", "served_fp16_torchscript", "served_fp16_cuda_graphs",
                  "served_one_frontend", "served_nobatch",
                  "served_jpeg_decode_on_device_true", "served_jpeg_decode_on_device_false"):
         for point in results(folder, name):
@@ -80,6 +80,7 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
                                              ("served_one_frontend", "ceiling_fp32", fp32_batch),
                                              ("served_16_per_request", "ceiling_fp32", fp32_batch),
                                              ("served_fp16", "ceiling_fp16", fp16_batch),
+                                             ("served_fp16_torchscript", "ceiling_fp16_torchscript", fp16_batch),
                                              ("served_fp16_cuda_graphs", "ceiling_fp16_compiled_reduce-overhead",
                                               fp16_batch)):
         if not (points := results(folder, served_name)):

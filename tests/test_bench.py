@@ -364,6 +364,9 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert server_main(["bench-model", "--batch-sizes", "2", "--duration", "0.3", "--image-size", "64x48",
                         "--torchscript", "--json"]) == 0
     (tmp_path / "ceiling_fp32_torchscript.json").write_text(capsys.readouterr().out)
+    assert server_main(["bench-model", "--batch-sizes", "2", "--duration", "0.3", "--image-size", "64x48",
+                        "--precision", "fp16", "--torchscript", "--json"]) == 0
+    (tmp_path / "ceiling_fp16_torchscript.json").write_text(capsys.readouterr().out)
     for name, concurrency in (("served_batched", "1,4"), ("served_nobatch", "4")):
         assert client_main(["bench", "--server", running.target, "--sweep", concurrency, "--duration", "1.5",
                             "--warmup", "0", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet",
@@ -371,6 +374,7 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
         (tmp_path / f"{name}.json").write_text(capsys.readouterr().out)
     # The one-front-end run's JSON has the same shape (the bench sums the server's processes): a copy stands in.
     (tmp_path / "served_one_frontend.json").write_text((tmp_path / "served_batched.json").read_text())
+    (tmp_path / "served_fp16_torchscript.json").write_text((tmp_path / "served_batched.json").read_text())
     cost = {"bare_calls_per_s": 1800.0, "frontend_calls_per_s": 990.0, "ratio": 0.55,  # frontend_cost.py's shape
             "cpu_us_per_call": {"bare": 650.0, "engine": 350.0, "frontend": 1020.0}}
     (tmp_path / "frontend_cost.json").write_text(json.dumps(cost))
@@ -382,7 +386,7 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     (tmp_path / "served_fp16_perf_analyzer.json").write_text(json.dumps(triton))
     (tmp_path / "ceiling_fp16_compiled_default.json").write_text("")  # a step that failed before writing
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as when run as a script: it imports bench_table
-    load_script("gpu_table").main(tmp_path, 2, 128)
+    load_script("gpu_table").main(tmp_path, 2, 2)
     table = capsys.readouterr().out
     ceiling = json.loads((tmp_path / "ceiling_fp32.json").read_text())["forward_images_per_s"]["2"]
     batched = json.loads((tmp_path / "served_batched.json").read_text().splitlines()[-1])["images_per_s"]
@@ -400,6 +404,10 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert "batching on / off at c=4" in table
     scripted = json.loads((tmp_path / "ceiling_fp32_torchscript.json").read_text())["forward_images_per_s"]["2"]
     assert f"| in-process forward, fp32 TorchScript, batch 2 | {scripted:.0f} |" in table
+    scripted16 = json.loads((tmp_path / "ceiling_fp16_torchscript.json").read_text())["forward_images_per_s"]["2"]
+    assert "| served fp16 torchscript, c=4 |" in table
+    assert (f"- served_fp16_torchscript c=4: {batched:.0f} images/s = {batched / scripted16:.2f} x the in-process "
+            f"fp16 torchscript forward at batch 2 ({scripted16:.0f})") in table
     assert ("- served fp16 under perf_analyzer (C++, FP32 requests) c=256: 9876 images/s, p50 25.1 ms, p99 40.2 ms; "
             "the server's own split of a request: queue 6.1 ms, compute 9.9 ms") in table
     assert ("- one front-end with a free model: 990 calls/s = 0.55 x bare grpc.aio (1800); target >= 0.6; "
