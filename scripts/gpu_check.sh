@@ -78,8 +78,8 @@ profile_engine() {  # profile_engine NAME SECONDS: with py-spy at hand, which en
   # the GIL shows as the call that gave it up).
   (sleep "$2"; py-spy record --idle --threads --nonblocking -d 5 -r 100 -f raw -p "$engine" \
     -o "$out/$1.engine_wall.txt") >/dev/null 2>&1 &
-  # And where one front-end's CPU goes, native frames (gRPC's C core, protobuf) included: at about 1.1 ms a call
-  # the front-ends are the cores' main user. --native stops the process at each sample, so 50 a second only.
+  # And where one front-end's CPU goes, native frames (gRPC's C core, protobuf) included: about 0.6 ms a call on
+  # the H100, seven of them ~78% busy at c=256. --native stops the process at each sample, so 50 a second only.
   local frontend; frontend=$(grep -oP 'started resnet-frontend-0 \(pid \K\d+' "$out/$1.server.log" | tail -1)
   (sleep "$2"; py-spy record --native -d 5 -r 50 -f raw -p "$frontend" -o "$out/$1.frontend_native.txt") \
     >/dev/null 2>&1 &

@@ -50,16 +50,18 @@ def test_check_raw_refuses_a_float_image_holding_nan_or_infinity(value, where):
         check_raw(RawImage("float32", values.shape, memoryview(values.tobytes())), max_pixels=10_000_000)
 
 
-def test_consecutive_batches_of_any_size_come_out_whole_in_the_model_layout():
+@pytest.mark.parametrize("ready", [False, True], ids=["raw, converted whole", "float rows, stacked"])
+def test_consecutive_batches_of_any_size_come_out_whole_in_the_model_layout(ready):
     """A smaller batch after a larger one, and a larger one after that, each holds exactly its own images,
-    channels-last (whether converted whole or stacked into the buffer the runner keeps)."""
+    channels-last: raw images converted as one batch, and ready float rows (a CPU engine's, preprocessed by the
+    front-ends) stacked into the one buffer the runner keeps, which grows."""
     runner = ModelRunner(torch.nn.Identity(), torch.device("cpu"))
     pixels = [random_rgb(50 + seed, 224, 224) for seed in range(6)]
     for batch in ([0, 1, 2], [3], [0, 1, 2, 3, 4, 5]):
-        images = [raw_uint8(pixels[i]) for i in batch]
-        inputs, errors = runner.prepare(images)
+        rows = [transform(torch.from_numpy(pixels[i]).permute(2, 0, 1)) for i in batch]
+        inputs, errors = runner.prepare(rows if ready else [raw_uint8(pixels[i]) for i in batch])
         assert errors == {}
-        expected = torch.stack([transform(torch.from_numpy(pixels[i]).permute(2, 0, 1)) for i in batch])
+        expected = torch.stack(rows)
         torch.testing.assert_close(inputs, expected, atol=0, rtol=0)
         assert inputs.is_contiguous(memory_format=torch.channels_last)
 
