@@ -3,11 +3,12 @@
 #   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement (first: they gate code
 #             changed since the last lent GPU, and take a minute or two)
 #   served    the served sweeps (one engine process, --frontends auto unless named): uint8 fp32 and fp16, sixteen
-#             images a call, the fp32 and fp16 ceilings, twelve front-ends, TorchScript, batching off; JPEG decoded
-#             on the GPU vs the CPU; the front-end's own cost with a free model against bare grpc.aio, one
-#             engine's own ceiling; then the forward pass as CUDA graphs and one front-end
+#             images a call, the fp16 ceilings (eager and --cuda-graphs) and fp16 --cuda-graphs served, the fp32
+#             ceiling, twelve front-ends, TorchScript, batching off; JPEG decoded on the GPU vs the CPU; the
+#             front-end's own cost with a free model against bare grpc.aio, one engine's own ceiling; one front-end
 #   ceilings  the in-process forward ceiling: first the three the served targets are set against (fp32, fp16, fp16
-#             as CUDA graphs), then bf16, fp16 with batch norms unfolded, fp16 compiled, fp32 and fp16 TorchScript
+#             as CUDA graphs), then bf16, fp16 with batch norms unfolded, fp16 compiled (plain, and replayed as
+#             inductor's CUDA graphs), fp32 and fp16 TorchScript
 # Writes OUT_DIR (default results/gpu), ending with gpu_table.md (scripts/gpu_table.py, from whatever OUT_DIR
 # holds, so parts run in separate calls can be tabled together): the README's GPU table and the device
 # issue's targets. A step whose output is already in OUT_DIR is skipped, so a run cut short resumes where it
@@ -107,12 +108,13 @@ ceilings() {
   # The three the served targets are measured against, at the served batch caps (and batch 1), first.
   model_bench ceiling_fp32 1,8,32,64,128 --precision fp32
   model_bench ceiling_fp16 1,8,32,64,128 --precision fp16
-  # The compiled graphs replayed as CUDA graphs, then launched kernel by kernel.
-  model_bench ceiling_fp16_compiled_reduce-overhead 1,8,64,128 --precision fp16 --compile --compile-mode reduce-overhead
+  model_bench ceiling_fp16_cuda_graphs 1,8,32,64,128 --precision fp16 --cuda-graphs
   model_bench ceiling_bf16 1,8,32,64,128 --precision bf16
   # What folding batch norms into the convolutions saves: the same eager fp16 model with them left in.
   model_bench ceiling_fp16_unfolded 1,8,32,128 --precision fp16 --fold-batch-norms false
-  model_bench ceiling_fp16_compiled_default 1,8,64,128 --precision fp16 --compile --compile-mode default
+  for mode in default reduce-overhead; do  # compiled, launched kernel by kernel or replayed as CUDA graphs
+    model_bench ceiling_fp16_compiled_$mode 1,8,64,128 --precision fp16 --compile --compile-mode $mode
+  done
   for precision in fp32 fp16; do  # the whole forward pass in C++: one GIL round trip a batch
     model_bench "ceiling_${precision}_torchscript" 1,8,64,128 --precision $precision --torchscript
   done
@@ -143,11 +145,23 @@ served() {
     fi
     stop
   fi
-  # The ceilings the fp32 and fp16 targets are set against, in this run (the ceilings part may not fit a call).
+  # The ceilings the targets are set against, in this run (the ceilings part may not fit a call).
   if [ "$device" != cpu ]; then
     model_bench ceiling_fp16 1,8,32,64,128 --precision fp16
-    model_bench ceiling_fp32 1,8,32,64,128 --precision fp32
+    model_bench ceiling_fp16_cuda_graphs 1,8,32,64,128 --precision fp16 --cuda-graphs
   fi
+  # A batch as one CUDA graph replay: a few calls from Python where eager makes about 64, each a GIL round trip
+  # that the engine's batcher thread waited a third of its time to win back (H100, 2026-11-27).
+  if owed served_fp16_cuda_graphs served_fp16_cuda_graphs_connections16 && serve graphs $frontends \
+      --max-batch-size $fp16_batch --precision fp16 --cuda-graphs; then
+    bench served_fp16_cuda_graphs --sweep 16,64,256 --connections 4
+    if owed served_fp16_cuda_graphs_connections16; then  # profiled, as served_fp16_connections16 is
+      profile_engine graphs 5
+      bench served_fp16_cuda_graphs_connections16 --concurrency 256 --connections 16
+    fi
+    stop
+  fi
+  [ "$device" != cpu ] && model_bench ceiling_fp32 1,8,32,64,128 --precision fp32
   # Seven front-ends (auto, half the cores after the engine: the client shares the box) ran about 78% busy each
   # at 9k calls/s on the H100 (0.6 ms of CPU a call): twelve say whether less queueing in them serves more.
   if owed served_fp16_frontends12 && serve fp16_frontends12 12 --max-batch-size $fp16_batch --precision fp16; then
@@ -172,11 +186,6 @@ served() {
   if owed engine_ceiling; then  # what one engine process passes on, whatever the device computes
     python scripts/engine_ceiling.py --feeders 4 --in-flight 96 --compute-ms 5 --duration 6 --json \
       > "$out/engine_ceiling.json"
-  fi
-  # Last: measured on the H100 and H200 already, and compiling a graph per bucket takes a minute or more.
-  if owed served_fp16_cuda_graphs && serve graphs $frontends --max-batch-size $fp16_batch --precision fp16 --compile \
-      --compile-mode reduce-overhead; then
-    bench served_fp16_cuda_graphs --sweep 16,64,256 --connections 4; stop
   fi
   if owed served_one_frontend && serve one_frontend 1 --max-batch-size $fp32_batch; then
     bench served_one_frontend --concurrency 256; stop

@@ -24,7 +24,8 @@ def ceiling_rows(folder: Path) -> list[str]:
     rows = []
     compiled = (f"ceiling_fp16_compiled_{mode}" for mode in ("default", "reduce-overhead"))
     torchscript = (f"ceiling_{p}_torchscript" for p in ("fp32", "fp16"))
-    for name in (*(f"ceiling_{p}" for p in PRECISIONS), "ceiling_fp16_unfolded", *compiled, *torchscript):
+    for name in (*(f"ceiling_{p}" for p in PRECISIONS), "ceiling_fp16_cuda_graphs", "ceiling_fp16_unfolded",
+                 *compiled, *torchscript):
         for ceiling in results(folder, name)[:1]:
             for size, rate in ceiling["forward_images_per_s"].items():
                 rows.append(f"| in-process forward, {ceiling_label(ceiling)}, batch {size} | {rate:.0f} "
@@ -33,17 +34,20 @@ def ceiling_rows(folder: Path) -> list[str]:
 
 
 def ceiling_label(ceiling: dict) -> str:
-    """What ran: "fp16", "fp16 compiled, CUDA graphs", "fp16 TorchScript", "fp16, batch norms not folded"."""
+    """What ran: "fp16", "fp16 compiled, CUDA graphs", "fp16 TorchScript", "fp16 CUDA graphs", "fp16, batch norms
+    not folded"."""
     compiled = {None: "", "default": " compiled", "reduce-overhead": " compiled, CUDA graphs"}[ceiling["compile_mode"]]
     torchscript = " TorchScript" if ceiling.get("torchscript") else ""
+    graphs = " CUDA graphs" if ceiling.get("cuda_graphs") else ""
     folded = "" if ceiling["fold_batch_norms"] else ", batch norms not folded"
-    return ceiling["precision"] + compiled + torchscript + folded
+    return ceiling["precision"] + compiled + torchscript + graphs + folded
 
 
 def served_rows(folder: Path) -> list[str]:
     rows = []
     for name in ("served_batched", "served_16_per_request", "served_fp16", "served_fp16_connections16",
                  "served_fp16_frontends12", "served_fp16_torchscript", "served_fp16_cuda_graphs",
+                 "served_fp16_cuda_graphs_connections16",
                  "served_one_frontend", "served_nobatch",
                  "served_jpeg_decode_on_device_true", "served_jpeg_decode_on_device_false"):
         for point in results(folder, name):
@@ -81,8 +85,7 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
                                              ("served_16_per_request", "ceiling_fp32", fp32_batch),
                                              ("served_fp16", "ceiling_fp16", fp16_batch),
                                              ("served_fp16_torchscript", "ceiling_fp16_torchscript", fp16_batch),
-                                             ("served_fp16_cuda_graphs", "ceiling_fp16_compiled_reduce-overhead",
-                                              fp16_batch)):
+                                             ("served_fp16_cuda_graphs", "ceiling_fp16_cuda_graphs", fp16_batch)):
         if not (points := results(folder, served_name)):
             continue
         top[served_name] = max(points, key=lambda point: point["concurrency"])

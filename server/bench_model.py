@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> dict:
     return {"device": ",".join(str(runner.device) for runner in replicas.runners), "replicas": len(replicas.runners),
             "precision": args.precision, "compiled": args.compile,
             "compile_mode": args.compile_mode if args.compile else None, "torchscript": args.torchscript,
+            "cuda_graphs": args.cuda_graphs,
             "fold_batch_norms": args.fold_batch_norms, "input": args.input,
             "image_size": list(args.image_size), "forward_images_per_s": forward,
             "forward_call_ms": call_ms, "best_batch_size": best, "preprocess_images_per_s": preprocess_rate,
@@ -145,7 +146,8 @@ class Replicas:
 def _warmed_runner(args: argparse.Namespace, device: torch.device, batch_sizes: list[int]) -> ModelRunner:
     runner = ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
                          channels_last=args.channels_last, compiled=args.compile, compile_mode=args.compile_mode,
-                         fold_batch_norms=args.fold_batch_norms, torchscript=args.torchscript)
+                         fold_batch_norms=args.fold_batch_norms, torchscript=args.torchscript,
+                         cuda_graphs=args.cuda_graphs)
     runner.warm_up(batch_sizes)
     return runner
 
@@ -184,6 +186,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="as resnet-server --compile-mode (needs --compile)")
     parser.add_argument("--torchscript", action="store_true", help="a frozen TorchScript graph, as resnet-server "
                                                                    "--torchscript")
+    parser.add_argument("--cuda-graphs", action="store_true", help="one CUDA graph per batch size, as resnet-server "
+                                                                   "--cuda-graphs")
     parser.add_argument("--channels-last", type=_boolean, default=True, help="as resnet-server --channels-last")
     parser.add_argument("--fold-batch-norms", type=_boolean, default=True,
                         help="fold batch norms into the convolutions, as the server always does (false: to measure "
@@ -191,10 +195,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_model_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse, refusing what the server refuses too: a compile mode without --compile, --compile with
-    --torchscript."""
+    """Parse, refusing what the server refuses too: a compile mode without --compile, two of --compile,
+    --torchscript and --cuda-graphs."""
     args = parser.parse_args(argv)
-    if problem := graph_problem(args.compile, args.compile_mode, args.torchscript):
+    if problem := graph_problem(args.compile, args.compile_mode, args.torchscript, args.cuda_graphs):
         parser.error(problem)
     return args
 
@@ -217,7 +221,8 @@ def main(argv: Sequence[str]) -> int:
         print(json.dumps(result))
         return 0
     print(f"device {result['device']}  precision {result['precision']}  compile {result['compile_mode'] or 'off'}  "
-          f"torchscript {'on' if result['torchscript'] else 'off'}  torch threads {result['torch_threads']}")
+          f"torchscript {'on' if result['torchscript'] else 'off'}  "
+          f"cuda graphs {'on' if result['cuda_graphs'] else 'off'}  torch threads {result['torch_threads']}")
     for size, rate in result["forward_images_per_s"].items():
         call = result["forward_call_ms"][size]
         print(f"  forward batch {size:>4}: {rate:9.1f} images/s  one call p50 {call['p50']:.1f} ms, "

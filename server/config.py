@@ -85,6 +85,7 @@ class ServerConfig:
     compile: bool = False
     compile_mode: str = "default"
     torchscript: bool = False
+    cuda_graphs: bool = False
     decode_on_device: str = "auto"
     frontends: int = 0  # 0: auto (server.supervisor.frontend_count)
     event_loop: str = "auto"  # the front-ends' (server.event_loop)
@@ -202,6 +203,10 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("torchscript", _boolean, "run the model as a frozen TorchScript graph (traced at start-up): the whole forward "
                               "pass in C++, holding the GIL once instead of at every operator, so a busy event "
                               "loop no longer slows it (see the README's Devices section); not with --compile"),
+    ("cuda-graphs", _boolean, "on CUDA devices, capture the model and softmax as one CUDA graph per warmed batch "
+                              "size at start-up and replay it for each batch (a few calls from Python a batch "
+                              "instead of about 64; no compiler needed); nothing changes on the CPU; not with "
+                              "--compile or --torchscript"),
     ("decode-on-device", _auto_boolean, "decode JPEGs in batches on the replica's device (nvjpeg on CUDA) and "
                                         "resize/normalise there; auto: on for CUDA devices, off for the CPU"),
 ]
@@ -256,16 +261,18 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     config = ServerConfig(**vars(namespace))
     if config.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
-    if problem := graph_problem(config.compile, config.compile_mode, config.torchscript):
+    if problem := graph_problem(config.compile, config.compile_mode, config.torchscript, config.cuda_graphs):
         raise ConfigError(problem)
     if config.event_loop == "uvloop" and not uvloop_installed():
         raise ConfigError("--event-loop uvloop: uvloop is not installed (pip install uvloop), or choose asyncio")
     return config
 
 
-def graph_problem(compile: bool, mode: str, torchscript: bool) -> str | None:
+def graph_problem(compile: bool, mode: str, torchscript: bool, cuda_graphs: bool = False) -> str | None:
     """Why the flags that choose how the model runs cannot go together, or None: a compile mode other than
-    default without --compile, or --compile with --torchscript."""
-    if compile and torchscript:
-        return "--compile and --torchscript exclude each other: choose one"
+    default without --compile, or more than one of --compile, --torchscript and --cuda-graphs."""
+    chosen = [flag for flag, on in (("--compile", compile), ("--torchscript", torchscript),
+                                    ("--cuda-graphs", cuda_graphs)) if on]
+    if len(chosen) > 1:
+        return f"{' and '.join(chosen)} exclude each other: choose one"
     return None if compile or mode == "default" else f"--compile-mode {mode} needs --compile"

@@ -69,16 +69,18 @@ class _ReplicaSetup:
             torch.backends.cudnn.benchmark = config.cudnn_benchmark
         self.runner = ModelRunner(build_model(self.weights, device), device, config.precision, config.channels_last,
                                   compiled=config.compile, compile_mode=config.compile_mode,
-                                  torchscript=config.torchscript)
+                                  torchscript=config.torchscript, cuda_graphs=config.cuda_graphs)
         sizes = bucket_sizes(self.batch_limit, device.type == "cuda")
         try:
             self.runner.warm_up(sizes)
         except Exception as exc:
-            if not config.compile:
-                raise
-            # Compilation failures (no C++ compiler for CPU kernels, an unsupported GPU) are a setup problem.
-            raise StartupError(f"--compile failed on {device}: {type(exc).__name__}: {str(exc)[:300]} "
-                               "(inductor needs a C++ compiler for CPU devices; or run without --compile)") from exc
+            if config.compile:  # no C++ compiler for CPU kernels, an unsupported GPU: a setup problem
+                raise StartupError(f"--compile failed on {device}: {type(exc).__name__}: {str(exc)[:300]} "
+                                   "(inductor needs a C++ compiler for CPU devices; or run without --compile)") from exc
+            if self.runner.cuda_graphs:  # an operation CUDA cannot capture, or the memory the graphs need
+                raise StartupError(f"--cuda-graphs failed on {device}: {type(exc).__name__}: {str(exc)[:300]} "
+                                   "(or run without --cuda-graphs)") from exc
+            raise
         return self.runner
 
 

@@ -16,6 +16,12 @@ With ``compiled=True`` the model goes through ``torch.compile`` (inductor, weigh
 constants) once per bucket, with static shapes; ``compile_mode="reduce-overhead"`` makes inductor
 record each CUDA graph at warm-up and replay it per batch.
 
+With ``cuda_graphs=True`` a CUDA runner captures the model and the temperature softmax after it as one CUDA graph
+per bucket at warm-up (plain ``torch.cuda.CUDAGraph``: no compiler, and none of inductor's per-call Python), and
+a batch is then a copy into the bucket's input, one replay and the copy back: a handful of calls from Python
+where an eager batch makes about 64, each a GIL round trip for the engine's one host thread. On the CPU it
+changes nothing.
+
 With ``torchscript=True`` the model and the temperature softmax after it are traced once and frozen into a
 TorchScript graph, which runs a whole batch in C++ with the GIL released once. Eager PyTorch releases and
 takes back the GIL at every operator (about 50 per pass); while the event loop is busy each take-back
@@ -29,6 +35,7 @@ import collections
 import contextlib
 import threading
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch.nn.utils.fusion import fuse_conv_bn_eval
@@ -49,7 +56,7 @@ PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, precision: str = "fp32",
                  channels_last: bool = True, compiled: bool = False, compile_mode: str = "default",
-                 fold_batch_norms: bool = True, torchscript: bool = False) -> None:
+                 fold_batch_norms: bool = True, torchscript: bool = False, cuda_graphs: bool = False) -> None:
         self.device = device
         self.dtype = PRECISIONS[precision]
         self.cuda = device.type == "cuda"
@@ -62,6 +69,8 @@ class ModelRunner:
         self.compiled = compiled
         self.compile_mode = compile_mode if compiled else None
         self.torchscript = torchscript
+        self.cuda_graphs = cuda_graphs and self.cuda
+        self._graphs: dict[int, _CapturedBatch] = {}  # by bucket, captured by warm_up with cuda_graphs
         self._network = self._graph()
         self.buckets: list[int] = []  # the batch sizes warmed up, filled by warm_up
         self.sizes_run: set[int] = set()  # every batch size the network has run since warm-up (tests check it)
@@ -149,6 +158,8 @@ class ModelRunner:
     def _forward(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """[2, B, 1000] float32 on the device: the probabilities, then the logits (one tensor, one copy back)."""
         inputs = inputs.to(dtype=self.dtype).contiguous(memory_format=self.memory_format)
+        if self._graphs:
+            return self._replay(inputs, temperatures)
         if self.torchscript:
             return self._run_scripted(inputs, temperatures)
         return _scores(self._run_network(inputs), temperatures)
@@ -163,6 +174,37 @@ class ModelRunner:
         if self.buckets:
             self.sizes_run.add(len(inputs))
         return self._network(inputs, temperatures)[:, : len(inputs) - padding]
+
+    def _replay(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        """The batch through its bucket's CUDA graph: into the graph's own input (zero rows after it), one
+        replay, and a view of the graph's scores. Everything is queued on this runner's stream, so the next
+        batch's copy in waits for this one's copy back."""
+        count = len(inputs)
+        captured = self._graphs[count + self.padding_for(count)]
+        captured.inputs[:count].copy_(inputs)
+        captured.inputs[count:].zero_()
+        captured.temperatures[:count].copy_(temperatures)
+        captured.temperatures[count:].fill_(1.0)
+        captured.graph.replay()
+        self.sizes_run.add(len(captured.inputs))
+        return captured.scores[:, :count]
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """One CUDA graph of the network and its scores per bucket, after each has run eagerly (cuDNN has
+        autotuned it: a capture cannot). Largest first, into one memory pool: the graphs run one at a time on
+        this runner's stream, so each reuses the larger one's memory for what it keeps no longer than a replay;
+        each keeps its own input, temperatures and scores."""
+        pool = torch.cuda.graph_pool_handle()
+        for size in sorted(self.buckets, reverse=True):
+            inputs = torch.zeros((size, *FLOAT_SHAPE), dtype=self.dtype, device=self.device,
+                                 memory_format=self.memory_format)
+            temperatures = torch.ones(size, dtype=torch.float64, device=self.device)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's CUDA calls meanwhile (a second replica warming up) are no error.
+            with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
+                scores = _scores(self.model(inputs), temperatures)
+            self._graphs[size] = _CapturedBatch(graph, inputs, temperatures, scores)
 
     def _run_network(self, inputs: torch.Tensor) -> torch.Tensor:
         if not self.buckets:  # warm-up itself, or a runner used without one
@@ -210,6 +252,10 @@ class ModelRunner:
         for size in sizes:
             for _ in range(repeats):
                 self(torch.zeros((size, *FLOAT_SHAPE)), torch.ones(size))
+        if self.cuda_graphs:
+            self._capture()
+            for size in sizes:  # each graph replayed once before a user's batch is
+                self(torch.zeros((size, *FLOAT_SHAPE)), torch.ones(size))
         # Raw conversion too: its kernels load and its constants reach the device before SERVING, so no
         # served batch pays for them (on CUDA, placing the constants is a blocking copy).
         side = FLOAT_SHAPE[1]
@@ -221,6 +267,16 @@ class ModelRunner:
         if not self.cuda:
             return 0, 0
         return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+
+
+class _CapturedBatch(NamedTuple):
+    """One bucket's CUDA graph and the tensors it reads and writes: [B, 3, 224, 224] inputs in the model's dtype
+    and layout, [B] float64 temperatures, [2, B, 1000] float32 scores."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor
+    temperatures: torch.Tensor
+    scores: torch.Tensor
 
 
 class PendingScores:

@@ -154,7 +154,7 @@ def test_bench_model_reports_the_ceiling(weights_file, capsys):
         assert 0 < calls["p50"] <= calls["p99"]
     assert result["forward_call_ms"]["1"]["p50"] == result["batch1_latency_p50_ms"]
     assert (result["compiled"], result["compile_mode"], result["fold_batch_norms"]) == (False, None, True)
-    assert result["torchscript"] is False
+    assert result["torchscript"] is False and result["cuda_graphs"] is False
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -205,11 +205,12 @@ def test_bench_model_refuses_a_compile_mode_without_compile(capsys):
     assert "--compile-mode reduce-overhead needs --compile" in capsys.readouterr().err
 
 
-def test_bench_model_refuses_compile_with_torchscript(capsys):
+@pytest.mark.parametrize("flags", [["--compile", "--torchscript"], ["--torchscript", "--cuda-graphs"]])
+def test_bench_model_refuses_two_ways_of_running_the_model(capsys, flags):
     with pytest.raises(SystemExit) as caught:
-        server_main(["bench-model", "--compile", "--torchscript"])
+        server_main(["bench-model", *flags])
     assert caught.value.code == 2
-    assert "--compile and --torchscript exclude each other" in capsys.readouterr().err
+    assert f"{flags[0]} and {flags[1]} exclude each other" in capsys.readouterr().err
 
 
 def test_bench_model_times_the_torchscript_graph(capsys):
@@ -367,6 +368,9 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert server_main(["bench-model", "--batch-sizes", "2", "--duration", "0.3", "--image-size", "64x48",
                         "--precision", "fp16", "--torchscript", "--json"]) == 0
     (tmp_path / "ceiling_fp16_torchscript.json").write_text(capsys.readouterr().out)
+    assert server_main(["bench-model", "--batch-sizes", "2", "--duration", "0.3", "--image-size", "64x48",
+                        "--precision", "fp16", "--cuda-graphs", "--json"]) == 0  # eager on the CPU, labelled as asked
+    (tmp_path / "ceiling_fp16_cuda_graphs.json").write_text(capsys.readouterr().out)
     for name, concurrency in (("served_batched", "1,4"), ("served_nobatch", "4")):
         assert client_main(["bench", "--server", running.target, "--sweep", concurrency, "--duration", "1.5",
                             "--warmup", "0", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet",
@@ -374,7 +378,8 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
         (tmp_path / f"{name}.json").write_text(capsys.readouterr().out)
     # The one-front-end run's JSON has the same shape (the bench sums the server's processes): a copy stands in.
     (tmp_path / "served_one_frontend.json").write_text((tmp_path / "served_batched.json").read_text())
-    (tmp_path / "served_fp16_torchscript.json").write_text((tmp_path / "served_batched.json").read_text())
+    for stand_in in ("served_fp16_torchscript", "served_fp16_cuda_graphs"):
+        (tmp_path / f"{stand_in}.json").write_text((tmp_path / "served_batched.json").read_text())
     cost = {"bare_calls_per_s": 1800.0, "frontend_calls_per_s": 990.0, "ratio": 0.55,  # frontend_cost.py's shape
             "cpu_us_per_call": {"bare": 650.0, "engine": 350.0, "frontend": 1020.0}}
     (tmp_path / "frontend_cost.json").write_text(json.dumps(cost))
@@ -408,6 +413,10 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert "| served fp16 torchscript, c=4 |" in table
     assert (f"- served_fp16_torchscript c=4: {batched:.0f} images/s = {batched / scripted16:.2f} x the in-process "
             f"fp16 torchscript forward at batch 2 ({scripted16:.0f})") in table
+    graphed = json.loads((tmp_path / "ceiling_fp16_cuda_graphs.json").read_text())["forward_images_per_s"]["2"]
+    assert f"| in-process forward, fp16 CUDA graphs, batch 2 | {graphed:.0f} |" in table
+    assert (f"- served_fp16_cuda_graphs c=4: {batched:.0f} images/s = {batched / graphed:.2f} x the in-process "
+            f"fp16 cuda graphs forward at batch 2 ({graphed:.0f})") in table
     assert ("- served fp16 under perf_analyzer (C++, FP32 requests) c=256: 9876 images/s, p50 25.1 ms, p99 40.2 ms; "
             "the server's own split of a request: queue 6.1 ms, compute 9.9 ms") in table
     assert ("- one front-end with a free model: 990 calls/s = 0.55 x bare grpc.aio (1800); target >= 0.6; "

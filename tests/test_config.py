@@ -69,6 +69,16 @@ def test_torchscript_is_off_by_default_and_excludes_compile():
         parse_config(["--torchscript"], env={"RESNET_SERVER_COMPILE": "1"})
 
 
+def test_cuda_graphs_are_off_by_default_and_exclude_compile_and_torchscript():
+    assert parse_config([], env={}).cuda_graphs is False
+    assert parse_config(["--cuda-graphs"], env={}).cuda_graphs is True
+    assert parse_config([], env={"RESNET_SERVER_CUDA_GRAPHS": "true"}).cuda_graphs is True
+    with pytest.raises(ConfigError, match="--torchscript and --cuda-graphs exclude each other: choose one"):
+        parse_config(["--cuda-graphs", "--torchscript"], env={})
+    with pytest.raises(ConfigError, match="--compile and --cuda-graphs exclude each other: choose one"):
+        parse_config(["--cuda-graphs", "--compile"], env={})
+
+
 def test_decode_on_device_is_auto_true_or_false():
     assert parse_config([], env={}).decode_on_device == "auto"
     assert parse_config(["--decode-on-device"], env={}).decode_on_device == "true"

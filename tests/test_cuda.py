@@ -152,6 +152,40 @@ def test_torchscript_on_cuda_matches_the_cpu_reference(make_server, reference, p
         np.testing.assert_allclose(result.logits, want, atol=tolerance * np.abs(want).max(), rtol=0)
 
 
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 0.02), ("fp16", 0.05)])  # as the eager test's
+def test_cuda_graphs_replay_padded_batches_as_the_cpu_reference(make_server, reference, precision, tolerance):
+    running = make_server(devices=("cuda:0",), cuda_graphs=True, precision=precision, max_batch_size=4)
+    runner = running.app.core.router.replicas[0].runner
+    assert sorted(runner._graphs) == runner.buckets == [1, 2, 4]
+    with Client(running.target) as client:
+        first = client.classify(PIXELS, full=True, logits=True, temperature=2.0)  # padded to the graph of 4
+        alone = client.classify(PIXELS[:1], full=True, logits=True)  # the graph of 1, sharing the pool with 4's
+        again = client.classify(PIXELS[1:], full=True, logits=True)  # 2: the graph of 4's rows left behind
+    assert runner.sizes_run == {1, 2, 4}
+    for result, pixels, temperature in zip([*first, *alone, *again], [*PIXELS, PIXELS[0], *PIXELS[1:]],
+                                           [2.0, 2.0, 2.0, 1.0, 1.0, 1.0], strict=True):
+        want = reference.logits(reference.input_from_array(pixels).unsqueeze(0))[0].numpy()
+        np.testing.assert_allclose(result.logits, want, atol=tolerance * np.abs(want).max(), rtol=0)
+        logits = np.asarray(result.logits, dtype=np.float64)
+        scaled = np.exp((logits - logits.max()) / temperature)  # the softmax replayed with the call's T
+        assert result.temperature == temperature
+        np.testing.assert_allclose(result.probabilities, scaled / scaled.sum(), atol=1e-5, rtol=0)
+
+
+def test_cuda_graph_replays_launch_without_a_sync_and_two_in_flight_answer_alike(weights_file):
+    device = torch.device("cuda:0")
+    model = build_model(load_weights(str(weights_file[0]), device), device)
+    runner = ModelRunner(model, device, "fp16", True, cuda_graphs=True)
+    runner.warm_up([4])
+    batches = [(torch.rand((3, 3, 224, 224), device=device), torch.full((3,), temperature))
+               for temperature in (1.0, 2.0)]
+    alone = [runner(*batch)[0].clone() for batch in batches]
+    launched = []  # the same graph twice, the second replay queued before the first's scores are read
+    assert synchronisations(lambda: launched.extend(runner.launch(*batch) for batch in batches)) == 0
+    for pending, expected in zip(launched, alone, strict=True):  # each copy back was queued before the next replay
+        torch.testing.assert_close(pending.wait()[0], expected, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])
 def test_compiled_cuda_batches_are_padded_and_match_the_cpu_reference(make_server, reference, compile_mode):
     running = make_server(devices=("cuda:0",), compile=True, compile_mode=compile_mode, max_batch_size=4)

@@ -311,6 +311,17 @@ def test_torchscript_replicas_trace_at_once_and_answer_any_batch_size_as_torchvi
         np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
 
 
+def test_cuda_graphs_change_nothing_on_the_cpu(make_server, reference):
+    running = make_server(cuda_graphs=True, max_batch_size=4)
+    runner = running.app.core.router.replicas[0].runner
+    assert runner.cuda_graphs is False and not runner._graphs  # the eager network runs, split into buckets
+    image = encode(random_rgb(5))
+    with Client(running.target) as client:
+        [result] = client.classify([image], full=True)
+    expected = reference.probabilities(reference.input_from_bytes(image))
+    np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("saved_on", ["cuda:0", "cpu"])
