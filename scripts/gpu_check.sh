@@ -167,6 +167,11 @@ served() {
   if owed served_fp16_frontends12 && serve fp16_frontends12 12 --max-batch-size $fp16_batch --precision fp16; then
     bench served_fp16_frontends12 --concurrency 256 --connections 16; stop
   fi
+  # Both: with the engine's thread relieved, whether the front-ends' queueing is what is left.
+  if owed served_fp16_cuda_graphs_frontends12 && serve graphs_frontends12 12 --max-batch-size $fp16_batch \
+      --precision fp16 --cuda-graphs; then
+    bench served_fp16_cuda_graphs_frontends12 --concurrency 256 --connections 16; stop
+  fi
   # The network and softmax as one TorchScript call: one GIL round trip where eager takes about 50, which the
   # engine's batcher thread waits a third of its time to win back (H100, 2026-11-27).
   if owed served_fp16_torchscript && serve torchscript $frontends --max-batch-size $fp16_batch --precision fp16 \

@@ -47,7 +47,7 @@ def served_rows(folder: Path) -> list[str]:
     rows = []
     for name in ("served_batched", "served_16_per_request", "served_fp16", "served_fp16_connections16",
                  "served_fp16_frontends12", "served_fp16_torchscript", "served_fp16_cuda_graphs",
-                 "served_fp16_cuda_graphs_connections16",
+                 "served_fp16_cuda_graphs_connections16", "served_fp16_cuda_graphs_frontends12",
                  "served_one_frontend", "served_nobatch",
                  "served_jpeg_decode_on_device_true", "served_jpeg_decode_on_device_false"):
         for point in results(folder, name):

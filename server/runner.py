@@ -195,16 +195,20 @@ class ModelRunner:
         autotuned it: a capture cannot). Largest first, into one memory pool: the graphs run one at a time on
         this runner's stream, so each reuses the larger one's memory for what it keeps no longer than a replay;
         each keeps its own input, temperatures and scores."""
-        pool = torch.cuda.graph_pool_handle()
-        for size in sorted(self.buckets, reverse=True):
-            inputs = torch.zeros((size, *FLOAT_SHAPE), dtype=self.dtype, device=self.device,
-                                 memory_format=self.memory_format)
-            temperatures = torch.ones(size, dtype=torch.float64, device=self.device)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA calls meanwhile (a second replica warming up) are no error.
-            with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
-                scores = _scores(self.model(inputs), temperatures)
-            self._graphs[size] = _CapturedBatch(graph, inputs, temperatures, scores)
+        with torch.cuda.device(self.device):  # the pool and each capture are the current device's: make it ours
+            pool = torch.cuda.graph_pool_handle()
+            for size in sorted(self.buckets, reverse=True):
+                self._graphs[size] = self._capture_one(size, pool)
+
+    def _capture_one(self, size: int, pool: tuple[int, int]) -> _CapturedBatch:
+        inputs = torch.zeros((size, *FLOAT_SHAPE), dtype=self.dtype, device=self.device,
+                             memory_format=self.memory_format)
+        temperatures = torch.ones(size, dtype=torch.float64, device=self.device)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA calls meanwhile (a second replica warming up) are no error.
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
+            scores = _scores(self.model(inputs), temperatures)
+        return _CapturedBatch(graph, inputs, temperatures, scores)
 
     def _run_network(self, inputs: torch.Tensor) -> torch.Tensor:
         if not self.buckets:  # warm-up itself, or a runner used without one
