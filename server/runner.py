@@ -157,9 +157,9 @@ class ModelRunner:
 
     def _forward(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """[2, B, 1000] float32 on the device: the probabilities, then the logits (one tensor, one copy back)."""
-        inputs = inputs.to(dtype=self.dtype).contiguous(memory_format=self.memory_format)
-        if self._graphs:
+        if self._graphs:  # the copy into the graph's own input converts the dtype and layout
             return self._replay(inputs, temperatures)
+        inputs = inputs.to(dtype=self.dtype).contiguous(memory_format=self.memory_format)
         if self.torchscript:
             return self._run_scripted(inputs, temperatures)
         return _scores(self._run_network(inputs), temperatures)
