@@ -6,6 +6,7 @@
 # Where no registry is reachable it first builds stand-ins for the public base images from Debian
 # (debootstrap), and only for images that are missing, so on a normal machine nothing is faked.
 # Needs root (dockerd, debootstrap). Usage: PYTHON=.venv/bin/python tests/container/run.sh
+# (BUILD_ONLY=1: stop once the image is built.)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export COMPOSE_PROJECT_NAME=resnet-proof
@@ -75,6 +76,11 @@ DOCKER_BUILDKIT=0 docker build --network host -t resnet-grpc:latest --build-arg 
 docker image inspect resnet-grpc:latest >/dev/null || { echo "FAILED: docker build" >&2; exit 1; }
 # Earlier builds' images are dangling now; with vfs each holds several full copies of torch, so drop them.
 docker image prune -f >/dev/null
+if [ -n "${BUILD_ONLY:-}" ]; then  # CI builds beside its tests and runs the stack after them (a rebuild: cached)
+  trap - EXIT
+  step "image built (${SECONDS}s)"
+  exit 0
+fi
 
 services=(server gateway prometheus)
 if docker image inspect "$GRAFANA_IMAGE" >/dev/null 2>&1 || docker pull -q "$GRAFANA_IMAGE" >/dev/null 2>&1; then
