@@ -74,13 +74,13 @@ step "building the server image"
 DOCKER_BUILDKIT=0 docker build --network host -t resnet-grpc:latest --build-arg BASE_IMAGE="$PY_IMAGE" . \
   | grep -E '^(Step|Successfully)' || true
 docker image inspect resnet-grpc:latest >/dev/null || { echo "FAILED: docker build" >&2; exit 1; }
-# Earlier builds' images are dangling now; with vfs each holds several full copies of torch, so drop them.
-docker image prune -f >/dev/null
-if [ -n "${BUILD_ONLY:-}" ]; then  # CI builds beside its tests and runs the stack after them (a rebuild: cached)
-  trap - EXIT
+if [ -n "${BUILD_ONLY:-}" ]; then  # CI builds beside its tests and runs the stack after them: a rebuild from the
+  trap - EXIT                     # layers kept here (the builder stage's among them: no prune yet)
   step "image built (${SECONDS}s)"
   exit 0
 fi
+# Earlier builds' images are dangling now; with vfs each holds several full copies of torch, so drop them.
+docker image prune -f >/dev/null
 
 services=(server gateway prometheus)
 if docker image inspect "$GRAFANA_IMAGE" >/dev/null 2>&1 || docker pull -q "$GRAFANA_IMAGE" >/dev/null 2>&1; then
