@@ -4,8 +4,9 @@
 #             changed since the last lent GPU, and take a minute or two)
 #   served    the served sweeps (one engine process, --frontends auto unless named): uint8 fp32 and fp16, sixteen
 #             images a call, the fp16 ceilings (eager and --cuda-graphs) and fp16 --cuda-graphs served, the fp32
-#             ceiling, twelve front-ends (eager and --cuda-graphs), TorchScript, batching off; JPEG decoded on the GPU vs the CPU; the
-#             front-end's own cost with a free model against bare grpc.aio, one engine's own ceiling; one front-end
+#             ceiling, twelve front-ends (eager and --cuda-graphs), TorchScript, batching off; JPEG decoded on the
+#             GPU vs the CPU; the front-end's own cost with a free model against bare grpc.aio, one engine's own
+#             ceiling; one front-end
 #   ceilings  the in-process forward ceiling: first the three the served targets are set against (fp32, fp16, fp16
 #             as CUDA graphs), then bf16, fp16 with batch norms unfolded, fp16 compiled (plain, and replayed as
 #             inductor's CUDA graphs), fp32 and fp16 TorchScript

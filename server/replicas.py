@@ -74,13 +74,15 @@ class _ReplicaSetup:
         try:
             self.runner.warm_up(sizes)
         except Exception as exc:
-            if config.compile:  # no C++ compiler for CPU kernels, an unsupported GPU: a setup problem
-                raise StartupError(f"--compile failed on {device}: {type(exc).__name__}: {str(exc)[:300]} "
-                                   "(inductor needs a C++ compiler for CPU devices; or run without --compile)") from exc
-            if self.runner.cuda_graphs:  # an operation CUDA cannot capture, or the memory the graphs need
-                raise StartupError(f"--cuda-graphs failed on {device}: {type(exc).__name__}: {str(exc)[:300]} "
-                                   "(or run without --cuda-graphs)") from exc
-            raise
+            # A setup problem, named by its flag: no C++ compiler for CPU kernels or an unsupported GPU (--compile),
+            # an operation CUDA cannot capture or the memory the graphs need (--cuda-graphs).
+            if config.compile:
+                flag, hint = "--compile", "inductor needs a C++ compiler for CPU devices; or run without --compile"
+            elif self.runner.cuda_graphs:
+                flag, hint = "--cuda-graphs", "or run without --cuda-graphs"
+            else:
+                raise
+            raise StartupError(f"{flag} failed on {device}: {type(exc).__name__}: {str(exc)[:300]} ({hint})") from exc
         return self.runner
 
 
