@@ -201,8 +201,9 @@ class ModelRunner:
                 self._graphs[size] = self._capture_one(size, pool)
 
     def _capture_one(self, size: int, pool: tuple[int, int]) -> _CapturedBatch:
-        inputs = torch.zeros((size, *FLOAT_SHAPE), dtype=self.dtype, device=self.device,
-                             memory_format=self.memory_format)
+        # zeros() takes no memory_format: an empty tensor in the layout the network runs in, then zeroed
+        inputs = torch.empty((size, *FLOAT_SHAPE), dtype=self.dtype, device=self.device,
+                             memory_format=self.memory_format).zero_()
         temperatures = torch.ones(size, dtype=torch.float64, device=self.device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls meanwhile (a second replica warming up) are no error.
