@@ -122,13 +122,16 @@ ceilings() {
 }
 served() {
   # Each server is stopped whatever its benches did (a bench with errors exits non-zero but keeps its JSON).
-  if owed served_batched served_16_per_request && serve batched $frontends --max-batch-size $fp32_batch; then
+  # The steps not named *_cuda_graphs run eager (--cuda-graphs false), as their in-process ceilings and the rows
+  # measured before CUDA graphs became the default did; the *_cuda_graphs steps run the default.
+  if owed served_batched served_16_per_request && serve batched $frontends --max-batch-size $fp32_batch \
+      --cuda-graphs false; then
     bench served_batched --sweep 1,16,64,256 --connections 4
     bench served_16_per_request --concurrency 16 --images-per-request 16  # 256 images: the queue's default cap
     stop
   fi
-  if owed served_fp16 served_fp16_connections16 served_fp16_perf_analyzer && serve fp16 $frontends --max-batch-size $fp16_batch --precision fp16
-  then
+  if owed served_fp16 served_fp16_connections16 served_fp16_perf_analyzer &&
+      serve fp16 $frontends --max-batch-size $fp16_batch --precision fp16 --cuda-graphs false; then
     bench served_fp16 --sweep 16,64,256 --connections 4
     # Front-ends get connections by SO_REUSEPORT's hash: 32 connections may load one front-end well above the
     # mean. Four times as many even it out; each process's counts go to fp16.metrics.txt (label worker).
@@ -165,7 +168,8 @@ served() {
   [ "$device" != cpu ] && model_bench ceiling_fp32 1,8,32,64,128 --precision fp32
   # Seven front-ends (auto, half the cores after the engine: the client shares the box) ran about 78% busy each
   # at 9k calls/s on the H100 (0.6 ms of CPU a call): twelve say whether less queueing in them serves more.
-  if owed served_fp16_frontends12 && serve fp16_frontends12 12 --max-batch-size $fp16_batch --precision fp16; then
+  if owed served_fp16_frontends12 && serve fp16_frontends12 12 --max-batch-size $fp16_batch --precision fp16 \
+      --cuda-graphs false; then
     bench served_fp16_frontends12 --concurrency 256 --connections 16; stop
   fi
   # Both: with the engine's thread relieved, whether the front-ends' queueing is what is left.
@@ -179,7 +183,7 @@ served() {
       --torchscript; then
     bench served_fp16_torchscript --concurrency 256 --connections 4; stop
   fi
-  if owed served_nobatch && serve nobatch $frontends --max-batch-size 1; then
+  if owed served_nobatch && serve nobatch $frontends --max-batch-size 1 --cuda-graphs false; then
     bench served_nobatch --concurrency 256 --connections 4; stop
   fi
   for where in true false; do
@@ -193,7 +197,7 @@ served() {
     python scripts/engine_ceiling.py --feeders 4 --in-flight 96 --compute-ms 5 --duration 6 --json \
       > "$out/engine_ceiling.json"
   fi
-  if owed served_one_frontend && serve one_frontend 1 --max-batch-size $fp32_batch; then
+  if owed served_one_frontend && serve one_frontend 1 --max-batch-size $fp32_batch --cuda-graphs false; then
     bench served_one_frontend --concurrency 256; stop
   fi
 }

@@ -85,11 +85,17 @@ class ServerConfig:
     compile: bool = False
     compile_mode: str = "default"
     torchscript: bool = False
-    cuda_graphs: bool = False
+    cuda_graphs: str = "auto"  # true, false, or auto: see uses_cuda_graphs
     decode_on_device: str = "auto"
     frontends: int = 0  # 0: auto (server.supervisor.frontend_count)
     event_loop: str = "auto"  # the front-ends' (server.event_loop)
     worker: int = 0  # a front-end process's index (set by server.supervisor, not a flag)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether CUDA replicas replay captured graphs: asked for, or auto while neither --compile nor
+        --torchscript chooses how the model runs (the CPU runs eager whatever this says)."""
+        return self.cuda_graphs == "true" or (self.cuda_graphs == "auto" and not (self.compile or self.torchscript))
 
     @property
     def largest_batch(self) -> int:
@@ -203,10 +209,10 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("torchscript", _boolean, "run the model as a frozen TorchScript graph (traced at start-up): the whole forward "
                               "pass in C++, holding the GIL once instead of at every operator, so a busy event "
                               "loop no longer slows it (see the README's Devices section); not with --compile"),
-    ("cuda-graphs", _boolean, "on CUDA devices, capture the model and softmax as one CUDA graph per warmed batch "
-                              "size at start-up and replay it for each batch (a few calls from Python a batch "
-                              "instead of about 64; no compiler needed); nothing changes on the CPU; not with "
-                              "--compile or --torchscript"),
+    ("cuda-graphs", _auto_boolean, "on CUDA devices, capture the model and softmax as one CUDA graph per warmed "
+                                   "batch size at start-up and replay it for each batch (a few calls from Python a "
+                                   "batch instead of about 64; no compiler needed); auto: on unless --compile or "
+                                   "--torchscript chooses the runner; nothing changes on the CPU"),
     ("decode-on-device", _auto_boolean, "decode JPEGs in batches on the replica's device (nvjpeg on CUDA) and "
                                         "resize/normalise there; auto: on for CUDA devices, off for the CPU"),
 ]
@@ -261,7 +267,8 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     config = ServerConfig(**vars(namespace))
     if config.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
-    if problem := graph_problem(config.compile, config.compile_mode, config.torchscript, config.cuda_graphs):
+    if problem := graph_problem(config.compile, config.compile_mode, config.torchscript,
+                                 config.cuda_graphs == "true"):
         raise ConfigError(problem)
     if config.event_loop == "uvloop" and not uvloop_installed():
         raise ConfigError("--event-loop uvloop: uvloop is not installed (pip install uvloop), or choose asyncio")

@@ -69,7 +69,7 @@ class _ReplicaSetup:
             torch.backends.cudnn.benchmark = config.cudnn_benchmark
         self.runner = ModelRunner(build_model(self.weights, device), device, config.precision, config.channels_last,
                                   compiled=config.compile, compile_mode=config.compile_mode,
-                                  torchscript=config.torchscript, cuda_graphs=config.cuda_graphs)
+                                  torchscript=config.torchscript, cuda_graphs=config.uses_cuda_graphs)
         sizes = bucket_sizes(self.batch_limit, device.type == "cuda")
         try:
             self.runner.warm_up(sizes)
@@ -79,7 +79,7 @@ class _ReplicaSetup:
             if config.compile:
                 flag, hint = "--compile", "inductor needs a C++ compiler for CPU devices; or run without --compile"
             elif self.runner.cuda_graphs:
-                flag, hint = "--cuda-graphs", "or run without --cuda-graphs"
+                flag, hint = "--cuda-graphs", "or run with --cuda-graphs false"
             else:
                 raise
             raise StartupError(f"{flag} failed on {device}: {type(exc).__name__}: {str(exc)[:300]} ({hint})") from exc

@@ -69,14 +69,20 @@ def test_torchscript_is_off_by_default_and_excludes_compile():
         parse_config(["--torchscript"], env={"RESNET_SERVER_COMPILE": "1"})
 
 
-def test_cuda_graphs_are_off_by_default_and_exclude_compile_and_torchscript():
-    assert parse_config([], env={}).cuda_graphs is False
-    assert parse_config(["--cuda-graphs"], env={}).cuda_graphs is True
-    assert parse_config([], env={"RESNET_SERVER_CUDA_GRAPHS": "true"}).cuda_graphs is True
+def test_cuda_graphs_are_auto_by_default_and_yield_to_compile_and_torchscript():
+    default = parse_config([], env={})
+    assert default.cuda_graphs == "auto" and default.uses_cuda_graphs is True
+    # auto leaves the runner to --compile or --torchscript when one is asked for, without an error
+    assert parse_config(["--compile"], env={}).uses_cuda_graphs is False
+    assert parse_config(["--torchscript"], env={}).uses_cuda_graphs is False
+    assert parse_config(["--cuda-graphs", "false"], env={}).uses_cuda_graphs is False
+    assert parse_config([], env={"RESNET_SERVER_CUDA_GRAPHS": "off"}).uses_cuda_graphs is False
+    assert parse_config(["--cuda-graphs"], env={}).cuda_graphs == "true"
+    assert parse_config([], env={"RESNET_SERVER_CUDA_GRAPHS": "true"}).uses_cuda_graphs is True
     with pytest.raises(ConfigError, match="--torchscript and --cuda-graphs exclude each other: choose one"):
         parse_config(["--cuda-graphs", "--torchscript"], env={})
     with pytest.raises(ConfigError, match="--compile and --cuda-graphs exclude each other: choose one"):
-        parse_config(["--cuda-graphs", "--compile"], env={})
+        parse_config(["--cuda-graphs", "true", "--compile"], env={})
 
 
 def test_decode_on_device_is_auto_true_or_false():

@@ -312,7 +312,7 @@ def test_torchscript_replicas_trace_at_once_and_answer_any_batch_size_as_torchvi
 
 
 def test_cuda_graphs_change_nothing_on_the_cpu(make_server, reference):
-    running = make_server(cuda_graphs=True, max_batch_size=4)
+    running = make_server(cuda_graphs="true", max_batch_size=4)
     runner = running.app.core.router.replicas[0].runner
     assert runner.cuda_graphs is False and not runner._graphs  # the eager network runs, split into buckets
     image = encode(random_rgb(5))
