@@ -34,7 +34,7 @@ from .device_decode import DeferredJpeg
 from .errors import ServingError, StartupError
 from .metrics import Metrics, serve_metrics
 from .preprocess import FLOAT_SHAPE, CroppedImage, RawImage, SlotBytes
-from .registered_slab import register_slab
+from .registered_slab import device_rows, register_slab
 from .replicas import Replica, load_replica
 from .slab import Slab, SlabLayout
 from .statistics import SharedRow
@@ -110,8 +110,11 @@ class Engine:
         freed = self.slab.free_all_but(set(live_owners))
         if freed:
             log.info("freed %d slots of front-ends that have ended", freed)
-        if self.device.type == "cuda":  # uploads then read the slots themselves (preprocess.copy_slots)
-            register_slab(self.slab, self.device)
+        # A GPU then reads the images where the front-ends wrote them: gathered in one kernel from the slab seen
+        # as a CUDA tensor where it can, else one DMA an image from the registered rows (server.registered_slab).
+        if self.device.type == "cuda" and register_slab(self.slab, self.device):
+            on_device = device_rows(self.slab, self.device)
+            self._input_rows = self._input_rows if on_device is None else on_device
         self._listener = Listener(self.link.address, "AF_UNIX", authkey=self.link.authkey)
         threading.Thread(target=self._accept, name="engine-accept", daemon=True).start()
 

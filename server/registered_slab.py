@@ -1,13 +1,16 @@
 """A GPU engine uploads its images from where the front-ends wrote them: the slab registered with CUDA.
 
-Registered (``cudaHostRegister``: page-locked, as pinned memory is), the slab's slots are sources the GPU's copy
-engines read directly, so a batch's images are copied from their slots into the device batch, one DMA an image,
-queued in one call. Unregistered, the engine's one host thread first copies every image into a pinned buffer
-and uploads that: on the H100, with 5.6 ms of host time a batch of 108 uint8 images (16 MB), and many times that
-for FP32 inputs (76 MB a batch), in which the engine forms no other batch.
+Registered (``cudaHostRegister``: page-locked, as pinned memory is), the slab's slots are memory the GPU reads
+directly. Best, the engine sees the slab as a CUDA tensor at the same addresses (unified addressing, which
+registered memory has on 64-bit Linux) and a batch is one gather kernel that reads its images over the bus
+(``device_rows``). Where that does not give what the host wrote, each image is one DMA from its slot into the
+device batch, queued in one call (``preprocess.copy_slots``): about 37 us of the engine's one host thread an
+image on the H100. Unregistered, that thread first copies every image into a pinned buffer and uploads that: 5.6
+ms of host time a batch of 108 uint8 images (16 MB), and many times that for FP32 inputs (76 MB a batch), in
+which the engine forms no other batch.
 
-Where CUDA cannot register the memory (a container's locked-memory limit, say), or a copy from it does not give
-what the host wrote, the engine says so in its log and keeps the host copy.
+Where CUDA cannot register the memory (a container's locked-memory limit, say), or a read from it does not give
+what the host wrote, the engine says so in its log and keeps the next way down.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ import logging
 import numpy as np
 import torch
 
-from .preprocess import SlotBytes, copy_slots
+from .preprocess import SlotBytes, _gather_slots, copy_slots
 from .slab import FREE, Slab
 
 log = logging.getLogger("server.registered_slab")
-CUDA_HOST_REGISTER_DEFAULT = 0
+CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: in the device's address space too (device_rows)
 _CHECK_BYTES = 4096
 
 
@@ -31,7 +34,7 @@ def register_slab(slab: Slab, device: torch.device) -> bool:
     try:
         with torch.cuda.device(device):
             torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
-                slab.address, slab.layout.size, CUDA_HOST_REGISTER_DEFAULT))
+                slab.address, slab.layout.size, CUDA_HOST_REGISTER_MAPPED))
             registered = True
         _check_uploads_what_the_host_wrote(slab, device)
     except Exception as exc:  # noqa: BLE001 - any failure leaves the host copy, which always works
@@ -45,9 +48,39 @@ def register_slab(slab: Slab, device: torch.device) -> bool:
     return True
 
 
-def _check_uploads_what_the_host_wrote(slab: Slab, device: torch.device) -> None:
+def device_rows(slab: Slab, device: torch.device) -> torch.Tensor | None:
+    """The registered slab's input rows as a CUDA tensor over the same memory, which a batch's images are
+    gathered from in one kernel; None (and a line in the log) where the device does not read there what the
+    host wrote, and images are then uploaded one copy each."""
+    try:
+        with torch.cuda.device(device):
+            rows = torch.as_tensor(_InPlace(slab.input_rows()), device=device)
+        if rows.data_ptr() != slab.input_rows().ctypes.data:
+            raise RuntimeError("torch copied the slab rather than reading it in place")
+        for _ in range(2):  # twice, new bytes each time: a kernel reads what the host wrote since the last one
+            _check_uploads_what_the_host_wrote(slab, device, rows)
+    except Exception as exc:  # noqa: BLE001 - the copy an image stays, which the registration check passed
+        log.info("%s uploads each image with a copy of its own (the slab as a CUDA tensor: %s: %s)", device,
+                 type(exc).__name__, exc)
+        return None
+    log.info("%s gathers each batch's images from the slab in one kernel", device)
+    return rows
+
+
+class _InPlace:
+    """Host rows described by ``__cuda_array_interface__`` at their own addresses: registered memory has the same
+    address on the device (unified addressing), so torch wraps it as a CUDA tensor without a copy."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.__cuda_array_interface__ = {"shape": rows.shape, "strides": rows.strides, "typestr": "|u1",
+                                         "data": (rows.ctypes.data, False), "version": 3}
+
+
+def _check_uploads_what_the_host_wrote(slab: Slab, device: torch.device, device_view: torch.Tensor | None = None
+                                       ) -> None:
     """Write a pattern into a free slot (no front-end holds it, and none can take it before the engine listens)
-    and upload it as a batch's images are (``preprocess.copy_slots``)."""
+    and read it as a batch's images are: with one DMA (``preprocess.copy_slots``), or gathered from
+    ``device_view``, the slab as a CUDA tensor."""
     rows = slab.input_rows()
     free = np.flatnonzero(slab.owners == FREE)
     if not len(free):
@@ -55,10 +88,13 @@ def _check_uploads_what_the_host_wrote(slab: Slab, device: torch.device) -> None
     slot = int(free[-1])
     pattern = np.random.default_rng().integers(0, 256, _CHECK_BYTES, dtype=np.uint8)
     rows[slot, :_CHECK_BYTES] = pattern
-    source = torch.from_numpy(rows)
-    if not source.is_pinned():
-        raise RuntimeError("torch does not see the registered slab as pinned memory")
-    uploaded = copy_slots([SlotBytes(source, slot, _CHECK_BYTES)],
-                          torch.empty((1, _CHECK_BYTES), dtype=torch.uint8, device=device))
+    batch = torch.empty((1, _CHECK_BYTES), dtype=torch.uint8, device=device)
+    if device_view is not None:
+        uploaded = _gather_slots([SlotBytes(device_view, slot, _CHECK_BYTES)], batch)
+    else:
+        source = torch.from_numpy(rows)
+        if not source.is_pinned():
+            raise RuntimeError("torch does not see the registered slab as pinned memory")
+        uploaded = copy_slots([SlotBytes(source, slot, _CHECK_BYTES)], batch)
     if not np.array_equal(uploaded[0].cpu().numpy(), pattern):
         raise RuntimeError("the device received other bytes than the host wrote")

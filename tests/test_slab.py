@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from server.preprocess import RawImage, SlotBytes, _gather_slots, copy_slots, raw_batch
-from server.registered_slab import register_slab
+from server.registered_slab import device_rows, register_slab
 from server.slab import FREE, Slab, SlabLayout, create_slab_memory
 
 A, B = 1, 2  # two front-ends' owner numbers
@@ -95,15 +95,20 @@ def _images_in_slots(front_end: Slab, dtype: str, shape: tuple[int, ...]) -> lis
     return list(zip(slots, images, strict=True))
 
 
-@pytest.mark.parametrize("dtype, shape", [("uint8", (224, 224, 3)), ("float32", (3, 224, 224))])
+@pytest.mark.parametrize("dtype, shape", [("uint8", (224, 224, 3)), ("uint8", (31, 17, 3)),
+                                          ("float32", (3, 224, 224))])
 def test_copying_each_slot_into_its_row_gives_the_gathered_batch(views, dtype, shape):
-    """What a GPU engine does with a registered slab (one copy a slot into the batch's rows), here on the CPU."""
+    """What a GPU engine does with a registered slab (one copy a slot into the batch's rows, or one gather read
+    as 8-byte words, or bytes where an image's size is odd), here on the CPU: both give the images written."""
     front_end, engine = views
     rows = torch.from_numpy(engine.input_rows())
-    slots = [SlotBytes(rows, slot, len(data)) for slot, data in _images_in_slots(front_end, dtype, shape)]
+    written = _images_in_slots(front_end, dtype, shape)
+    slots = [SlotBytes(rows, slot, len(data)) for slot, data in written]
     batch_shape, torch_dtype = (len(slots), *shape), getattr(torch, dtype)
     copied = copy_slots(slots, torch.empty(batch_shape, dtype=torch_dtype))
-    assert torch.equal(copied, _gather_slots(slots, torch.empty(batch_shape, dtype=torch_dtype)))
+    gathered = _gather_slots(slots, torch.empty(batch_shape, dtype=torch_dtype))
+    assert [image.numpy().tobytes() for image in gathered] == [data for _, data in written]
+    assert torch.equal(copied, gathered)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="for a machine where CUDA cannot register the slab")
@@ -130,7 +135,13 @@ def test_a_gpu_uploads_images_from_a_registered_slab_as_the_host_copy_gives_them
     assert register_slab(engine, device) and rows.is_pinned()
     uploaded = raw_batch([RawImage(dtype, shape, SlotBytes(rows, slot, len(data))) for slot, data in written],
                          device)
-    for got, want in zip(uploaded, host_copied, strict=True):
-        assert got.is_cuda and torch.equal(got, want)
+    # And gathered in one kernel from the slab seen as a CUDA tensor at its own addresses (no copy of it made)
+    on_device = device_rows(engine, device)
+    assert on_device is not None and on_device.is_cuda and on_device.data_ptr() == engine.input_rows().ctypes.data
+    gathered = raw_batch([RawImage(dtype, shape, SlotBytes(on_device, slot, len(data))) for slot, data in written],
+                         device)
+    for got, by_copy, want in zip(gathered, uploaded, host_copied, strict=True):
+        assert got.is_cuda and torch.equal(by_copy, want) and torch.equal(got, want)
     assert [bytes(front_end.input(slot, len(data))) for slot, data in written] == [data for _, data in written]
+    torch.cuda.synchronize()
     torch.cuda.cudart().cudaHostUnregister(engine.address)  # before the fixture unmaps it
