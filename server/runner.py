@@ -200,10 +200,14 @@ class ModelRunner:
             for size in sorted(self.buckets, reverse=True):
                 self._graphs[size] = self._capture_one(size, pool)
 
+    def _graph_input(self, size: int) -> torch.Tensor:
+        """A captured bucket's own input: zeros of the model's dtype on its device, in the layout the network
+        runs in (zeros() takes no memory_format: empty, then zeroed). Made on the CPU too, where it is tested."""
+        return torch.empty((size, *FLOAT_SHAPE), dtype=self.dtype, device=self.device,
+                           memory_format=self.memory_format).zero_()
+
     def _capture_one(self, size: int, pool: tuple[int, int]) -> _CapturedBatch:
-        # zeros() takes no memory_format: an empty tensor in the layout the network runs in, then zeroed
-        inputs = torch.empty((size, *FLOAT_SHAPE), dtype=self.dtype, device=self.device,
-                             memory_format=self.memory_format).zero_()
+        inputs = self._graph_input(size)
         temperatures = torch.ones(size, dtype=torch.float64, device=self.device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls meanwhile (a second replica warming up) are no error.

@@ -279,6 +279,17 @@ def test_cpu_runner_is_channels_last_by_default_with_the_plain_layouts_answers(w
     torch.testing.assert_close(probabilities, expected_probabilities, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_a_captured_bucket_input_is_zeros_in_the_network_layout(precision, dtype):
+    """What a CUDA graph is captured on (server.runner._graph_input), made here on the CPU: the network's dtype
+    and memory layout, all zeros (on the H100 its first version failed every capture)."""
+    runner = ModelRunner(torch.nn.Identity(), torch.device("cpu"), precision)
+    inputs = runner._graph_input(3)
+    assert inputs.shape == (3, 3, 224, 224) and inputs.dtype == dtype
+    assert inputs.is_contiguous(memory_format=torch.channels_last) and not inputs.is_contiguous()
+    assert torch.count_nonzero(inputs) == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])  # on the CPU: no CUDA graphs, same answers
 def test_compiled_model_runs_a_warmed_graph_and_matches_torchvision(make_server, reference, compile_mode):
