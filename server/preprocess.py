@@ -218,10 +218,10 @@ def _stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, .
     if all(isinstance(data, SlotBytes) for data in datas):
         rows = datas[0].rows
         if rows.is_cuda:  # the registered slab as the GPU sees it in place: one gather kernel reads the images
-            return _gather_slots(datas, torch.empty(size, dtype=torch_dtype, device=rows.device))
+            return gather_slots(datas, torch.empty(size, dtype=torch_dtype, device=rows.device))
         if device.type == "cuda" and rows.is_pinned():
             return copy_slots(datas, torch.empty(size, dtype=torch_dtype, device=device))
-        return _gather_slots(datas, torch.empty(size, dtype=torch_dtype, pin_memory=device.type == "cuda"))
+        return gather_slots(datas, torch.empty(size, dtype=torch_dtype, pin_memory=device.type == "cuda"))
     batch = torch.empty(size, dtype=torch_dtype, pin_memory=device.type == "cuda")
     flat, offset = memoryview(batch.numpy()).cast("B"), 0
     for data in datas:  # each is exactly one image's bytes: check_raw saw to it on arrival
@@ -230,7 +230,7 @@ def _stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, .
     return batch
 
 
-def _gather_slots(slots: list[SlotBytes], batch: torch.Tensor) -> torch.Tensor:
+def gather_slots(slots: list[SlotBytes], batch: torch.Tensor) -> torch.Tensor:
     """The slots' bytes into ``batch`` with one index_select, on the device the rows are on. On the CPU that is
     one copy that gives the GIL up once, so the engine's socket readers and finisher run while it copies (a batch
     of 82 images is 12 MB, 1.8 ms on the 2-core VM, which the memoryview copy holds the GIL for). On a GPU it is

@@ -20,7 +20,7 @@ import logging
 import numpy as np
 import torch
 
-from .preprocess import SlotBytes, _gather_slots, copy_slots
+from .preprocess import SlotBytes, copy_slots, gather_slots
 from .slab import FREE, Slab
 
 log = logging.getLogger("server.registered_slab")
@@ -90,7 +90,7 @@ def _check_uploads_what_the_host_wrote(slab: Slab, device: torch.device, device_
     rows[slot, :_CHECK_BYTES] = pattern
     batch = torch.empty((1, _CHECK_BYTES), dtype=torch.uint8, device=device)
     if device_view is not None:
-        uploaded = _gather_slots([SlotBytes(device_view, slot, _CHECK_BYTES)], batch)
+        uploaded = gather_slots([SlotBytes(device_view, slot, _CHECK_BYTES)], batch)
     else:
         source = torch.from_numpy(rows)
         if not source.is_pinned():

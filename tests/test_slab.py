@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.preprocess import RawImage, SlotBytes, _gather_slots, copy_slots, raw_batch
+from server.preprocess import RawImage, SlotBytes, copy_slots, gather_slots, raw_batch
 from server.registered_slab import device_rows, register_slab
 from server.slab import FREE, Slab, SlabLayout, create_slab_memory
 
@@ -106,7 +106,7 @@ def test_copying_each_slot_into_its_row_gives_the_gathered_batch(views, dtype, s
     slots = [SlotBytes(rows, slot, len(data)) for slot, data in written]
     batch_shape, torch_dtype = (len(slots), *shape), getattr(torch, dtype)
     copied = copy_slots(slots, torch.empty(batch_shape, dtype=torch_dtype))
-    gathered = _gather_slots(slots, torch.empty(batch_shape, dtype=torch_dtype))
+    gathered = gather_slots(slots, torch.empty(batch_shape, dtype=torch_dtype))
     assert [image.numpy().tobytes() for image in gathered] == [data for _, data in written]
     assert torch.equal(copied, gathered)
 
