@@ -135,7 +135,7 @@ def preprocess(image: ImageInput, max_pixels: int, crop_only: bool = False) -> t
             if isinstance(converted, InvalidInput):
                 raise converted
             return converted
-        pixels = _stack_bytes([image.data], "uint8", tuple(image.shape), torch.device("cpu"))[0].permute(2, 0, 1)
+        pixels = stack_bytes([image.data], "uint8", tuple(image.shape), torch.device("cpu"))[0].permute(2, 0, 1)
     return crop(pixels).permute(1, 2, 0).contiguous() if crop_only else transform(pixels)
 
 
@@ -189,7 +189,7 @@ def whole_batch(images: list, device: torch.device) -> torch.Tensor | None:
 
 def _convert_group(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ...], device: torch.device
                    ) -> torch.Tensor:
-    stacked = _stack_bytes(datas, dtype, shape, device)
+    stacked = stack_bytes(datas, dtype, shape, device)
     if dtype == "uint8":  # [B, H, W, 3]: resized as channels-last, which torch's uint8 resize handles natively
         return transform(to_device(stacked, device).permute(0, 3, 1, 2))
     return to_device(stacked, device)
@@ -202,11 +202,11 @@ def cropped_batch(images: list[CroppedImage], device: torch.device) -> list[torc
 
 
 def _crops(datas: list[bytes | SlotBytes], device: torch.device) -> torch.Tensor:
-    stacked = _stack_bytes(datas, "uint8", CROP_SHAPE, device)
+    stacked = stack_bytes(datas, "uint8", CROP_SHAPE, device)
     return normalise(to_device(stacked, device).permute(0, 3, 1, 2))
 
 
-def _stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ...], device: torch.device
+def stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ...], device: torch.device
                  ) -> torch.Tensor:
     """The images' bytes copied once, into one new [B, *shape] tensor: on a GPU ``device`` when they are slots
     of a slab registered with CUDA (``server.registered_slab``), else on the CPU (pinned, for an upload to a GPU).

@@ -20,7 +20,7 @@ import logging
 import numpy as np
 import torch
 
-from .preprocess import SlotBytes, copy_slots, gather_slots
+from .preprocess import SlotBytes, stack_bytes
 from .slab import FREE, Slab
 
 log = logging.getLogger("server.registered_slab")
@@ -36,9 +36,9 @@ def register_slab(slab: Slab, device: torch.device) -> bool:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
                 slab.address, slab.layout.size, CUDA_HOST_REGISTER_MAPPED))
             registered = True
-        _check_uploads_what_the_host_wrote(slab, device)
+        _check_reads_what_the_host_wrote(slab, device, torch.from_numpy(slab.input_rows()))
     except Exception as exc:  # noqa: BLE001 - any failure leaves the host copy, which always works
-        if registered:  # torch would see the slots as pinned and upload from them (preprocess._stack_bytes)
+        if registered:  # torch would see the slots as pinned and upload from them (preprocess.stack_bytes)
             torch.cuda.cudart().cudaHostUnregister(slab.address)
         log.warning("%s cannot upload from the slab where it lies (%s: %s); images are copied on the host first",
                     device, type(exc).__name__, exc)
@@ -52,13 +52,14 @@ def device_rows(slab: Slab, device: torch.device) -> torch.Tensor | None:
     """The registered slab's input rows as a CUDA tensor over the same memory, which a batch's images are
     gathered from in one kernel; None (and a line in the log) where the device does not read there what the
     host wrote, and images are then uploaded one copy each."""
+    host_rows = slab.input_rows()
     try:
         with torch.cuda.device(device):
-            rows = torch.as_tensor(_InPlace(slab.input_rows()), device=device)
-        if rows.data_ptr() != slab.input_rows().ctypes.data:
+            rows = torch.as_tensor(_InPlace(host_rows), device=device)
+        if rows.data_ptr() != host_rows.ctypes.data:
             raise RuntimeError("torch copied the slab rather than reading it in place")
         for _ in range(2):  # twice, new bytes each time: a kernel reads what the host wrote since the last one
-            _check_uploads_what_the_host_wrote(slab, device, rows)
+            _check_reads_what_the_host_wrote(slab, device, rows)
     except Exception as exc:  # noqa: BLE001 - the copy an image stays, which the registration check passed
         log.info("%s uploads each image with a copy of its own (the slab as a CUDA tensor: %s: %s)", device,
                  type(exc).__name__, exc)
@@ -76,25 +77,18 @@ class _InPlace:
                                          "data": (rows.ctypes.data, False), "version": 3}
 
 
-def _check_uploads_what_the_host_wrote(slab: Slab, device: torch.device, device_view: torch.Tensor | None = None
-                                       ) -> None:
+def _check_reads_what_the_host_wrote(slab: Slab, device: torch.device, rows: torch.Tensor) -> None:
     """Write a pattern into a free slot (no front-end holds it, and none can take it before the engine listens)
-    and read it as a batch's images are: with one DMA (``preprocess.copy_slots``), or gathered from
-    ``device_view``, the slab as a CUDA tensor."""
-    rows = slab.input_rows()
+    and read it from ``rows`` as a batch's images are (``preprocess.stack_bytes``): gathered in one kernel from
+    the slab as a CUDA tensor, or one DMA from the registered host rows, which torch must see as pinned."""
+    if not (rows.is_cuda or rows.is_pinned()):
+        raise RuntimeError("torch does not see the registered slab as pinned memory")
     free = np.flatnonzero(slab.owners == FREE)
     if not len(free):
         raise RuntimeError("no free slot to check with")
     slot = int(free[-1])
     pattern = np.random.default_rng().integers(0, 256, _CHECK_BYTES, dtype=np.uint8)
-    rows[slot, :_CHECK_BYTES] = pattern
-    batch = torch.empty((1, _CHECK_BYTES), dtype=torch.uint8, device=device)
-    if device_view is not None:
-        uploaded = gather_slots([SlotBytes(device_view, slot, _CHECK_BYTES)], batch)
-    else:
-        source = torch.from_numpy(rows)
-        if not source.is_pinned():
-            raise RuntimeError("torch does not see the registered slab as pinned memory")
-        uploaded = copy_slots([SlotBytes(source, slot, _CHECK_BYTES)], batch)
+    slab.input_rows()[slot, :_CHECK_BYTES] = pattern
+    uploaded = stack_bytes([SlotBytes(rows, slot, _CHECK_BYTES)], "uint8", (_CHECK_BYTES,), device)
     if not np.array_equal(uploaded[0].cpu().numpy(), pattern):
         raise RuntimeError("the device received other bytes than the host wrote")
