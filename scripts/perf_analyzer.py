@@ -1,15 +1,18 @@
 """Triton's own load generator, perf_analyzer (C++), against this server's Open Inference Protocol.
 
 A second, independent client for the figures `resnet-client bench` gives, and the one Triton users
-already trust. It sends what ModelMetadata declares, FP32 [1, 3, 224, 224] (zeros: its random
-FP32 bytes include NaNs, which the server refuses), and prints, per concurrency, its client-side
-throughput and latency and the server's own split of each request's time, which it reads from the
-ModelStatistics RPC before and after each window.
+already trust. It sends what ModelMetadata declares (zeros: its random FP32 bytes include NaNs, which the
+server refuses): `--input fp32` asks model resnet18, FP32 [1, 3, 224, 224] (600 KB a request); `--input
+uint8` asks resnet18_uint8, UINT8 [1, 224, 224, 3] (150 KB, what `resnet-client bench --input uint8`
+sends). It prints, per concurrency, its client-side throughput and latency, the server's own split of each
+request's time (read from the ModelStatistics RPC before and after each window), and the CPU perf_analyzer
+itself used (client_cores: its CPU seconds over its run's wall time, on a box it shares with the server).
 
 The binary comes with the tritonclient 2.41 wheel (the test extra); it links libcudart.so.12 (the
 nvidia-cuda-runtime-cu12 wheel, also in the test extra; no GPU needed) and libb64 (Debian's libb64-0d).
 
-Usage: python scripts/perf_analyzer.py --server 127.0.0.1:50051 --concurrency 1,16 [--window-ms 5000]
+Usage: python scripts/perf_analyzer.py --server 127.0.0.1:50051 --concurrency 1,16 [--input uint8] [--streaming]
+       [--window-ms 5000]
 Prints one JSON object a line, one per concurrency; talks only to the server named.
 """
 
@@ -19,12 +22,15 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-MODEL = "resnet18"
+# The model name whose declared input perf_analyzer sends, and the shape it needs for that input's free sizes.
+INPUTS = {"fp32": ("resnet18", []), "uint8": ("resnet18_uint8", ["--shape", "input:224,224,3"])}
 # perf_analyzer's report: "p50 latency: 28173 usec", "Throughput: 33.6 infer/sec", "Inference count: 111".
 _NUMBER = r"([0-9.]+)"
 CLIENT_FIELDS = {"requests": r"Request count: (\d+)", "throughput": rf"Throughput: {_NUMBER} infer/sec",
@@ -63,12 +69,16 @@ def environment() -> dict[str, str]:
 
 
 def command(server: str, concurrency: int, window_ms: int | None, window_requests: int | None,
-            first_windows: bool) -> list[str]:
+            first_windows: bool, input_kind: str = "fp32", streaming: bool = False) -> list[str]:
     """first_windows: report the first three windows whatever they read, instead of waiting (up to ten
-    windows) for three within 10% of each other; for interleaving, where a run must take a known time."""
+    windows) for three within 10% of each other; for interleaving, where a run must take a known time.
+    streaming: every request a message on ModelStreamInfer streams rather than a ModelInfer call."""
     stability = ["--stability-percentage", "1000"] if first_windows or window_requests else []
-    args = [binary() or "perf_analyzer", "-m", MODEL, "-i", "grpc", "-u", server, "-b", "1", "--input-data", "zero",
-            "--concurrency-range", f"{concurrency}:{concurrency}", "--max-trials", "10", *stability]
+    model, shape = INPUTS[input_kind]
+    args = [binary() or "perf_analyzer", "-m", model, *shape, *(["--streaming"] if streaming else []),
+            "-i", "grpc", "-u", server, "-b", "1",
+            "--input-data", "zero", "--concurrency-range", f"{concurrency}:{concurrency}", "--max-trials", "10",
+            *stability]
     if window_requests:  # short windows for the tests: a count of requests each
         return args + ["--measurement-mode", "count_windows", "--measurement-request-count", str(window_requests)]
     return args + ["--measurement-interval", str(window_ms or 5000)]
@@ -92,12 +102,21 @@ def parse(report: str) -> dict:
 
 
 def run(server: str, concurrency: int, window_ms: int | None = None, window_requests: int | None = None,
-        first_windows: bool = False, timeout: float = 300) -> dict:
-    done = subprocess.run(command(server, concurrency, window_ms, window_requests, first_windows), env=environment(),
-                          capture_output=True, text=True, timeout=timeout)
+        first_windows: bool = False, timeout: float = 300, input_kind: str = "fp32", streaming: bool = False) -> dict:
+    args = command(server, concurrency, window_ms, window_requests, first_windows, input_kind, streaming)
+    cpu_before, started = _children_cpu_seconds(), time.monotonic()
+    done = subprocess.run(args, env=environment(), capture_output=True, text=True, timeout=timeout)
+    client_cores = (_children_cpu_seconds() - cpu_before) / (time.monotonic() - started)
     if done.returncode != 0:
         raise RuntimeError(f"perf_analyzer exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
-    return {"concurrency": concurrency, **parse(done.stdout)}
+    return {"concurrency": concurrency, "input": input_kind, "streaming": streaming, **parse(done.stdout),
+            "client_cores": round(client_cores, 2)}
+
+
+def _children_cpu_seconds() -> float:
+    """User and system CPU of this process's finished children (perf_analyzer, once run returns)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,9 +124,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server", required=True, help="HOST:PORT of the server")
     parser.add_argument("--concurrency", default="1,16", help="comma-separated request concurrencies")
     parser.add_argument("--window-ms", type=int, default=5000, help="perf_analyzer's measurement window")
+    parser.add_argument("--input", choices=sorted(INPUTS), default="fp32",
+                        help="the declared input to send: fp32 (model resnet18) or uint8 (model resnet18_uint8)")
+    parser.add_argument("--streaming", action="store_true",
+                        help="each request a message on a ModelStreamInfer stream, not a ModelInfer call")
     args = parser.parse_args(argv)
     for concurrency in args.concurrency.split(","):
-        print(json.dumps(run(args.server, int(concurrency), window_ms=args.window_ms)), flush=True)
+        figures = run(args.server, int(concurrency), window_ms=args.window_ms, input_kind=args.input,
+                      streaming=args.streaming)
+        print(json.dumps(figures), flush=True)
 
 
 if __name__ == "__main__":

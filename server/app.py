@@ -33,7 +33,6 @@ from .logs import configure_logging
 from .metrics import Metrics, serve_metrics
 from .model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION
 from .oip_service import InferenceService, read_infer_request
-from .oip_service import model_config as oip_model_config
 from .preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
 from .replicas import Replica, Router, load_replica
 from .security import TokenAuthInterceptor, load_tokens, server_credentials
@@ -149,7 +148,7 @@ class App:
         info = model_info(config, replicas, self.temperature, self.temperature_source)
         self._record_model_info(replicas)
         self.classifier.attach(self.core, info)
-        self.inference.attach(self.core, LABELS, oip_model_config(info))
+        self.inference.attach(self.core, LABELS, info)
         self._suggest_bf16()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 

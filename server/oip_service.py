@@ -3,6 +3,8 @@
 Same port, same core, same batcher, metrics and error mapping as ``resnet.v1``; this module only
 translates tensors. Input ``input`` (one per request): FP32 [N, 3, 224, 224] normalised, UINT8
 [N, H, W, 3] raw RGB, or BYTES [N] encoded images, in ``raw_input_contents`` or typed ``contents``.
+The model answers to two names, ``resnet18`` (whose metadata declares the FP32 input) and ``resnet18_uint8``
+(declaring UINT8): each takes all three, and tools that build requests from the declaration pick one by name.
 Outputs: ``probabilities`` FP32 [N, 1000] and, when ``top_k`` is asked, ``top_k_indices`` INT64,
 ``top_k_probabilities`` FP32 and ``top_k_labels`` BYTES, each [N, K], in ``raw_output_contents``.
 """
@@ -42,6 +44,24 @@ DEFAULT_TOP_K = 5
 RAW_INPUT_CONTENTS = oip.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
 
 
+class DeclaredInput(NamedTuple):
+    """The input ModelMetadata and ModelConfig declare under one of the model's names."""
+
+    datatype: str
+    shape: tuple[int, ...]  # the batch dimension first; -1 where any size goes
+    config_type: int
+    config_format: int
+
+
+# One model, one statistics, several names; every name accepts every input form. perf_analyzer sends what
+# the declaration says: FP32 makes it send 600 KB of floats an image, UINT8 (with --shape input:224,224,3)
+# the 150 KB of pixels our own bench sends.
+DECLARED_INPUTS = {
+    MODEL_NAME: DeclaredInput("FP32", (-1, 3, CROP, CROP), mc.TYPE_FP32, mc.ModelInput.FORMAT_NCHW),
+    f"{MODEL_NAME}_uint8": DeclaredInput("UINT8", (-1, -1, -1, 3), mc.TYPE_UINT8, mc.ModelInput.FORMAT_NHWC),
+}
+
+
 class InferRequest(NamedTuple):
     """A ModelInferRequest without its ``raw_input_contents``, and those apart: memoryviews of the bytes gRPC
     received (server.wire), not two copies; or, for bytes that are no ModelInferRequest, protobuf's reason."""
@@ -68,10 +88,10 @@ def read_infer_request(data: bytes) -> InferRequest:
 
 
 def check_model(name: str, version: str) -> None:
-    if name != MODEL_NAME:
-        raise NotFound(f"unknown model {name!r}; this server serves {MODEL_NAME!r}")
+    if name not in DECLARED_INPUTS:
+        raise NotFound(f"unknown model {name!r}; this server serves {' and '.join(map(repr, DECLARED_INPUTS))}")
     if version not in ("", MODEL_VERSION):
-        raise NotFound(f"unknown version {version!r} of {MODEL_NAME}; only version {MODEL_VERSION} is served")
+        raise NotFound(f"unknown version {version!r} of {name}; only version {MODEL_VERSION} is served")
 
 
 def parse_bytes_tensor(raw: bytes) -> list[bytes]:
@@ -186,7 +206,7 @@ def requested_outputs(request: oip.ModelInferRequest, top_k_asked: bool) -> list
 
 def build_response(request: oip.ModelInferRequest, outputs: list[ImageOutput], names: list[str],
                    labels: list[str]) -> oip.ModelInferResponse:
-    response = oip.ModelInferResponse(model_name=MODEL_NAME, model_version=MODEL_VERSION, id=request.id)
+    response = oip.ModelInferResponse(model_name=request.model_name, model_version=MODEL_VERSION, id=request.id)
     batch = len(outputs)
     k = len(outputs[0].top_k)
     for name in names:
@@ -214,11 +234,12 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
     def __init__(self, statistics: ModelStatistics) -> None:
         self._core: InferenceCore | None = None
         self._labels: list[str] = []
-        self._config = mc.ModelConfig()
+        self._configs: dict[str, mc.ModelConfig] = {}
         self._statistics = statistics
 
-    def attach(self, core: InferenceCore, labels: list[str], config: mc.ModelConfig) -> None:
-        self._core, self._labels, self._config = core, labels, config
+    def attach(self, core: InferenceCore, labels: list[str], info: pb.ModelInfo) -> None:
+        self._core, self._labels = core, labels
+        self._configs = {name: model_config(info, name) for name in DECLARED_INPUTS}
 
     def _ready(self) -> bool:
         return self._core is not None and self._core.router.any_healthy()
@@ -242,21 +263,21 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         async def metadata():
             check_model(request.name, request.version)
-            return model_metadata()
+            return model_metadata(request.name)
         return await answer(context, request_id(context), metadata)
 
     async def ModelConfig(self, request, context):
         async def config():
             check_model(request.name, request.version)
-            return oip.ModelConfigResponse(config=self._config)
+            return oip.ModelConfigResponse(config=self._configs.get(request.name, mc.ModelConfig()))
         return await answer(context, request_id(context), config)
 
     async def ModelStatistics(self, request, context):
         async def statistics():
-            if request.name:  # an empty name asks for every model: this one
+            if request.name:  # an empty name asks for every model: this one, once, by its first name
                 check_model(request.name, request.version)
             totals = await asyncio.to_thread(self._statistics.snapshot)  # may wait on a sibling worker's write
-            return oip.ModelStatisticsResponse(model_stats=[model_statistics(totals)])
+            return oip.ModelStatisticsResponse(model_stats=[model_statistics(totals, request.name or MODEL_NAME)])
         return await answer(context, request_id(context), statistics)
 
     async def _infer(self, read: InferRequest, context, rid: str) -> oip.ModelInferResponse:
@@ -296,17 +317,18 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
             yield response
 
 
-def model_metadata() -> oip.ModelMetadataResponse:
+def model_metadata(name: str) -> oip.ModelMetadataResponse:
     tensor = oip.ModelMetadataResponse.TensorMetadata
+    declared = DECLARED_INPUTS[name]
     return oip.ModelMetadataResponse(
-        name=MODEL_NAME, versions=[MODEL_VERSION], platform="pytorch_libtorch",
-        inputs=[tensor(name=INPUT_NAME, datatype="FP32", shape=[-1, 3, CROP, CROP])],
+        name=name, versions=[MODEL_VERSION], platform="pytorch_libtorch",
+        inputs=[tensor(name=INPUT_NAME, datatype=declared.datatype, shape=declared.shape)],
         outputs=[tensor(name=PROBABILITIES, datatype="FP32", shape=[-1, 1000]),
                  *(tensor(name=name, datatype=OUTPUT_TYPES[name], shape=[-1, -1]) for name in TOP_K_OUTPUTS)],
     )
 
 
-def model_statistics(totals: Totals) -> oip.ModelStatistics:
+def model_statistics(totals: Totals, name: str) -> oip.ModelStatistics:
     def duration(value: Duration) -> oip.StatisticDuration:
         return oip.StatisticDuration(count=value.count, ns=value.ns)
 
@@ -315,7 +337,7 @@ def model_statistics(totals: Totals) -> oip.ModelStatistics:
                 "compute_output": duration(value.compute_output)}
 
     return oip.ModelStatistics(
-        name=MODEL_NAME, version=MODEL_VERSION, last_inference=totals.last_inference_ms,
+        name=name, version=MODEL_VERSION, last_inference=totals.last_inference_ms,
         inference_count=totals.inference_count, execution_count=totals.execution_count,
         inference_stats=oip.InferStatistics(success=duration(totals.success), fail=duration(totals.fail),
                                             queue=duration(totals.queue), **compute(totals.compute)),
@@ -324,20 +346,22 @@ def model_statistics(totals: Totals) -> oip.ModelStatistics:
     )
 
 
-def model_config(info: pb.ModelInfo) -> mc.ModelConfig:
-    """Triton's view of the served model, from the ModelInfo our own API reports; settings Triton's config has
-    no field for (the default temperature, the wait for closed-loop callers) go in its parameters."""
+def model_config(info: pb.ModelInfo, name: str) -> mc.ModelConfig:
+    """Triton's view of the served model under ``name``, from the ModelInfo our own API reports; settings
+    Triton's config has no field for (the default temperature, the wait for closed-loop callers) go in its
+    parameters."""
     gpus = sorted({int(name.split(":")[1].split("#")[0]) for name in info.devices if name.startswith("cuda")})
     group = (mc.ModelInstanceGroup(name="gpu", kind=mc.ModelInstanceGroup.KIND_GPU, count=1, gpus=gpus) if gpus
              else mc.ModelInstanceGroup(name="cpu", kind=mc.ModelInstanceGroup.KIND_CPU, count=len(info.devices)))
     batching = info.batching
     parameters = {"default_temperature": f"{info.default_temperature:g}",
                   "wait_for_callers_ms": f"{batching.wait_for_callers_ms:g}"}
+    declared = DECLARED_INPUTS[name]
     return mc.ModelConfig(
-        name=MODEL_NAME, platform="pytorch_libtorch", backend="pytorch",
+        name=name, platform="pytorch_libtorch", backend="pytorch",
         max_batch_size=info.input.max_images_per_request,
-        input=[mc.ModelInput(name=INPUT_NAME, data_type=mc.TYPE_FP32, format=mc.ModelInput.FORMAT_NCHW,
-                             dims=[3, CROP, CROP])],
+        input=[mc.ModelInput(name=INPUT_NAME, data_type=declared.config_type, format=declared.config_format,
+                             dims=declared.shape[1:])],
         output=[mc.ModelOutput(name=PROBABILITIES, data_type=mc.TYPE_FP32, dims=[1000]),
                 mc.ModelOutput(name="top_k_indices", data_type=mc.TYPE_INT64, dims=[-1]),
                 mc.ModelOutput(name="top_k_probabilities", data_type=mc.TYPE_FP32, dims=[-1]),

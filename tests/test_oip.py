@@ -83,6 +83,29 @@ def test_model_config_reports_the_served_settings(make_server):
                                     "wait_for_callers_ms": {"string_value": "30"}}
 
 
+def test_the_uint8_name_declares_raw_pixels_and_serves_the_same_model(triton):
+    """resnet18_uint8: the same model, its metadata and config declaring the UINT8 [N, H, W, 3] input (for tools
+    that build requests from the declaration); answers equal the resnet18 name's, and name themselves."""
+    assert triton.is_model_ready("resnet18_uint8") and triton.is_model_ready("resnet18_uint8", "1")
+    model = triton.get_model_metadata("resnet18_uint8", as_json=True)
+    assert model["name"] == "resnet18_uint8" and model["versions"] == ["1"]
+    assert model["inputs"] == [{"name": "input", "datatype": "UINT8", "shape": ["-1", "-1", "-1", "3"]}]
+    assert model["outputs"] == triton.get_model_metadata("resnet18", as_json=True)["outputs"]
+    config = triton.get_model_config("resnet18_uint8", as_json=True)["config"]
+    assert config["name"] == "resnet18_uint8"
+    assert config["input"] == [{"name": "input", "data_type": "TYPE_UINT8", "format": "FORMAT_NHWC",
+                                "dims": ["-1", "-1", "3"]}]
+    fp32_config = triton.get_model_config("resnet18", as_json=True)["config"]
+    assert {key: value for key, value in config.items() if key not in ("name", "input")} == {
+        key: value for key, value in fp32_config.items() if key not in ("name", "input")}
+    tensor = array_input(np.stack(IMAGES), "UINT8")
+    by_uint8_name = triton.infer("resnet18_uint8", [tensor], parameters={"temperature": "1.5"})
+    by_first_name = triton.infer("resnet18", [tensor], parameters={"temperature": "1.5"})
+    assert by_uint8_name.get_response().model_name == "resnet18_uint8"
+    np.testing.assert_allclose(by_uint8_name.as_numpy("probabilities"), by_first_name.as_numpy("probabilities"),
+                               atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("call", ["is_model_ready", "get_model_metadata", "get_model_config"])
 def test_unknown_model_or_version_is_not_found(triton, call):
     for name, version in (("resnet50", ""), ("resnet18", "2")):

@@ -80,18 +80,24 @@ def test_an_unknown_model_or_version_is_not_found(make_server):
 
 
 @needs_perf_analyzer
-def test_perf_analyzer_measures_the_server_and_reads_its_statistics(make_server):
+@pytest.mark.parametrize(("input_kind", "streaming"), [("fp32", False), ("uint8", False), ("uint8", True)])
+def test_perf_analyzer_measures_the_server_and_reads_its_statistics(make_server, input_kind, streaming):
+    """What each model name declares is what perf_analyzer sends (FP32 to resnet18, UINT8 to resnet18_uint8),
+    as ModelInfer calls or ModelStreamInfer messages; the server counts every one."""
     running = make_server()
-    figures = perf_analyzer.run(running.target, concurrency=2, window_requests=10, timeout=120)
+    figures = perf_analyzer.run(running.target, concurrency=2, window_requests=10, timeout=120,
+                                input_kind=input_kind, streaming=streaming)
+    assert (figures["input"], figures["streaming"]) == (input_kind, streaming) and figures["client_cores"] >= 0
     # The server's counts over perf_analyzer's window are this run's requests, one image each.
     assert figures["requests"] >= 10 and abs(figures["inferences"] - figures["requests"]) <= 2
     assert figures["successes"] == figures["inferences"]
     assert 1 <= figures["executions"] <= figures["inferences"]
     assert figures["throughput"] > 0 and 0 < figures["p50_us"] <= figures["p99_us"]
     assert figures["compute_infer_us"] > 0 and figures["request_us"] >= figures["compute_infer_us"]
+    name = perf_analyzer.INPUTS[input_kind][0]
     with tc.InferenceServerClient(running.target) as triton:
-        model = statistics(triton)
-    assert "count" not in model["inference_stats"]["fail"]  # as JSON, a zero count is left out
+        model = statistics(triton, name)
+    assert model["name"] == name and "count" not in model["inference_stats"]["fail"]  # JSON leaves a zero out
     assert int(model["inference_count"]) >= figures["inferences"]
 
 
