@@ -3,8 +3,9 @@
 #   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement (first: they gate code
 #             changed since the last lent GPU, and take a minute or two)
 #   served    the served sweeps (one engine process, --frontends auto unless named): uint8 fp32 and fp16, sixteen
-#             images a call, the fp16 ceilings (eager and --cuda-graphs) and fp16 --cuda-graphs served, the fp32
-#             ceiling, twelve front-ends (eager and --cuda-graphs), TorchScript, batching off; JPEG decoded on the
+#             images a call, the fp16 ceilings (eager and --cuda-graphs) and fp16 --cuda-graphs served (unary calls,
+#             stream messages, perf_analyzer both ways), the fp32 ceiling, twelve front-ends (eager and
+#             --cuda-graphs), TorchScript, batching off; JPEG decoded on the
 #             GPU vs the CPU; the front-end's own cost with a free model against bare grpc.aio, one engine's own
 #             ceiling; one front-end
 #   ceilings  the in-process forward ceiling: first the three the served targets are set against (fp32, fp16, fp16
@@ -130,7 +131,7 @@ served() {
     bench served_16_per_request --concurrency 16 --images-per-request 16  # 256 images: the queue's default cap
     stop
   fi
-  if owed served_fp16 served_fp16_connections16 served_fp16_perf_analyzer &&
+  if owed served_fp16 served_fp16_connections16 &&
       serve fp16 $frontends --max-batch-size $fp16_batch --precision fp16 --cuda-graphs false; then
     bench served_fp16 --sweep 16,64,256 --connections 4
     # Front-ends get connections by SO_REUSEPORT's hash: 32 connections may load one front-end well above the
@@ -141,12 +142,6 @@ served() {
       python -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
         "http://127.0.0.1:$metrics/metrics" > "$out/fp16.metrics.txt" 2>&1
     fi
-    # The same server under Triton's C++ client (FP32 requests through the Open Inference Protocol), where carried:
-    # a client that costs the shared cores far less than Python's.
-    if command -v perf_analyzer >/dev/null && owed served_fp16_perf_analyzer; then
-      LD_LIBRARY_PATH="$PWD/.whl/gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" python scripts/perf_analyzer.py \
-        --server 127.0.0.1:$port --concurrency 256 > "$out/served_fp16_perf_analyzer.json"
-    fi
     stop
   fi
   # The ceilings the targets are set against, in this run (the ceilings part may not fit a call).
@@ -156,9 +151,24 @@ served() {
   fi
   # A batch as one CUDA graph replay: a few calls from Python where eager makes about 64, each a GIL round trip
   # that the engine's batcher thread waited a third of its time to win back (H100, 2026-11-27).
-  if owed served_fp16_cuda_graphs served_fp16_cuda_graphs_connections16 && serve graphs $frontends \
-      --max-batch-size $fp16_batch --precision fp16 --cuda-graphs; then
+  local graphs_steps=(served_fp16_cuda_graphs served_fp16_cuda_graphs_stream served_fp16_cuda_graphs_perf_analyzer
+                      served_fp16_cuda_graphs_perf_analyzer_streaming served_fp16_cuda_graphs_connections16)
+  if owed "${graphs_steps[@]}" && serve graphs $frontends --max-batch-size $fp16_batch --precision fp16 \
+      --cuda-graphs; then
     bench served_fp16_cuda_graphs --sweep 16,64,256 --connections 4
+    # The same load as messages on ClassifyStream calls: half the CPU a request of unary calls on the VM, for
+    # the front-ends as for the client, which share this box's cores.
+    bench served_fp16_cuda_graphs_stream --concurrency 256 --connections 4 --stream
+    # Triton's C++ client, where carried, sending the same 150 KB uint8 images (model resnet18_uint8), as
+    # ModelInfer calls and as ModelStreamInfer messages.
+    if command -v perf_analyzer >/dev/null; then
+      for mode in "" _streaming; do
+        owed served_fp16_cuda_graphs_perf_analyzer$mode || continue
+        LD_LIBRARY_PATH="$PWD/.whl/gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" python scripts/perf_analyzer.py \
+          --server 127.0.0.1:$port --concurrency 256 --input uint8 --window-ms 3000 ${mode:+--streaming} \
+          > "$out/served_fp16_cuda_graphs_perf_analyzer$mode.json"
+      done
+    fi
     if owed served_fp16_cuda_graphs_connections16; then  # profiled, as served_fp16_connections16 is
       profile_engine graphs 5
       bench served_fp16_cuda_graphs_connections16 --concurrency 256 --connections 16

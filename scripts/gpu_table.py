@@ -47,7 +47,8 @@ def served_rows(folder: Path) -> list[str]:
     rows = []
     for name in ("served_batched", "served_16_per_request", "served_fp16", "served_fp16_connections16",
                  "served_fp16_frontends12", "served_fp16_torchscript", "served_fp16_cuda_graphs",
-                 "served_fp16_cuda_graphs_connections16", "served_fp16_cuda_graphs_frontends12",
+                 "served_fp16_cuda_graphs_stream", "served_fp16_cuda_graphs_connections16",
+                 "served_fp16_cuda_graphs_frontends12",
                  "served_one_frontend", "served_nobatch",
                  "served_jpeg_decode_on_device_true", "served_jpeg_decode_on_device_false"):
         for point in results(folder, name):
@@ -85,7 +86,9 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
                                              ("served_16_per_request", "ceiling_fp32", fp32_batch),
                                              ("served_fp16", "ceiling_fp16", fp16_batch),
                                              ("served_fp16_torchscript", "ceiling_fp16_torchscript", fp16_batch),
-                                             ("served_fp16_cuda_graphs", "ceiling_fp16_cuda_graphs", fp16_batch)):
+                                             ("served_fp16_cuda_graphs", "ceiling_fp16_cuda_graphs", fp16_batch),
+                                             ("served_fp16_cuda_graphs_stream", "ceiling_fp16_cuda_graphs",
+                                              fp16_batch)):
         if not (points := results(folder, served_name)):
             continue
         top[served_name] = max(points, key=lambda point: point["concurrency"])
@@ -101,11 +104,9 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
         lines.append(f"- batching on / off at c={batched['concurrency']}: {batched['images_per_s']:.0f} / "
                      f"{unbatched['images_per_s']:.0f} images/s = "
                      f"{batched['images_per_s'] / unbatched['images_per_s']:.1f} x; target >= 10")
-    for point in results(folder, "served_fp16_perf_analyzer"):
-        lines.append(f"- served fp16 under perf_analyzer (C++, FP32 requests) c={point['concurrency']}: "
-                     f"{point['throughput']:.0f} images/s, p50 {point['p50_us'] / 1000:.1f} ms, "
-                     f"p99 {point['p99_us'] / 1000:.1f} ms; the server's own split of a request: queue "
-                     f"{point['queue_us'] / 1000:.1f} ms, compute {point['compute_infer_us'] / 1000:.1f} ms")
+    for mode in ("", "_streaming"):
+        for point in results(folder, f"served_fp16_cuda_graphs_perf_analyzer{mode}"):
+            lines.append(perf_analyzer_line(point))
     if cost := results(folder, "frontend_cost"):
         cpu = ", ".join(f"{name} {us:.0f} us" for name, us in cost[0]["cpu_us_per_call"].items())
         lines.append(f"- one front-end with a free model: {cost[0]['frontend_calls_per_s']:.0f} calls/s = "
@@ -129,6 +130,16 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
                      f"{decode['images']} images, max probability difference "
                      f"{decode['max_probability_difference']:.1e}")
     return lines
+
+
+def perf_analyzer_line(point: dict) -> str:
+    """One perf_analyzer.py point: what it sent and how, what it measured, the server's split, its own CPU."""
+    calls = "ModelStreamInfer messages" if point.get("streaming") else "ModelInfer calls"
+    cores = f"; perf_analyzer's CPU {point['client_cores']:.1f} cores" if "client_cores" in point else ""
+    return (f"- served fp16 CUDA graphs under perf_analyzer (C++, {point.get('input', 'fp32').upper()} requests as "
+            f"{calls}) c={point['concurrency']}: {point['throughput']:.0f} images/s, p50 {point['p50_us'] / 1000:.1f} "
+            f"ms, p99 {point['p99_us'] / 1000:.1f} ms; the server's own split of a request: queue "
+            f"{point['queue_us'] / 1000:.1f} ms, compute {point['compute_infer_us'] / 1000:.1f} ms{cores}")
 
 
 def main(folder: Path, fp32_batch: int, fp16_batch: int) -> None:

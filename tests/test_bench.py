@@ -9,14 +9,17 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 
+import grpc
 import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as tc
 
 from client import Client
-from client.bench import print_table
+from client.api import classifier_pb2 as pb
+from client.bench import LoadSpec, _stream_loop, make_image, print_table
 from client.cli import main as client_main
 from server.app import main as server_main
 from server.bench_model import Replicas, add_model_arguments
@@ -107,6 +110,58 @@ def test_bench_open_loop_counts_errors_by_code(make_server, capsys):
     assert set(point["errors"]) == {"RESOURCE_EXHAUSTED"}
     assert point["ok"] > 0 and point["errors"]["RESOURCE_EXHAUSTED"] > 0
     assert point["ok"] + point["errors"]["RESOURCE_EXHAUSTED"] == point["requests"]
+
+
+def test_bench_stream_sends_every_request_as_a_message_on_a_stream_per_caller(make_server, capsys):
+    running = make_server(metrics_port=free_port())
+    code = client_main(["bench", "--server", running.target, "--stream", "--concurrency", "3", "--duration", "1.5",
+                        "--warmup", "0.5", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet",
+                        "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"])
+    assert code == 0
+    point = json.loads(capsys.readouterr().out)
+    assert point["stream"] is True and point["concurrency"] == 3
+    assert point["ok"] > 0 and point["errors"] == {} and 0 < point["p50_ms"] <= point["p99_ms"]
+    assert 1 <= point["server"]["cpu"]["mean_batch_size"] <= 3
+
+
+def _counting_streams(monkeypatch) -> list[str]:
+    """The methods of every stream the bench opens (the real call made, as it was)."""
+    opened, open_stream = [], grpc.aio._channel.Channel.stream_stream
+
+    def counted(channel, method, *args, **kwargs):
+        multi_callable = open_stream(channel, method, *args, **kwargs)
+
+        def call(*call_args, **call_kwargs):
+            opened.append(method)
+            return multi_callable(*call_args, **call_kwargs)
+        return call
+    monkeypatch.setattr(grpc.aio._channel.Channel, "stream_stream", counted)
+    return opened
+
+
+@pytest.mark.parametrize("overloaded", [False, True])
+def test_bench_stream_keeps_a_stream_open_per_caller_and_reopens_one_a_failure_ended(make_server, monkeypatch,
+                                                                                     overloaded):
+    """Three callers: three ClassifyStream calls carry every request while none fails. A queue of one image
+    refuses some (RESOURCE_EXHAUSTED ends that stream): each failure counted by its code, and a new stream
+    opened for the caller's next request."""
+    running = make_server(**({"max_queue": 1, "max_batch_size": 1} if overloaded else {}))
+    opened = _counting_streams(monkeypatch)
+    request = pb.ClassifyRequest(images=[make_image("uint8", 64, 48)], top_k=1).SerializeToString()
+    spec = LoadSpec(running.target, request, 3, None, 0.0, 1.5, {}, stream=True)
+    records = asyncio.run(_stream_loop(spec))
+    codes = Counter(code for _, code in records)
+    assert set(opened) == {"/resnet.v1.Classifier/ClassifyStream"} and codes["OK"] > 3
+    if overloaded:
+        assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}
+        assert len(opened) >= 3 + codes["RESOURCE_EXHAUSTED"]  # those in the window, and any ended as it closed
+    else:
+        assert set(codes) == {"OK"} and len(opened) == 3
+
+
+def test_bench_refuses_a_stream_at_a_rate(capsys):
+    assert client_main(["bench", "--server", "127.0.0.1:1", "--stream", "--rate", "10"]) == 2
+    assert "--stream is a closed loop: give --concurrency or --sweep, not --rate" in capsys.readouterr().err
 
 
 def test_bench_sends_the_connection_flags(make_server, capsys, tmp_path):
@@ -378,7 +433,7 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
         (tmp_path / f"{name}.json").write_text(capsys.readouterr().out)
     # The one-front-end run's JSON has the same shape (the bench sums the server's processes): a copy stands in.
     (tmp_path / "served_one_frontend.json").write_text((tmp_path / "served_batched.json").read_text())
-    for stand_in in ("served_fp16_torchscript", "served_fp16_cuda_graphs"):
+    for stand_in in ("served_fp16_torchscript", "served_fp16_cuda_graphs", "served_fp16_cuda_graphs_stream"):
         (tmp_path / f"{stand_in}.json").write_text((tmp_path / "served_batched.json").read_text())
     cost = {"bare_calls_per_s": 1800.0, "frontend_calls_per_s": 990.0, "ratio": 0.55,  # frontend_cost.py's shape
             "cpu_us_per_call": {"bare": 650.0, "engine": 350.0, "frontend": 1020.0}}
@@ -386,9 +441,11 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     engine = {"images_per_s": 14975.2, "engine_cpu_us_per_image": 20.84, "mean_batch": 67.7,  # engine_ceiling.py's
               "feeders": 4, "in_flight": 96, "compute_ms": 5.0, "rounds": 1}
     (tmp_path / "engine_ceiling.json").write_text(json.dumps(engine))
-    triton = {"concurrency": 256, "throughput": 9876.4, "p50_us": 25100, "p99_us": 40200,  # perf_analyzer.py's shape
-              "queue_us": 6100, "compute_infer_us": 9900}
-    (tmp_path / "served_fp16_perf_analyzer.json").write_text(json.dumps(triton))
+    triton = {"concurrency": 256, "input": "uint8", "streaming": False, "throughput": 9876.4,  # perf_analyzer.py's
+              "p50_us": 25100, "p99_us": 40200, "queue_us": 6100, "compute_infer_us": 9900, "client_cores": 1.04}
+    (tmp_path / "served_fp16_cuda_graphs_perf_analyzer.json").write_text(json.dumps(triton))
+    streamed = {**triton, "streaming": True, "throughput": 12001.0}
+    (tmp_path / "served_fp16_cuda_graphs_perf_analyzer_streaming.json").write_text(json.dumps(streamed))
     (tmp_path / "ceiling_fp16_compiled_default.json").write_text("")  # a step that failed before writing
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as when run as a script: it imports bench_table
     load_script("gpu_table").main(tmp_path, 2, 2)
@@ -417,8 +474,13 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert f"| in-process forward, fp16 CUDA graphs, batch 2 | {graphed:.0f} |" in table
     assert (f"- served_fp16_cuda_graphs c=4: {batched:.0f} images/s = {batched / graphed:.2f} x the in-process "
             f"fp16 cuda graphs forward at batch 2 ({graphed:.0f})") in table
-    assert ("- served fp16 under perf_analyzer (C++, FP32 requests) c=256: 9876 images/s, p50 25.1 ms, p99 40.2 ms; "
-            "the server's own split of a request: queue 6.1 ms, compute 9.9 ms") in table
+    assert "| served fp16 cuda graphs stream, c=4 |" in table
+    assert (f"- served_fp16_cuda_graphs_stream c=4: {batched:.0f} images/s = {batched / graphed:.2f} x the "
+            "in-process fp16 cuda graphs forward") in table
+    for calls, rate in (("ModelInfer calls", 9876), ("ModelStreamInfer messages", 12001)):
+        assert (f"- served fp16 CUDA graphs under perf_analyzer (C++, UINT8 requests as {calls}) c=256: {rate} "
+                "images/s, p50 25.1 ms, p99 40.2 ms; the server's own split of a request: queue 6.1 ms, compute "
+                "9.9 ms; perf_analyzer's CPU 1.0 cores") in table
     assert ("- one front-end with a free model: 990 calls/s = 0.55 x bare grpc.aio (1800); target >= 0.6; "
             "CPU a call: bare 650 us, engine 350 us, frontend 1020 us") in table
     assert ("- one engine's own ceiling (free model, scores 5 ms after launch, 4 feeders x 96 in flight): 14975 "
