@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
     return {"device": ",".join(str(runner.device) for runner in replicas.runners), "replicas": len(replicas.runners),
             "precision": args.precision, "compiled": args.compile,
             "compile_mode": args.compile_mode if args.compile else None, "torchscript": args.torchscript,
-            "cuda_graphs": args.cuda_graphs,
+            "cuda_graphs": all(runner.cuda_graphs for runner in replicas.runners),  # what ran: eager on a CPU
             "fold_batch_norms": args.fold_batch_norms, "input": args.input,
             "image_size": list(args.image_size), "forward_images_per_s": forward,
             "forward_call_ms": call_ms, "best_batch_size": best, "preprocess_images_per_s": preprocess_rate,

@@ -424,8 +424,10 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
                         "--precision", "fp16", "--torchscript", "--json"]) == 0
     (tmp_path / "ceiling_fp16_torchscript.json").write_text(capsys.readouterr().out)
     assert server_main(["bench-model", "--batch-sizes", "2", "--duration", "0.3", "--image-size", "64x48",
-                        "--precision", "fp16", "--cuda-graphs", "--json"]) == 0  # eager on the CPU, labelled as asked
-    (tmp_path / "ceiling_fp16_cuda_graphs.json").write_text(capsys.readouterr().out)
+                        "--precision", "fp16", "--cuda-graphs", "--json"]) == 0
+    graphs_ceiling = json.loads(capsys.readouterr().out)
+    assert graphs_ceiling["cuda_graphs"] is False  # a CPU runs it eager, and says so; a GPU's JSON says true
+    (tmp_path / "ceiling_fp16_cuda_graphs.json").write_text(json.dumps({**graphs_ceiling, "cuda_graphs": True}))
     for name, concurrency in (("served_batched", "1,4"), ("served_nobatch", "4")):
         assert client_main(["bench", "--server", running.target, "--sweep", concurrency, "--duration", "1.5",
                             "--warmup", "0", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet",
