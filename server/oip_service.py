@@ -324,7 +324,7 @@ def model_metadata(name: str) -> oip.ModelMetadataResponse:
         name=name, versions=[MODEL_VERSION], platform="pytorch_libtorch",
         inputs=[tensor(name=INPUT_NAME, datatype=declared.datatype, shape=declared.shape)],
         outputs=[tensor(name=PROBABILITIES, datatype="FP32", shape=[-1, 1000]),
-                 *(tensor(name=name, datatype=OUTPUT_TYPES[name], shape=[-1, -1]) for name in TOP_K_OUTPUTS)],
+                 *(tensor(name=output, datatype=OUTPUT_TYPES[output], shape=[-1, -1]) for output in TOP_K_OUTPUTS)],
     )
 
 
@@ -350,7 +350,7 @@ def model_config(info: pb.ModelInfo, name: str) -> mc.ModelConfig:
     """Triton's view of the served model under ``name``, from the ModelInfo our own API reports; settings
     Triton's config has no field for (the default temperature, the wait for closed-loop callers) go in its
     parameters."""
-    gpus = sorted({int(name.split(":")[1].split("#")[0]) for name in info.devices if name.startswith("cuda")})
+    gpus = sorted({int(device.split(":")[1].split("#")[0]) for device in info.devices if device.startswith("cuda")})
     group = (mc.ModelInstanceGroup(name="gpu", kind=mc.ModelInstanceGroup.KIND_GPU, count=1, gpus=gpus) if gpus
              else mc.ModelInstanceGroup(name="cpu", kind=mc.ModelInstanceGroup.KIND_CPU, count=len(info.devices)))
     batching = info.batching
