@@ -265,17 +265,20 @@ class Batcher:
         """Block until there is room for a batch and work arrives; None once stopping with nothing left;
         [] when a probe is due."""
         with self._cond:
-            while self._in_flight >= self._most_in_flight:
-                self._cond.wait()
-            while not self._queue and not self._stopping:
-                if not self._cond.wait(self._time_to_probe()):
-                    return []
-            if not self._queue:
-                return None
-            if self._max_delay > 0:
-                self._wait_for_fuller_batch()
-            if self._wait_for_callers > 0:
-                self._wait_for_answered_callers()
+            while True:
+                while self._in_flight >= self._most_in_flight:
+                    self._cond.wait()
+                while not self._queue and not self._stopping:
+                    if not self._cond.wait(self._time_to_probe()):
+                        return []
+                if not self._queue:
+                    return None
+                if self._max_delay > 0:
+                    self._wait_for_fuller_batch()
+                if self._wait_for_callers > 0:
+                    self._wait_for_answered_callers()
+                if self._queue:  # else every image waited for was withdrawn meanwhile: wait for work again
+                    break
             size = min(len(self._queue), self.max_batch_size)
             batch = [self._queue.popleft() for _ in range(size)]
             self._queue_depth.set(len(self._queue))

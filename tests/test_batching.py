@@ -172,3 +172,30 @@ def test_the_next_batch_is_launched_while_one_computes_and_no_more(make_server, 
     for image, (result,) in zip(IMAGES[:3], results, strict=True):
         expected = reference.probabilities(reference.input_from_bytes(image))
         np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
+
+
+def test_a_batch_whose_only_call_was_cancelled_while_it_filled_leaves_no_empty_batch(make_server):
+    """The one caller cancels while its image waits for a fuller batch: the image leaves the queue at once,
+    and when the wait ends the batcher waits for work again. Nothing runs for the empty batch (before, it ran
+    as a due probe: one blank forward pass), and the next call is one batch of one image."""
+    running = make_server(max_batch_size=4, max_batch_delay_ms=1500.0)
+
+    async def cancelled_call() -> float:
+        async with AsyncClient(running.target, timeout=60) as aclient:
+            call = asyncio.ensure_future(aclient.classify([IMAGES[0]]))
+            await asyncio.get_running_loop().run_in_executor(
+                None, wait_for, lambda: running.sample("resnet_queue_depth", device="cpu") == 1)
+            queued_by = time.monotonic()
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            return queued_by
+
+    queued_by = asyncio.run(cancelled_call())
+    wait_for(lambda: running.sample("resnet_dropped_images_total", device="cpu", reason="cancelled") == 1)
+    assert running.sample("resnet_queue_depth", device="cpu") == 0
+    # The batcher's own clock: its wait for a fuller batch ends 1.5 s after the image was queued.
+    wait_for(lambda: time.monotonic() > queued_by + 1.5 + 0.2)
+    with Client(running.target, timeout=60) as client:
+        client.classify([IMAGES[1]])
+    assert batches(running) == (1, 1)
+    assert running.sample("resnet_replica_probes_total", device="cpu", result="passed") == 0

@@ -200,7 +200,10 @@ def test_a_front_end_process_killed_with_calls_queued_leaves_no_slot_taken(engin
     pid = engine_set.supervisor.children["frontend-0"].process.pid
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(Client(f"127.0.0.1:{port}", timeout=60, attempts=1).classify, [PIXELS] * 5)
-        wait_for(lambda: engine_set.taken_slots() == 5)
+        # Queued in the engine, not only written: a front-end takes slots and writes the pixels, then sends their
+        # message at the end of its event loop's turn; killed between the two, the engine never had them.
+        wait_for(lambda: engine_sample(engine_set, 'resnet_queue_depth{device="cpu"}') == 5)
+        assert engine_set.taken_slots() == 5
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(ClassifierError):
             waiting.result(timeout=30)
