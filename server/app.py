@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn, TypeVar
 
 import grpc
@@ -344,10 +344,14 @@ async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None =
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, app.request_stop, "signal received")
     try:
-        await app.start(on_bound, load_first)
+        started = await _unless_stopped(app.start(on_bound, load_first), app.stop_requested)
     except BaseException:
         await app.stop(0)  # close the bound port before the error ends the process
         raise
+    if not started:  # a signal while loading (a front-end waits for its engines' warm-up): nothing was accepted
+        await app.stop(0)
+        log.info("%s before serving: stopped", app.stop_reason)
+        return app.exit_code
     if on_serving is not None:
         on_serving()  # before the log line: once that is out, a supervisor knows this worker has served
     app.log_serving()
@@ -357,6 +361,20 @@ async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None =
     await app.stop()
     log.info("stopped")
     return app.exit_code
+
+
+async def _unless_stopped(work: Awaitable[object], stop: asyncio.Event) -> bool:
+    """Await ``work`` unless ``stop`` is set first, which cancels it: whether it finished (its error raised)."""
+    task, stopping = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    await asyncio.wait((task, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if task.done():
+        task.result()
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

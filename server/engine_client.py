@@ -31,8 +31,7 @@ from .slab import Slab
 from .statistics import BatchTiming
 
 log = logging.getLogger("server.engine_client")
-RECONNECT_INTERVAL = 0.1  # seconds between tries to reach a restarted engine
-ENGINE_START_SECONDS = 300.0  # how long a new front-end waits for an engine that is (re)starting
+RECONNECT_INTERVAL = 0.1  # seconds between tries to reach an engine that is starting or restarting
 _ERRORS = {cls.__name__: cls for cls in vars(errors).values()
            if isinstance(cls, type) and issubclass(cls, ServingError)}
 
@@ -83,10 +82,10 @@ class EngineClient:
         return self.info["decode_on_device"]
 
     async def open(self) -> None:
-        """Connect, waiting up to ENGINE_START_SECONDS for an engine that is restarting (a front-end replaced
-        meanwhile); StartupError if none answers by then."""
-        if not await self._connect_when_up(ENGINE_START_SECONDS):
-            raise StartupError(f"the engine of {self.name} did not answer within {ENGINE_START_SECONDS:.0f} s")
+        """Connect, waiting for as long as the engine takes to warm up (compiling every bucket can take minutes):
+        the supervisor, not a front-end, decides that an engine has failed, and stops the server then."""
+        if not await self._connect_when_up(None):
+            raise StartupError(f"stopped before the engine of {self.name} answered")
 
     async def _connect_when_up(self, seconds: float | None) -> bool:
         """Try every RECONNECT_INTERVAL until the engine answers (True), ``seconds`` pass or the handle is

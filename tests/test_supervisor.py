@@ -311,15 +311,23 @@ def test_a_crash_looping_child_is_replaced_after_a_growing_pause():
     (["--device", "cuda:99"], "resnet-server: error: "),  # refused by the supervisor: no engine starts
     (["--weights", "missing.pth"], "resnet-server: error: engine cpu: "),  # refused by the engine, loading
 ])
-def test_an_engine_that_cannot_start_ends_the_server_with_its_error_before_any_front_end(flags, error, weights_file,
-                                                                                         tmp_path):
+def test_an_engine_that_cannot_start_ends_the_server_with_its_error_and_no_front_end_serves(flags, error,
+                                                                                            weights_file, tmp_path):
+    """A device the supervisor refuses starts no process. An engine that fails to load ends the server; the
+    first front-end, started beside it and bound (the others start once it is), waits for it and takes the
+    supervisor's SIGTERM at once: it logs that it stopped before serving, rather than being killed after the
+    grace period. A front-end still starting when the SIGTERM comes ends by it."""
     done = subprocess.run(
         [sys.executable, "-m", "server", "--frontends", "2", "--host", "127.0.0.1", "--port", "0",
-         "--metrics-port", "0", "--device", "cpu", "--weights", str(weights_file[0]), *flags],
+         "--metrics-port", "0", "--device", "cpu", "--weights", str(weights_file[0]), "--grace-period", "60", *flags],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     assert error in done.stderr and flags[1] in done.stderr
-    assert "started resnet-frontend" not in done.stderr
+    assert "serving resnet18" not in done.stderr
+    if flags[0] == "--device":
+        assert "started resnet-" not in done.stderr
+    else:
+        assert "signal received before serving: stopped" in done.stderr
 
 
 def test_each_front_end_gets_the_shared_port_and_a_loopback_metrics_port_after_the_supervisors():
