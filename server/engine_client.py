@@ -84,21 +84,17 @@ class EngineClient:
     async def open(self) -> None:
         """Connect, waiting for as long as the engine takes to warm up (compiling every bucket can take minutes):
         the supervisor, not a front-end, decides that an engine has failed, and stops the server then."""
-        if not await self._connect_when_up(None):
+        if not await self._connect_when_up():
             raise StartupError(f"stopped before the engine of {self.name} answered")
 
-    async def _connect_when_up(self, seconds: float | None) -> bool:
-        """Try every RECONNECT_INTERVAL until the engine answers (True), ``seconds`` pass or the handle is
-        closed (False)."""
+    async def _connect_when_up(self) -> bool:
+        """Try every RECONNECT_INTERVAL until the engine answers (True) or the handle is closed (False)."""
         loop = asyncio.get_running_loop()
-        deadline = None if seconds is None else loop.time() + seconds
         while not self._closed:
             try:
                 connection, info = await loop.run_in_executor(None, self._connect)
             except (OSError, EOFError, ValueError, AuthenticationError) as exc:  # not listening yet, or it ended
                 log.debug("engine of %s not answering: %s", self.name, exc)
-                if deadline is not None and loop.time() >= deadline:
-                    return False
                 await asyncio.sleep(RECONNECT_INTERVAL)
                 continue
             if self._closed:
@@ -236,7 +232,7 @@ class EngineClient:
             self._reconnecting = asyncio.ensure_future(self._reconnect())
 
     async def _reconnect(self) -> None:
-        if await self._connect_when_up(None):
+        if await self._connect_when_up():
             log.warning("the engine of %s is back", self.name)
             if self._in_rotation:
                 self._on_back()

@@ -138,8 +138,7 @@ class Supervisor:
     def run(self) -> bool:
         """Start everything and keep it running; False when a signal comes, True when a child ended before it
         first served (the set then stops)."""
-        for index in range(len(self.links)):
-            self._start_engine(index)
+        self._start_engines()
         # The front-ends start beside the engines: a front-end's own start (imports, gRPC, the port) took 6 of the
         # 23 s to SERVING on the 2-core VM when it waited for them. An engine or front-end that ends before it
         # is ready ends the set, as before.
@@ -158,9 +157,12 @@ class Supervisor:
 
     def start_engines(self) -> bool | None:
         """Start an engine per device and wait until each is warm: None then, else as _wait_until."""
+        self._start_engines()
+        return self._wait_until(self._engines_warm)
+
+    def _start_engines(self) -> None:
         for index in range(len(self.links)):
             self._start_engine(index)
-        return self._wait_until(self._engines_warm)
 
     def _engines_warm(self) -> bool:
         return all(self.children[f"engine-{index}"].serving for index in range(len(self.links)))
