@@ -138,12 +138,17 @@ def _closed_loop(spec: LoadSpec) -> list[tuple[float, str]]:
     return window.records
 
 
+async def _async_clients(stack: contextlib.AsyncExitStack, spec: LoadSpec) -> list[AsyncClient]:
+    """``spec.connections`` clients, each on a connection of its own when there are several; closed with ``stack``."""
+    return [await stack.enter_async_context(
+        AsyncClient(spec.target, **spec.connection, own_connection=spec.connections > 1))
+        for _ in range(spec.connections)]
+
+
 async def _open_loop(spec: LoadSpec) -> list[tuple[float, str]]:
     """Requests sent at Poisson arrival times, ``spec.rate`` a second, whether or not earlier ones returned."""
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(
-            AsyncClient(spec.target, **spec.connection, own_connection=spec.connections > 1))
-            for _ in range(spec.connections)]
+        clients = await _async_clients(stack, spec)
         # Each client's stub and call metadata, worked out once: metadata() reads the TLS files it is given.
         senders = [(_classify_bytes(client._channel), client._config.metadata(), client.timeout) for client in clients]
         window = _Window(spec)
@@ -174,9 +179,7 @@ async def _stream_loop(spec: LoadSpec) -> list[tuple[float, str]]:
     A message on an open stream skips what a call costs both ends (its HTTP/2 stream, headers and status):
     about half the CPU a request of unary calls, for the client as for the server (2-core VM, free model)."""
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(
-            AsyncClient(spec.target, **spec.connection, own_connection=spec.connections > 1))
-            for _ in range(spec.connections)]
+        clients = await _async_clients(stack, spec)
         window = _Window(spec)
 
         async def loop(client: AsyncClient) -> None:
