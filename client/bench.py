@@ -74,7 +74,8 @@ def make_image(kind: str, width: int, height: int, path: str | None = None) -> p
     try:
         from PIL import Image
     except ImportError:
-        raise SystemExit("resnet-client bench: --input jpeg/png needs Pillow, or pass --image FILE") from None
+        raise SystemExit("resnet-client bench: error: --input jpeg (the default) and png need Pillow: pip install "
+                         "'resnet-grpc[tools]', or send --input uint8 or --image FILE") from None
     buffer = io.BytesIO()
     Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3)).save(buffer, format=kind.upper())
     return pb.Image(encoded=buffer.getvalue())
@@ -271,7 +272,8 @@ def metrics_urls(urls: str | None) -> list[str]:
 
 def scrape(urls: str | None) -> dict[tuple[str, str], float]:
     """{(series, device): value} for the sums and counts the server view needs, summed over a comma-separated
-    list of URLs (several servers) and over the other labels (a --workers server's ``worker``); {} without one."""
+    list of URLs (several servers) and over the other labels (a server's ``worker``: each of its processes); {}
+    without one."""
     values: Counter[tuple[str, str]] = Counter()
     for url in metrics_urls(urls):
         values.update(_scrape_one(url))
@@ -475,8 +477,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--processes", type=positive_int, default=1,
                        help="client processes sharing the load (default %(default)s)")
     bench.add_argument("--connections", type=positive_int, default=1,
-                       help="connections per process, its requests spread over them (a --workers server hands "
-                            "each connection to one of its workers; default %(default)s)")
+                       help="connections per process, its requests spread over them (the server hands each "
+                            "connection to one of its front-end processes; default %(default)s)")
     bench.add_argument("--stream", action="store_true",
                        help="closed loop over ClassifyStream: one stream a request in flight, each request a message "
                             "on it (about half the CPU a request of unary calls, on both ends)")
@@ -544,5 +546,10 @@ def run_bench(args: argparse.Namespace) -> int:
         plot(points, args.plot, f"{args.server}: {args.input} {size_text(args.image_size)}, {images} a request")
     if all(point["ok"] == 0 for point in points):
         print(f"resnet-client: error: no request succeeded: {points[-1]['errors']}", file=sys.stderr)
+        return 1
+    if unavailable := sum(point["errors"].get("UNAVAILABLE", 0) for point in points):
+        # The first call reached the server: calls that found it gone since mean the figures measure no server.
+        print(f"resnet-client: error: the server stopped answering during the run: {unavailable} calls failed "
+              "UNAVAILABLE", file=sys.stderr)
         return 1
     return 0

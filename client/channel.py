@@ -10,12 +10,15 @@ from pathlib import Path
 import grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-DEFAULT_TARGET = "localhost:50051"
+DEFAULT_PORT = 50051
+DEFAULT_TARGET = f"localhost:{DEFAULT_PORT}"
+# Targets gRPC resolves itself, with no host and port to complete.
+_NO_PORT_SCHEMES = ("unix:", "unix-abstract:", "vsock:")
 DEFAULT_ATTEMPTS = 3
 # How soon a lost connection is tried again: 0.1 s, then growing (x1.6, with jitter) up to 5 s, where gRPC's
-# defaults are 1 s and 120 s; meanwhile round_robin fails calls at once. When a --workers server's worker dies,
+# defaults are 1 s and 120 s; meanwhile round_robin fails calls at once. When a server's front-end dies,
 # the reconnect can land on its listener before that closes and be reset: with the defaults a closed loop then
-# failed for about a second (README, Devices: figures). And 120 s would keep a client away from a server that
+# failed for about a second (docs/operations.md). And 120 s would keep a client away from a server that
 # is back for up to two minutes.
 RECONNECT_BACKOFF = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 5000)]
@@ -38,7 +41,7 @@ class ChannelConfig:
     token: str | None = None
     attempts: int = DEFAULT_ATTEMPTS  # 1: no retries
     # gRPC shares one connection among the channels of a process that name the same target with the same
-    # options; a client with its own opens its own, so that several spread over a --workers server's processes
+    # options; a client with its own opens its own, so that several spread over a server's front-end processes
     # (the kernel hands each new connection to one of them).
     own_connection: bool = False
 
@@ -100,5 +103,20 @@ def _read(path: str | None) -> bytes | None:
 
 def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
     if isinstance(target, str):
-        return tuple(part.strip() for part in target.split(",") if part.strip()) or (DEFAULT_TARGET,)
-    return tuple(target)
+        target = [part.strip() for part in target.split(",") if part.strip()]
+    return tuple(with_default_port(part) for part in target) or (DEFAULT_TARGET,)
+
+
+def with_default_port(target: str) -> str:
+    """``target`` with DEFAULT_PORT where it names no port: gRPC's own default is 443 (HTTPS)."""
+    if target.startswith(_NO_PORT_SCHEMES):
+        return target
+    scheme, address = ("dns:///", target.removeprefix("dns:///")) if target.startswith("dns:///") else ("", target)
+    if scheme == "" and target.startswith(("ipv4:", "ipv6:", "dns:")):
+        return target  # a resolver's own syntax: left as written
+    if address.startswith("["):  # [IPv6] or [IPv6]:port
+        has_port = "]:" in address
+    else:
+        has_port = address.count(":") == 1
+        address = address if address.count(":") < 2 else f"[{address}]"  # a bare IPv6 address
+    return scheme + (address if has_port else f"{address}:{DEFAULT_PORT}")

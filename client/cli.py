@@ -13,11 +13,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .channel import DEFAULT_ATTEMPTS
+from .channel import DEFAULT_ATTEMPTS, DEFAULT_PORT
 from .client import Client
 from .errors import ClassifierError
 from .files import CONCURRENCY, IMAGES_PER_REQUEST, FileError, classify_files
-from .flags import positive_float
+from .flags import positive_float, top_k
 from .messages import Classification
 
 SERVER_ENV = "RESNET_CLIENT_SERVER"
@@ -35,8 +35,8 @@ def add_connection_flags(parser: argparse.ArgumentParser, attempts: int = DEFAUL
     subcommand's namespace over the top level's, defaults included, which would undo a flag given before
     it; ``parse_args`` supplies the defaults after parsing."""
     parser.add_argument("--server", default=argparse.SUPPRESS,
-                        help="host:port, a comma-separated list of IP:port, or dns:///name:port "
-                             f"(default: env {SERVER_ENV}, else {DEFAULT_SERVER})")
+                        help=f"host[:port], a comma-separated list of IP[:port], or dns:///name[:port]; the port "
+                             f"is {DEFAULT_PORT} unless given (default: env {SERVER_ENV}, else {DEFAULT_SERVER})")
     parser.add_argument("--timeout", type=positive_float, default=argparse.SUPPRESS,
                         help=f"seconds per call (default {DEFAULT_TIMEOUT})")
     parser.add_argument("--tls-ca", default=argparse.SUPPRESS,
@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     classify = commands.add_parser("classify", help="classify image files")
     classify.add_argument("paths", nargs="+", metavar="PATH")
-    classify.add_argument("--top-k", type=int, default=None, help="classes to show per image (default 5)")
-    classify.add_argument("--temperature", type=float, default=None, help="softmax temperature (default: server's)")
+    classify.add_argument("--top-k", type=top_k, default=None, help="classes to show per image, 1 to 1000 (default 5)")
+    classify.add_argument("--temperature", type=positive_float, default=None,
+                          help="softmax temperature, finite and > 0 (default: the server's)")
     classify.add_argument("--full", action="store_true", help="also return the 1000 probabilities")
     classify.add_argument("--json", action="store_true", help="one JSON object per image per line")
     classify.add_argument("--images-per-request", type=int, default=IMAGES_PER_REQUEST, choices=range(1, 1001),
@@ -174,6 +175,8 @@ def run_info(args: argparse.Namespace) -> int:
     else:
         width = max(map(len, summary))
         for key, value in summary.items():
+            if key == "warning" and not value:  # only weights that need one (random) have a warning
+                continue
             print(f"{key:<{width}}  {value}")
     return 0
 

@@ -36,6 +36,25 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0 to 65535 (what 0 means is the flag's to say): gRPC would take 99999 as 99999 mod 65536."""
+    value = _number(text, int)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {value}")
+    return value
+
+
+# The model's classes (ImageNet's): the server refuses a larger top_k as well.
+CLASSES = 1000
+
+
+def top_k(text: str) -> int:
+    value = _number(text, int)
+    if not 1 <= value <= CLASSES:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {CLASSES}, got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """Finite as well: a duration, rate or timeout of infinity never ends, NaN compares false to everything."""
     value = _number(text, float)

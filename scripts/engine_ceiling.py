@@ -74,11 +74,9 @@ def batch_totals(port: int) -> tuple[float, float]:
 
 
 def one_round(supervisor, args: argparse.Namespace) -> dict:
-    from server.worker_metrics import worker_metrics_port
-
     context = multiprocessing.get_context("spawn")
     engine = {"engine": supervisor.children["engine-0"].process.pid}
-    port = worker_metrics_port(supervisor.config.metrics_port, supervisor.frontends)
+    port = supervisor.children["engine-0"].metrics_port
     pipes = []
     for number in range(args.feeders):
         ours, theirs = context.Pipe()

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from client.api import classifier_pb2 as pb
 from client.api import classifier_pb2_grpc as pb_grpc
+from client.api import grpc_predict_v2_pb2 as oip_pb
 from client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 
 from . import __version__, event_loop
@@ -45,6 +46,7 @@ log = logging.getLogger("server")
 T = TypeVar("T")
 LABELS = list(IMAGENET_WEIGHTS.meta["categories"])
 SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name,)
+OIP_SERVICE_NAME = oip_pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
 
 class App:
@@ -124,8 +126,8 @@ class App:
         add_servicer(oip_grpc.add_GRPCInferenceServiceServicer_to_server, self.inference, self._server,
                      {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request})
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                            self._server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         address = f"{config.host}:{config.port}"
         try:
             self.port = (self._server.add_secure_port(address, self.credentials) if self.credentials
@@ -275,7 +277,7 @@ def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Ser
 def _connection_age_options(config: ServerConfig) -> list[tuple[str, int]]:
     """GOAWAY after --max-connection-age (gRPC adds +-10% jitter, so clients do not reconnect in step), calls in
     flight then having --grace-period to finish. A client's connection otherwise stays on the process (or, with
-    --workers, the worker) it first reached, however many have been added since."""
+    several front-ends, the front-end) it first reached, however many have been added since."""
     if not config.max_connection_age:
         return []
     return [("grpc.max_connection_age_ms", round(config.max_connection_age * 1000)),
@@ -336,13 +338,13 @@ async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None =
                 metrics: Metrics | None = None, engines: Sequence[EngineLink] = (), owner: int = 1) -> int:
     """Run until SIGTERM or SIGINT (exit code 0), or until no replica has been in rotation for
     --unhealthy-exit-after seconds (1), then drain within the grace period. ``on_bound`` and ``load_first``: see
-    App.start; ``on_serving`` hears when health says SERVING; ``metrics``: a --workers worker's (see App)."""
+    App.start; ``on_serving`` hears when health says SERVING; ``metrics``: a front-end's (see App)."""
     use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (server.threads)
     sys.setswitchinterval(config.switch_interval_ms / 1000)
     app = App(config, metrics, engines, owner)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, app.request_stop, "signal received")
+        loop.add_signal_handler(sig, app.request_stop, f"{sig.name} received")
     try:
         started = await _unless_stopped(app.start(on_bound, load_first), app.stop_requested)
     except BaseException:

@@ -203,7 +203,7 @@ def parse_model_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] |
     return args
 
 
-def main(argv: Sequence[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="resnet-server bench-model", description=__doc__)
     add_model_arguments(parser)
     parser.add_argument("--batch-sizes", type=comma_list(positive_int), default=[1, 4, 8, 16, 32],
@@ -215,7 +215,11 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--duration", type=positive_float, default=5.0,
                         help="seconds per measurement (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="the results as one JSON object")
-    args = parse_model_arguments(parser, argv)
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_model_arguments(build_parser(), argv)
     result = run(args)
     if args.json:
         print(json.dumps(result))

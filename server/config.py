@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from client.flags import non_negative_float, non_negative_int, positive_float, positive_int
+from client.flags import non_negative_float, non_negative_int, port_number, positive_float, positive_int
 
 from .event_loop import EVENT_LOOPS, uvloop_installed
 from .logs import LOG_FORMATS
@@ -119,6 +119,20 @@ _precision = _one_of("fp32", "fp16", "bf16")
 _compile_mode = _one_of(*COMPILE_MODES)
 _log_format = _one_of(*LOG_FORMATS)
 _event_loop = _one_of(*EVENT_LOOPS)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _log_level(text: str) -> str:
+    return _one_of(*LOG_LEVELS)(text.strip().upper())
+
+
+def weights_source(text: str) -> str:
+    """imagenet, random, or a file that exists: a misspelt name or a wrong path is refused before any process
+    starts, rather than by each engine after the others have started."""
+    if text in ("imagenet", "random") or os.path.isfile(text):
+        return text
+    raise argparse.ArgumentTypeError(f"must be imagenet, random or the path of a state_dict file; "
+                                     f"{text!r} is neither, and no such file exists")
 
 
 def _boolean(text: str) -> bool:
@@ -148,73 +162,92 @@ def _device_list(text: str) -> tuple[str, ...]:
     return devices
 
 
-# (flag, type, help). Defaults come from ServerConfig so they live in one place.
+# (flag, type, help). Defaults come from ServerConfig so they live in one place. The help is also the README's
+# flags table (flags_table(); tests/test_config.py checks that they agree), so it says what a user needs there.
 _FLAGS: list[tuple[str, object, str]] = [
-    ("host", str, "address the gRPC server binds to"),
-    ("port", non_negative_int, "gRPC port (0 picks a free one)"),
-    ("metrics-host", str, "address of the Prometheus /metrics endpoint"),
-    ("metrics-port", non_negative_int, "Prometheus /metrics port (0 turns the endpoint off)"),
-    ("device", _device_list, "cpu, cuda, cuda:N, auto, or a comma-separated list (one replica each)"),
-    ("weights", str, "imagenet (torchvision, cached under TORCH_HOME), a PATH to a state_dict, or random"),
-    ("temperature", positive_float, "default softmax temperature T (finite, > 0)"),
-    ("temperature-file", str, "JSON file with a fitted temperature (resnet-client calibrate); overrides --temperature"),
-    ("max-batch-size", non_negative_int, "most images in one forward pass; 0 = 32 on CUDA, 8 on the CPU"),
-    ("max-batch-delay-ms", non_negative_float, "longest the oldest queued image waits for a fuller batch"),
-    ("wait-for-callers-ms", non_negative_float, "after answering a batch, longest a replica waits for as many new "
-                                                 "images as it answered before starting a smaller batch: for "
-                                                 "closed-loop callers, who send again once answered (0: off)"),
-    ("max-queue", positive_int, "images accepted per replica and not yet answered; beyond it new requests get "
-                                 "RESOURCE_EXHAUSTED at once"),
-    ("max-images-per-request", positive_int, "most images in one request"),
-    ("max-pixels", positive_int, "most pixels (H*W) in one image; guards against decompression bombs"),
+    ("host", str, "gRPC bind address"),
+    ("port", port_number, "gRPC port, 0 to 65535 (0 picks a free one)"),
+    ("metrics-host", str, "/metrics bind address; expose it only inside the cluster"),
+    ("metrics-port", port_number, "/metrics port of the whole server, 0 to 65535 (0 turns the endpoint off); the "
+                                  "engines and front-ends serve theirs on loopback ports the system picks, which "
+                                  "the supervisor reads for each scrape"),
+    ("device", _device_list, "cpu, cuda, cuda:N, auto (every visible GPU, else cpu), or a comma-separated list, "
+                             "one engine each"),
+    ("weights", weights_source, "imagenet (torchvision's, cached under TORCH_HOME), random (seeded, untrained), "
+                                "or the PATH of a state_dict file (a plain state_dict, a checkpoint dict with "
+                                "state_dict or model, module.-prefixed keys; saved on any device); checked "
+                                "before any process starts"),
+    ("temperature", positive_float, "default softmax temperature T, finite and > 0; each request may override it"),
+    ("temperature-file", str, "JSON {\"temperature\": T} (as written by resnet-client calibrate); wins over "
+                              "--temperature"),
+    ("max-batch-size", non_negative_int, "most images in one forward pass; 0 = by device: "
+                                         f"{DEFAULT_MAX_BATCH_SIZE['cuda']} on CUDA, {DEFAULT_MAX_BATCH_SIZE['cpu']} "
+                                         "on the CPU. Batches run only at sizes warmed before SERVING (1, 2, 4, 8, "
+                                         "16, 24, 32, 48 ... up to this): CUDA pads up to the next "
+                                         "(resnet_padded_images_total), the CPU splits"),
+    ("max-batch-delay-ms", non_negative_float, "how long the oldest waiting image may wait for a fuller batch"),
+    ("wait-for-callers-ms", non_negative_float, "after answering a batch, how long a device may wait for as many "
+                                                 "new images as it held before starting a smaller one: for "
+                                                 "closed-loop callers, who otherwise split into two batches that "
+                                                 "take turns (0: off)"),
+    ("max-queue", positive_int, "images accepted per device and not yet answered, for the whole server (its "
+                                 "engine's shared-memory slots); beyond it RESOURCE_EXHAUSTED at once"),
+    ("max-images-per-request", positive_int, "most images in one request; more is INVALID_ARGUMENT"),
+    ("max-pixels", positive_int, "most pixels (H*W) per image, checked from the header before decoding "
+                                 "(decompression bombs)"),
     ("max-message-mb", positive_int, "largest gRPC message received or sent, in MiB"),
     ("max-concurrent-streams", positive_int, "most concurrent RPCs per HTTP/2 connection"),
-    ("max-connection-age", non_negative_float, "seconds after which the server asks a client to reconnect "
-                                                "(HTTP/2 GOAWAY; calls in flight get --grace-period), so that "
-                                                "clients rebalance over servers and workers added since (0: never)"),
-    ("preprocess-threads", positive_int, "threads that decode and preprocess images (one torch thread each)"),
-    ("torch-threads", non_negative_int, "torch threads of each replica (0: every core for a CPU, one for a GPU)"),
+    ("max-connection-age", non_negative_float, "seconds after which a connection is asked to reconnect (HTTP/2 "
+                                                "GOAWAY, +-10% jitter; calls in flight get --grace-period), so "
+                                                "that clients rebalance over servers and front-ends added since "
+                                                "(0: never)"),
+    ("preprocess-threads", positive_int, "threads of each front-end that decode and preprocess images (each runs "
+                                         "torch one-threaded)"),
+    ("torch-threads", non_negative_int, "torch threads of each engine (0: every core for a CPU, one host thread "
+                                        "for a GPU)"),
     ("switch-interval-ms", positive_float, "how long a Python thread holds the GIL while another waits for it "
-                                            "(sys.setswitchinterval), in every process; shorter lets an engine's "
-                                            "batcher launch its next GPU kernel sooner while its other threads "
-                                            "are busy"),
+                                           "(sys.setswitchinterval), in the front-ends and the engines; shorter "
+                                           "lets an engine launch its next GPU batch sooner while its other "
+                                           "threads are busy (Python's own is 5 ms)"),
     ("frontends", _auto_count, "gRPC front-end processes sharing the port (SO_REUSEPORT) and feeding one engine "
                                "process per device through shared memory; auto: half the cores left after one "
-                               "per device, 1 to 8 (--workers is the old name)"),
-    ("event-loop", _event_loop, "the front-ends' event loop: uvloop (libuv; 7-21% less CPU a call), asyncio "
-                                "(Python's own), or auto: uvloop where installed (the server extra installs it)"),
-    ("grace-period", non_negative_float, "seconds to finish accepted calls on SIGTERM/SIGINT"),
-    ("replica-probe-interval", non_negative_float, "seconds between test batches (one blank image) on a replica "
+                               "per device, 1 to 8 (--workers and RESNET_SERVER_WORKERS are its old name)"),
+    ("event-loop", _event_loop, "the front-ends' event loop: uvloop (libuv; 7-21% less front-end CPU a call, "
+                                "measured), asyncio (Python's own), or auto: uvloop where installed (the server "
+                                "extra installs it)"),
+    ("grace-period", non_negative_float, "seconds to finish accepted calls after SIGTERM or SIGINT"),
+    ("replica-probe-interval", non_negative_float, "seconds between test batches (one blank image) on a device "
                                                     "taken out of rotation; it rejoins when one passes (0: it "
                                                     "stays out until the server restarts)"),
-    ("unhealthy-exit-after", non_negative_float, "seconds with no replica in rotation after which the server "
-                                                  "drains and exits 1, so that its orchestrator (or, with "
-                                                  "--workers, the supervisor) replaces it (0: never)"),
-    ("log-level", str, "DEBUG, INFO, WARNING or ERROR"),
-    ("log-format", _log_format, "text (readable lines) or json (one object per line, for log pipelines)"),
-    ("tls-cert", str, "server certificate chain (PEM); with --tls-key turns TLS on"),
+    ("unhealthy-exit-after", non_negative_float, "seconds with no device in rotation after which a front-end "
+                                                  "drains and exits 1, and the supervisor replaces it (a fresh "
+                                                  "connection to working engines; 0: never)"),
+    ("log-level", _log_level, "DEBUG, INFO, WARNING or ERROR"),
+    ("log-format", _log_format, "text (readable lines) or json (one object per line: time UTC, level, logger, "
+                                "message, exception)"),
+    ("tls-cert", str, "server certificate chain (PEM); with --tls-key turns TLS on (plaintext is then refused)"),
     ("tls-key", str, "server private key (PEM)"),
-    ("tls-client-ca", str, "CA (PEM) that client certificates must chain to: mutual TLS, certificates required"),
-    ("auth-token-file", str, "file of accepted bearer tokens, one per line; calls without one get UNAUTHENTICATED"),
-    ("auth-health", _boolean, "require the token on the health service too (probes then need it)"),
-    ("precision", _precision, "fp32, fp16 or bf16 weights and activations (softmax is always fp32)"),
-    ("channels-last", _boolean, "channels_last memory format (faster convolutions on CUDA and the CPU)"),
-    ("cudnn-benchmark", _boolean, "let cuDNN autotune convolutions (at warm-up, before SERVING)"),
-    ("compile", _boolean, "torch.compile the model for each power-of-two batch size up to --max-batch-size "
-                          "(at warm-up, before SERVING); other batch sizes run as compiled pieces on the CPU, "
-                          "padded on CUDA"),
-    ("compile-mode", _compile_mode, "with --compile: default, or reduce-overhead (each compiled graph replayed as "
-                                    "a CUDA graph on CUDA replicas, recorded at warm-up; the same as default on "
-                                    "the CPU)"),
-    ("torchscript", _boolean, "run the model as a frozen TorchScript graph (traced at start-up): the whole forward "
-                              "pass in C++, holding the GIL once instead of at every operator, so a busy event "
-                              "loop no longer slows it (see the README's Devices section); not with --compile"),
-    ("cuda-graphs", _auto_boolean, "on CUDA devices, capture the model and softmax as one CUDA graph per warmed "
-                                   "batch size at start-up and replay it for each batch (a few calls from Python a "
-                                   "batch instead of about 64; no compiler needed); auto: on unless --compile or "
-                                   "--torchscript chooses the runner; nothing changes on the CPU"),
-    ("decode-on-device", _auto_boolean, "decode JPEGs in batches on the replica's device (nvjpeg on CUDA) and "
-                                        "resize/normalise there; auto: on for CUDA devices, off for the CPU"),
+    ("tls-client-ca", str, "mutual TLS: clients must present a certificate from this CA (PEM)"),
+    ("auth-token-file", str, "accepted bearer tokens, one per line (# comments); calls without "
+                             "'authorization: Bearer <token>' get UNAUTHENTICATED"),
+    ("auth-health", _boolean, "also require the token on grpc.health.v1.Health (kept open by default for "
+                              "orchestrator probes)"),
+    ("precision", _precision, "fp32, fp16 or bf16 weights and activations (the softmax in float64, then fp32); "
+                              "bf16 on CPUs with AMX or AVX-512 BF16 is 1.8-3x fp32 (docs/operations.md)"),
+    ("channels-last", _boolean, "channels_last memory format, on CUDA and on the CPU (faster convolutions)"),
+    ("cudnn-benchmark", _boolean, "cuDNN autotuning, paid at warm-up for every warmed batch size before SERVING"),
+    ("compile", _boolean, "torch.compile (inductor, weights frozen) for every warmed batch size at warm-up, before "
+                          "SERVING; needs a C++ compiler at start-up"),
+    ("compile-mode", _compile_mode, "with --compile: default, or reduce-overhead (each batch size recorded as a "
+                                    "CUDA graph at warm-up and replayed; as default on the CPU)"),
+    ("torchscript", _boolean, "run the model and softmax as a frozen TorchScript graph traced at start-up (the "
+                              "GIL held once a batch instead of at every operator; docs/operations.md); not with "
+                              "--compile"),
+    ("cuda-graphs", _auto_boolean, "on CUDA, capture the model and softmax as one CUDA graph per warmed batch size "
+                                   "at start-up and replay it per batch (no compiler); auto: on unless --compile "
+                                   "or --torchscript is asked for; false: eager; nothing changes on the CPU"),
+    ("decode-on-device", _auto_boolean, "decode JPEGs in batches on the device (nvjpeg on CUDA) and preprocess "
+                                        "there; auto: on for CUDA, off for the CPU"),
 ]
 
 
@@ -234,7 +267,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="resnet-server",
         description="ResNet18 image classification over gRPC. Every flag has an environment twin "
-        f"{ENV_PREFIX}<FLAG> (e.g. {env_name('device')}=cuda:1); flags win.",
+        f"{ENV_PREFIX}<FLAG> (e.g. {env_name('device')}=cuda:1); flags win. A boolean flag alone means true "
+        "(--compile is --compile true). `resnet-server bench-model --help`: the in-process benchmark.",
     )
     defaults = ServerConfig()
     for flag, kind, help_text in _FLAGS:
@@ -244,13 +278,40 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             if alias in env:
                 default = _from_env(alias, env[alias], kind)
                 break
-        shown = ",".join(default) if isinstance(default, tuple) else default
+        shown = _shown_default(kind, default)
         # A boolean flag alone means true: `--compile` is `--compile true`.
         optional_value = {"nargs": "?", "const": kind("true")} if kind in (_boolean, _auto_boolean) else {}
-        shown = "auto" if kind is _auto_count and not default else shown
         parser.add_argument(f"--{flag}", *_ALIASES.get(flag, ()), dest=_field_name(flag), type=kind, default=default,
-                            **optional_value, help=f"{help_text} [env {name}; default {shown}]")
+                            **optional_value, help=_escaped(f"{help_text} [env {name}; default {shown}]"))
     return parser
+
+
+def _escaped(help_text: str) -> str:
+    """argparse %-formats every help string (for %(default)s): a literal % must be doubled."""
+    return help_text.replace("%", "%%")
+
+
+def _shown_default(kind: object, default: object) -> str:
+    """A default as a user would type it."""
+    if default is None:
+        return "none"
+    if isinstance(default, bool):
+        return str(default).lower()
+    if isinstance(default, tuple):
+        return ",".join(default)
+    if kind is _auto_count and not default:
+        return "auto"
+    return f"{default:g}" if isinstance(default, float) else str(default)
+
+
+def flags_table() -> str:
+    """The README's table of flags, from the same list as --help."""
+    defaults = ServerConfig()
+    rows = ["| flag | env | default | meaning |", "| --- | --- | --- | --- |"]
+    for flag, kind, help_text in _FLAGS:
+        shown = _shown_default(kind, getattr(defaults, _field_name(flag)))
+        rows.append(f"| `--{flag}` | `{env_name(flag)}` | `{shown}` | {help_text} |")
+    return "\n".join(rows) + "\n"
 
 
 def _from_env(name: str, text: str, kind) -> object:
@@ -265,8 +326,6 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     env = os.environ if env is None else env
     namespace = build_parser(env).parse_args(argv)
     config = ServerConfig(**vars(namespace))
-    if config.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-        raise ConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {config.log_level!r}")
     if problem := graph_problem(config.compile, config.compile_mode, config.torchscript,
                                  config.cuda_graphs == "true"):
         raise ConfigError(problem)

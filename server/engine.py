@@ -32,7 +32,7 @@ from .batcher import BatchOutput, Ticket, WorkItem
 from .config import ServerConfig
 from .device_decode import DeferredJpeg
 from .errors import ServingError, StartupError
-from .metrics import Metrics, serve_metrics
+from .metrics import Metrics, serve_child_metrics
 from .preprocess import FLOAT_SHAPE, CroppedImage, RawImage, SlotBytes
 from .registered_slab import device_rows, register_slab
 from .replicas import Replica, load_replica
@@ -251,8 +251,9 @@ def _slots_by_frontend(items: list[WorkItem]) -> dict[_FrontEnd, list[int]]:
 
 
 def engine_main(link: EngineLink, device: str, config: ServerConfig, live_owners: list[int],
-                statistics: SharedRow | None, metrics_port: int, reports: Connection) -> None:
-    """An engine process: load, report ("ready", info) to the supervisor, serve until SIGTERM, then drain."""
+                statistics: SharedRow | None, with_metrics: bool, reports: Connection) -> None:
+    """An engine process: report where its /metrics listens (``with_metrics``), load, report ("ready", info) to
+    the supervisor, serve until SIGTERM, then drain."""
     from .logs import configure_logging
     from .supervisor import die_with_supervisor
     from .threads import use_torch_threads
@@ -266,7 +267,9 @@ def engine_main(link: EngineLink, device: str, config: ServerConfig, live_owners
     # the finisher: the flag bounds that wait here, where the forward pass is launched (Python's own is 5 ms).
     sys.setswitchinterval(config.switch_interval_ms / 1000)
     metrics = Metrics(config.largest_batch, statistics)
-    http = serve_metrics(metrics, "127.0.0.1", metrics_port) if metrics_port else None
+    http = serve_child_metrics(metrics.registry) if with_metrics else None
+    if http is not None:
+        reports.send(("metrics", http.server_port))
     engine = Engine(link, torch.device(device), config, metrics)
     try:
         engine.start(live_owners)

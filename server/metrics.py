@@ -19,6 +19,7 @@ from .statistics import ModelStatistics, SharedRow
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFIX = "resnet_"
+CHILD_METRICS_HOST = "127.0.0.1"  # engines' and front-ends' own endpoints: the supervisor's is the public one
 
 
 class Metrics:
@@ -92,3 +93,9 @@ def serve_registry(registry: CollectorRegistry, host: str, port: int):
     except OSError as exc:
         raise StartupError(f"cannot serve /metrics on {host}:{port}: {exc.strerror}") from None
     return httpd
+
+
+def serve_child_metrics(registry: CollectorRegistry):
+    """An engine's or front-end's /metrics on a loopback port the system picks, for the supervisor to read; the
+    HTTP server (its ``server_port`` is reported to the supervisor)."""
+    return serve_registry(registry, CHILD_METRICS_HOST, 0)

@@ -45,9 +45,10 @@ from .config import ServerConfig
 from .devices import replica_names, resolve_devices
 from .engine import EngineLink, engine_main
 from .errors import StartupError
+from .metrics import serve_child_metrics
 from .slab import SLOT_INPUT_BYTES, SlabLayout, create_slab_memory
 from .statistics import SharedRow, shared_rows
-from .worker_metrics import WORKER_METRICS_HOST, serve_worker_metrics, worker_metrics_port
+from .worker_metrics import serve_worker_metrics
 
 log = logging.getLogger("server.supervisor")
 _spawn = multiprocessing.get_context("spawn")
@@ -72,21 +73,21 @@ def restart_delay(quick_ends: int) -> float:
 
 
 def frontend_config(config: ServerConfig, index: int, port: int, frontends: int) -> ServerConfig:
-    """Front-end ``index``'s configuration: the shared port and its own metrics port on loopback."""
-    return dataclasses.replace(config, port=port, worker=index, frontends=frontends,
-                               metrics_host=WORKER_METRICS_HOST,
-                               metrics_port=worker_metrics_port(config.metrics_port, index))
+    """Front-end ``index``'s configuration: the shared port, and no /metrics port of its own (it serves its series
+    on a loopback port the system picks, for the supervisor's endpoint)."""
+    return dataclasses.replace(config, port=port, worker=index, frontends=frontends, metrics_port=0)
 
 
 @dataclasses.dataclass
 class _Child:
     """One child process and the receiving end of its reports: a front-end's ("bound", port) then
-    ("serving", 0), an engine's ("ready", info)."""
+    ("serving", 0), an engine's ("ready", info), and either's ("metrics", port) where its /metrics listens."""
 
     name: str  # the key it is supervised by: "frontend-N" or "engine-N"
     process: BaseProcess
     reports: Connection | None  # None once the child has closed its end (it has ended)
     port: int = 0
+    metrics_port: int = 0
     serving: bool = False
     quick_ends: int = 0  # how many children before it under this name ended soon after their start, in a row
     started: float = dataclasses.field(default_factory=time.monotonic)
@@ -103,6 +104,7 @@ class _Child:
                 kind, value = self.reports.recv()
                 self.serving |= kind in ("serving", "ready")
                 self.port = value if kind == "bound" else self.port
+                self.metrics_port = value if kind == "metrics" else self.metrics_port
         except EOFError:
             self.reports.close()
             self.reports = None
@@ -126,10 +128,15 @@ class Supervisor:
         self.children: dict[str, _Child] = {}
         self._owners = itertools.count(1)
         self.port = 0
+        self.failure = ""  # why the set stopped, when a child ended before it served
 
-    def metric_sources(self) -> list[str]:
-        """The ``worker`` label of each child's /metrics, in port order: front-ends by index, then engines."""
-        return [*map(str, range(self.frontends)), *(f"engine-{link.name}" for link in self.links)]
+    def metric_endpoints(self) -> list[tuple[str, int]]:
+        """Each child's ``worker`` label (front-ends by index, then ``engine-DEVICE``) and the loopback port of its
+        /metrics, 0 while it has none (starting, or being replaced). Called from the metrics server's thread."""
+        children = dict(self.children)  # a copy: this thread reads while the supervising one adds and removes
+        frontends = [(str(index), children.get(f"frontend-{index}")) for index in range(self.frontends)]
+        engines = [(f"engine-{link.name}", children.get(f"engine-{index}")) for index, link in enumerate(self.links)]
+        return [(label, child.metrics_port if child is not None else 0) for label, child in (*frontends, *engines)]
 
     def close(self) -> None:
         for link in self.links:
@@ -176,7 +183,7 @@ class Supervisor:
             for child in list(self.children.values()):
                 child.read_reports()
                 if child.process.sentinel in ready and not done():
-                    return _ended_before_serving(child)
+                    return self._ended_before_serving(child)
         return None
 
     def _wait(self, timeout: float | None) -> list:
@@ -203,7 +210,7 @@ class Supervisor:
                 if child.process.sentinel not in ready:
                     continue
                 if not child.serving and child.name.startswith("frontend"):
-                    return _ended_before_serving(child)
+                    return self._ended_before_serving(child)
                 due[child.name] = self._ended(child)
             for name, (when, quick_ends) in list(due.items()):
                 if when <= time.monotonic():
@@ -213,6 +220,13 @@ class Supervisor:
                         self._start_engine(int(index), quick_ends)
                     else:
                         self._start_frontend(int(index), self.port, load_first=True, quick_ends=quick_ends)
+
+    def _ended_before_serving(self, child: _Child) -> bool:
+        child.process.join()
+        self.failure = f"{child.process.name} (pid {child.process.pid}) ended with code {child.process.exitcode} " \
+                       "before serving"
+        log.error("%s; stopping the others", self.failure)
+        return True
 
     def _ended(self, child: _Child) -> tuple[float, int]:
         """A child has ended: when to start its replacement, and its quick ends."""
@@ -229,10 +243,9 @@ class Supervisor:
         link, config = self.links[index], self.config
         receiver, sender = _spawn.Pipe(duplex=False)
         live_owners = [child.owner for child in self.children.values() if child.owner]
-        metrics_port = worker_metrics_port(config.metrics_port, self.frontends + index)
         process = _spawn.Process(target=engine_main, name=f"resnet-engine-{link.name}", args=(
             link, str(self.devices[index]), config, live_owners,
-            SharedRow(self.statistics, self.frontends + index), metrics_port, sender))
+            SharedRow(self.statistics, self.frontends + index), bool(config.metrics_port), sender))
         return self._started(f"engine-{index}", process, receiver, sender, quick_ends)
 
     def _start_frontend(self, index: int, port: int, load_first: bool = False, quick_ends: int = 0) -> _Child:
@@ -242,7 +255,7 @@ class Supervisor:
         owner = next(self._owners)
         process = _spawn.Process(target=_frontend_main, name=f"resnet-frontend-{index}", args=(
             frontend_config(self.config, index, port, self.frontends), self.links, owner,
-            SharedRow(self.statistics, index), sender, load_first))
+            SharedRow(self.statistics, index), sender, load_first, bool(self.config.metrics_port)))
         child = self._started(f"frontend-{index}", process, receiver, sender, quick_ends)
         child.owner = owner
         return child
@@ -270,7 +283,7 @@ def run_server(config: ServerConfig) -> int:
     supervisor = None
     try:  # the metrics port is bound first, so a port taken fails before any process starts
         supervisor = Supervisor(config, resolve_devices(config.devices))
-        metrics_http = serve_worker_metrics(config.metrics_host, config.metrics_port, supervisor.metric_sources())
+        metrics_http = serve_worker_metrics(config.metrics_host, config.metrics_port, supervisor.metric_endpoints)
     except StartupError as exc:
         if supervisor is not None:
             supervisor.close()
@@ -286,31 +299,30 @@ def run_server(config: ServerConfig) -> int:
         if metrics_http is not None:
             metrics_http.shutdown()
             metrics_http.server_close()
-    log.info("stopped")
+    if a_child_failed:
+        log.error("stopped: %s", supervisor.failure)
+    else:
+        log.info("stopped")
     return 1 if a_child_failed or not all_exited_cleanly else 0
 
 
-def _ended_before_serving(child: _Child) -> bool:
-    child.process.join()
-    log.error("%s (pid %d) ended with code %s before serving; stopping the others", child.process.name,
-              child.process.pid, child.process.exitcode)
-    return True
-
-
 def _frontend_main(config: ServerConfig, engines: list[EngineLink], owner: int, statistics: SharedRow,
-                   reports: Connection, load_first: bool) -> None:
-    """A front-end process: a gRPC server (server.app.run) over the engines, reporting its port once bound,
-    then that it serves. A replacement connects before it binds (``load_first``): until then its siblings take
-    every new connection."""
+                   reports: Connection, load_first: bool, with_metrics: bool) -> None:
+    """A front-end process: a gRPC server (server.app.run) over the engines, reporting where its /metrics
+    listens (``with_metrics``), its port once bound, then that it serves. A replacement connects before it binds
+    (``load_first``): until then its siblings take every new connection."""
     from .app import run
     from .logs import configure_logging
     from .metrics import Metrics
 
     die_with_supervisor()
     configure_logging(config.log_level, config.log_format)
+    metrics = Metrics(config.largest_batch, statistics)
+    if with_metrics:
+        reports.send(("metrics", serve_child_metrics(metrics.registry).server_port))
     raise SystemExit(run(config, on_bound=lambda port: reports.send(("bound", port)),
                          on_serving=lambda: reports.send(("serving", 0)), load_first=load_first,
-                         metrics=Metrics(config.largest_batch, statistics), engines=engines, owner=owner))
+                         metrics=metrics, engines=engines, owner=owner))
 
 
 def _stop_all(children: list[BaseProcess], grace: float) -> bool:

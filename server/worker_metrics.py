@@ -3,10 +3,10 @@
 metrics port) sees all of its processes: the engines' per-device queue, compute and batch-size histograms,
 and the front-ends' per-call series.
 
-Child ``i`` (the front-ends, then the engines) serves its own ``/metrics`` on 127.0.0.1, port
-``--metrics-port + 1 + i``; at every scrape of the supervisor's endpoint this collector reads them all at once
-and merges their families. A child that does not answer (being replaced, or still starting) is left out of
-that scrape, and ``resnet_worker_up`` says so.
+Each child serves its own ``/metrics`` on 127.0.0.1, on a port the system picks (so that the server listens only on
+the ports its user chose), and reports that port to the supervisor; at every scrape of the supervisor's endpoint
+this collector reads them all at once and merges their families. A child that does not answer (being replaced,
+or still starting) is left out of that scrape, and ``resnet_worker_up`` says so.
 The supervisor's own ``process_*`` samples (its memory, CPU, open files) join them, labelled
 ``worker="supervisor"``.
 """
@@ -14,6 +14,7 @@ The supervisor's own ``process_*`` samples (its memory, CPU, open files) join th
 from __future__ import annotations
 
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -21,33 +22,30 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from .metrics import PREFIX, serve_registry
+from .metrics import CHILD_METRICS_HOST, PREFIX, serve_registry
 
-WORKER_METRICS_HOST = "127.0.0.1"  # the supervisor's endpoint is the public one
 SCRAPE_TIMEOUT = 5.0  # seconds per worker, below Prometheus's default scrape timeout (10 s)
 
 
-def worker_metrics_port(metrics_port: int, index: int) -> int:
-    """Worker ``index``'s own /metrics port: the ports after the supervisor's (0, off, stays off)."""
-    return metrics_port + 1 + index if metrics_port else 0
+# Each child's ``worker`` label and its /metrics port on CHILD_METRICS_HOST (0: none yet, or it has ended).
+Endpoints = Callable[[], list[tuple[str, int]]]
 
 
 class WorkersCollector(Collector):
     """Collects the workers' /metrics, read at scrape time, as one set of families with a ``worker`` label."""
 
-    def __init__(self, metrics_port: int, workers: list[str]) -> None:
-        """``workers``: each child's ``worker`` label, in the order of their ports."""
-        self._workers = workers
-        self._urls = [f"http://{WORKER_METRICS_HOST}:{worker_metrics_port(metrics_port, index)}/metrics"
-                      for index in range(len(workers))]
-        self._pool = ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="worker-metrics")
+    def __init__(self, endpoints: Endpoints) -> None:
+        """``endpoints``: read at each scrape, as children come and go."""
+        self._endpoints = endpoints
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-metrics")
         self._supervisor = ProcessCollector(registry=None)
 
     def collect(self):
         up = GaugeMetricFamily(PREFIX + "worker_up", "1 if the worker answered this scrape of the supervisor's "
                                "/metrics, else 0 (being replaced, or still starting)", labels=["worker"])
         merged: dict[str, Metric] = {}
-        for worker, text in zip(self._workers, self._pool.map(_read, self._urls), strict=True):
+        endpoints = self._endpoints()
+        for (worker, _), text in zip(endpoints, self._pool.map(_read, [port for _, port in endpoints]), strict=True):
             up.add_metric([worker], 0 if text is None else 1)
             for family in text_string_to_metric_families(text or ""):
                 _merge(merged, family, worker)
@@ -67,19 +65,21 @@ def _merge(merged: dict[str, Metric], family: Metric, worker: str) -> None:
                      for sample in family.samples if not sample.name.endswith("_created")]
 
 
-def _read(url: str) -> str | None:
+def _read(port: int) -> str | None:
+    if not port:
+        return None
     try:
-        with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT) as response:
+        with urllib.request.urlopen(f"http://{CHILD_METRICS_HOST}:{port}/metrics", timeout=SCRAPE_TIMEOUT) as response:
             return response.read().decode()
     except OSError:
         return None
 
 
-def serve_worker_metrics(host: str, metrics_port: int, workers: list[str]):
+def serve_worker_metrics(host: str, metrics_port: int, endpoints: Endpoints):
     """The supervisor's /metrics on ``host:metrics_port`` (None when the port is 0); raises StartupError if it
     cannot bind."""
     if not metrics_port:
         return None
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(WorkersCollector(metrics_port, workers))
+    registry.register(WorkersCollector(endpoints))
     return serve_registry(registry, host, metrics_port)

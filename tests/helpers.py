@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes.util
 import importlib.util
 import io
@@ -119,9 +120,8 @@ class EngineSet:
         return self.supervisor.children[f"engine-{index}"].process.pid
 
     def engine_metrics_port(self, index: int = 0) -> int:
-        from server.worker_metrics import worker_metrics_port
-
-        return worker_metrics_port(self.config.metrics_port, self.supervisor.frontends + index)
+        """Where engine ``index`` serves its own /metrics (a loopback port it reported when it started)."""
+        return self.supervisor.children[f"engine-{index}"].metrics_port
 
     def frontend(self, **overrides) -> ServerThread:
         config = replace(self.config, **{"metrics_port": 0, **overrides})  # the engines have the ports
@@ -213,27 +213,44 @@ class Reference:
         return torch.softmax(logits / temperature, dim=0).numpy()
 
 
-_HANDED_OUT: set[int] = set()  # the ports free_port_block has given in this run
+_HANDED_OUT: set[int] = set()  # the ports free_port has given in this run
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports it picks for port 0 and outgoing connections."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low, high = ephemeral.read_text().split() if ephemeral.exists() else (32768, 60999)  # Linux's default elsewhere
+    return int(low), int(high)
+
+
+def listening_ports(pids: list[int]) -> set[tuple[str, int]]:
+    """The IPv4 TCP (address, port) pairs that the processes ``pids`` listen on (Linux's /proc)."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if (target := os.readlink(fd)).startswith("socket:["):
+                    inodes.add(target[8:-1])
+    listening = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN
+            address, port = fields[1].split(":")
+            listening.add((socket.inet_ntoa(bytes.fromhex(address)[::-1]), int(port, 16)))
+    return listening
 
 
 def free_port() -> int:
-    """A port for a server a test starts later (a port 0 server needs none)."""
-    return free_port_block(1)
-
-
-def free_port_block(count: int) -> int:
-    """The first of ``count`` consecutive free ports (a supervisor's /metrics and its workers' after it), taken
-    below the kernel's ephemeral range: a port in that range, free when checked, may become an outgoing
-    connection's own port before the server binds it (seen once in CI, 'Address already in use')."""
-    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768  # Linux's default elsewhere
+    """A free port for a server a test starts later (a port 0 server needs none), taken below the kernel's
+    ephemeral range: a port in that range, free when checked, may become an outgoing connection's own port
+    before the server binds it (seen once in CI, 'Address already in use')."""
+    low = ephemeral_ports()[0]
     for _ in range(200):
-        first = random.randrange(10_000, low - count)
-        block = range(first, first + count)
-        if _HANDED_OUT.isdisjoint(block) and all(_bindable(port) for port in block):
-            _HANDED_OUT.update(block)  # two picks in one test before either binds must differ
-            return first
-    raise RuntimeError(f"no {count} consecutive free ports found below {low}")
+        port = random.randrange(10_000, low)
+        if port not in _HANDED_OUT and _bindable(port):
+            _HANDED_OUT.add(port)  # two picks in one test before either binds must differ
+            return port
+    raise RuntimeError(f"no free port found below {low}")
 
 
 def _bindable(port: int) -> bool:

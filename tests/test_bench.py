@@ -23,7 +23,7 @@ from client.bench import LoadSpec, _stream_loop, make_image, print_table
 from client.cli import main as client_main
 from server.app import main as server_main
 from server.bench_model import Replicas, add_model_arguments
-from tests.helpers import ROOT, free_port, free_port_block, load_script, needs_perf_analyzer, serving, wait_for
+from tests.helpers import ROOT, free_port, load_script, needs_perf_analyzer, serving, wait_for
 
 
 def model_arguments(*argv: str) -> argparse.Namespace:
@@ -400,7 +400,7 @@ def test_engine_ceiling_feeds_one_engine_and_reports_its_cpu_an_image():
     50 ms, so at most the images in flight (2 x 4) pass every 50 ms, in batches of more than one."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_ceiling.py"), "--feeders", "2",
                            "--in-flight", "4", "--compute-ms", "50", "--duration", "2", "--metrics-port",
-                           str(free_port_block(3)), "--json"], capture_output=True, text=True, timeout=240, check=True)
+                           str(free_port()), "--json"], capture_output=True, text=True, timeout=240, check=True)
     result = json.loads(done.stdout)
     assert 0 < result["images_per_s"] <= 8 / 0.050 * 1.05
     assert 1 < result["mean_batch"] <= 8

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from server.config import _FLAGS, ConfigError, ServerConfig, env_name, parse_config
+from server.config import _FLAGS, ConfigError, ServerConfig, env_name, flags_table, parse_config
 from server.devices import replica_names, resolve_devices
 from server.errors import StartupError
 from server.event_loop import resolved
@@ -112,7 +111,9 @@ def test_the_event_loop_is_auto_uvloop_or_asyncio(monkeypatch):
                                   ["--unhealthy-exit-after", "-5"],
                                   ["--max-connection-age", "nan"], ["--workers", "0"],
                                   ["--switch-interval-ms", "0"], ["--switch-interval-ms", "inf"],
-                                  ["--event-loop", "trio"]])
+                                  ["--event-loop", "trio"], ["--port", "99999"], ["--port", "-1"],
+                                  ["--metrics-port", "70000"], ["--weights", "imagnet"],
+                                  ["--weights", "/no/such/weights.pth"], ["--log-level", "LOUD"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as caught:
         parse_config(argv, env={})
@@ -123,8 +124,17 @@ def test_bad_flags_exit_with_usage_error(argv, capsys):
 def test_bad_env_value_names_the_variable():
     with pytest.raises(ConfigError, match="RESNET_SERVER_TEMPERATURE='0'"):
         parse_config([], env={"RESNET_SERVER_TEMPERATURE": "0"})
-    with pytest.raises(ConfigError, match="log-level"):
-        parse_config(["--log-level", "LOUD"], env={})
+    with pytest.raises(ConfigError, match="RESNET_SERVER_METRICS_PORT='70000': must be a port from 0 to 65535"):
+        parse_config([], env={"RESNET_SERVER_METRICS_PORT": "70000"})
+    with pytest.raises(ConfigError, match="RESNET_SERVER_WEIGHTS='imagnet': must be imagenet, random or the path"):
+        parse_config([], env={"RESNET_SERVER_WEIGHTS": "imagnet"})
+
+
+def test_weights_are_a_name_or_a_file_that_exists(tmp_path):
+    assert parse_config(["--weights", "random"], env={}).weights == "random"
+    (tmp_path / "mine.pth").write_bytes(b"")  # whether it loads is the engine's to say
+    assert parse_config(["--weights", str(tmp_path / "mine.pth")], env={}).weights == str(tmp_path / "mine.pth")
+    assert parse_config(["--log-level", "debug"], env={}).log_level == "DEBUG"
 
 
 def test_devices():
@@ -151,21 +161,16 @@ def test_replica_names_are_unique_per_device():
     assert replica_names([torch.device("cuda", 0), cpu]) == ["cuda:0", "cpu"]
 
 
-def test_the_readme_flag_table_has_every_flag_with_its_environment_twin_and_default():
+def test_the_readme_flag_table_is_the_help_of_every_flag():
+    """One source: the README's table is flags_table(), which --help's text also comes from. After changing a
+    flag, paste the output of `python -c 'from server.config import flags_table; print(flags_table())'`."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    start = readme.index("## Configuration")
-    section = readme[start:readme.index("\n## ", start + 1)]
-    rows = {}  # flag -> (env, default as written)
-    for line in section.splitlines():
-        cells = [cell.strip() for cell in line.split("|")[1:-1]]
-        if cells and cells[0].startswith("`--"):
-            flags, envs = re.findall(r"`--([a-z0-9-]+)`", cells[0]), re.findall(r"`(RESNET_SERVER_\w+)`", cells[1])
-            rows.update({flag: (env, cells[2].strip("`")) for flag, env in zip(flags, envs, strict=True)})
-    kinds = {flag: kind for flag, kind, _ in _FLAGS}
-    assert set(rows) == set(kinds)
+    assert flags_table() in readme
     defaults = ServerConfig()
-    for flag, (env, written) in rows.items():
-        assert env == env_name(flag)
+    for line in flags_table().splitlines()[2:]:
+        flag, env, written = (cell.strip().strip("`") for cell in line.split("|")[1:4])
+        kind = {f"--{name}": kind for name, kind, _ in _FLAGS}[flag]
+        assert env == env_name(flag.removeprefix("--"))
         # The default as written, read with the flag's own type, is the default the server starts with.
-        default = getattr(defaults, "devices" if flag == "device" else flag.replace("-", "_"))
-        assert (None if written == "none" else kinds[flag](written)) == default, flag
+        default = getattr(defaults, "devices" if flag == "--device" else flag[2:].replace("-", "_"))
+        assert (None if written == "none" else kind(written)) == default, flag

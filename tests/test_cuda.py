@@ -16,7 +16,7 @@ from client import Client
 from server.model import build_model, load_weights
 from server.preprocess import RawImage
 from server.runner import ModelRunner
-from tests.helpers import EngineSet, base_config, free_port_block, random_rgb
+from tests.helpers import EngineSet, base_config, free_port, random_rgb
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PIXELS = [random_rgb(seed) for seed in (51, 52, 53)]
@@ -109,7 +109,7 @@ def test_an_engine_process_on_cuda_answers_like_the_cpu_reference(weights_file, 
     process on the GPU through the slab (gathered from their slots a batch at once, uploaded from pinned memory,
     normalised there), as every server does."""
     engine_set = EngineSet(base_config(str(weights_file[0]), devices=("cuda:0",), frontends=1,
-                                       metrics_port=free_port_block(4)))
+                                       metrics_port=free_port()))
     try:
         frontend = engine_set.frontend()
         images = [*PIXELS, LARGE]  # LARGE is over a slot: the front-end crops it, the engine normalises it

@@ -15,7 +15,7 @@ import pytest
 
 from client import ClassifierError, Client
 from server.engine_client import EngineClient
-from tests.helpers import EngineSet, base_config, encode, free_port_block, random_rgb, scraped_value, serving, wait_for
+from tests.helpers import EngineSet, base_config, encode, free_port, random_rgb, scraped_value, serving, wait_for
 
 JPEG = encode(random_rgb(41))
 PIXELS = random_rgb(42, 224, 224)
@@ -29,7 +29,7 @@ def engines(weights_file):
     started: list[EngineSet] = []
 
     def start(**overrides) -> EngineSet:
-        config = base_config(str(weights_file[0]), frontends=2, metrics_port=free_port_block(4), **overrides)
+        config = base_config(str(weights_file[0]), frontends=2, metrics_port=free_port(), **overrides)
         started.append(EngineSet(config))
         return started[-1]
 

@@ -24,14 +24,16 @@ from client.api import classifier_pb2 as pb
 from client.bench import LoadSpec, _closed_loop, scrape, server_cpu
 from server.config import ServerConfig
 from server.errors import StartupError
-from server.metrics import Metrics, serve_metrics
+from server.metrics import Metrics, serve_child_metrics
 from server.supervisor import MOST_RESTART_DELAY, frontend_config, frontend_count, restart_delay
-from server.worker_metrics import serve_worker_metrics, worker_metrics_port
+from server.worker_metrics import serve_worker_metrics
 from tests.helpers import (
     ServerThread,
     base_config,
     encode,
-    free_port_block,
+    ephemeral_ports,
+    free_port,
+    listening_ports,
     needs_promtool,
     random_rgb,
     scraped_value,
@@ -53,7 +55,7 @@ class Workers:
     """``python -m server --frontends 2`` on 127.0.0.1, port 0; its log lines collected as they come."""
 
     def __init__(self, weights: str, *extra: str) -> None:
-        self.metrics_port = free_port_block(4)  # the supervisor's, then each front-end's, then the engine's
+        self.metrics_port = free_port()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "server", "--frontends", "2", "--host", "127.0.0.1", "--port", "0",
              "--metrics-port", str(self.metrics_port), "--device", "cpu", "--weights", weights,
@@ -145,6 +147,13 @@ def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, 
     try:
         port, pids = workers.serving()
         workers.read_until(1, f"metrics of every process on http://0.0.0.0:{workers.metrics_port}/metrics")
+        # The server listens on the two ports its user chose; its children's own /metrics on loopback ports that
+        # the system picked (from its ephemeral range), one each.
+        ports = listening_ports([workers.process.pid, *pids, *workers.engine_pids()])
+        chosen = {("127.0.0.1", port), ("0.0.0.0", workers.metrics_port)}
+        assert chosen <= ports
+        assert len(ports - chosen) == 3 and all(host == "127.0.0.1" and port >= ephemeral_ports()[0]
+                                                  for host, port in ports - chosen)
         target = f"127.0.0.1:{port}"
         answers = []
         for _ in range(6):  # each client its own connection, so the kernel hands them to either worker
@@ -309,7 +318,7 @@ def test_a_crash_looping_child_is_replaced_after_a_growing_pause():
 
 @pytest.mark.parametrize(("flags", "error"), [
     (["--device", "cuda:99"], "resnet-server: error: "),  # refused by the supervisor: no engine starts
-    (["--weights", "missing.pth"], "resnet-server: error: engine cpu: "),  # refused by the engine, loading
+    (["--weights", "garbage.pth"], "resnet-server: error: engine cpu: "),  # refused by the engine, loading
 ])
 def test_an_engine_that_cannot_start_ends_the_server_with_its_error_and_no_front_end_serves(flags, error,
                                                                                             weights_file, tmp_path):
@@ -318,6 +327,7 @@ def test_an_engine_that_cannot_start_ends_the_server_with_its_error_and_no_front
     the supervisor's SIGTERM at once: it logs that it stopped before serving, rather than being killed after the
     grace period. A front-end still starting when the SIGTERM comes ends by it. Which of the two the first
     front-end is depends on whether the engine fails before it binds; the second starts only once it has."""
+    (tmp_path / "garbage.pth").write_text("not a checkpoint")
     done = subprocess.run(
         [sys.executable, "-m", "server", "--frontends", "2", "--host", "127.0.0.1", "--port", "0",
          "--metrics-port", "0", "--device", "cpu", "--weights", str(weights_file[0]), "--grace-period", "60", *flags],
@@ -328,15 +338,16 @@ def test_an_engine_that_cannot_start_ends_the_server_with_its_error_and_no_front
     if flags[0] == "--device":
         assert "started resnet-" not in done.stderr
     elif "started resnet-frontend-1" in done.stderr:  # the first front-end had bound: it stopped on the signal
-        assert "signal received before serving: stopped" in done.stderr
+        assert "SIGTERM received before serving: stopped" in done.stderr
+    if flags[0] == "--weights":  # the supervisor's last line says why it stopped
+        assert done.stderr.splitlines()[-1].endswith("ended with code 1 before serving")
+        assert "ERROR server.supervisor: stopped: resnet-engine-cpu (pid" in done.stderr.splitlines()[-1]
 
 
-def test_each_front_end_gets_the_shared_port_and_a_loopback_metrics_port_after_the_supervisors():
+def test_each_front_end_gets_the_shared_port_and_no_metrics_port_of_the_users():
     config = ServerConfig(frontends=2, metrics_port=9000)
-    assert [(c.port, c.worker, c.frontends, c.metrics_host, c.metrics_port)
-            for c in (frontend_config(config, i, 6000, 2) for i in range(2))] == \
-        [(6000, 0, 2, "127.0.0.1", 9001), (6000, 1, 2, "127.0.0.1", 9002)]
-    assert frontend_config(ServerConfig(metrics_port=0), 1, 6000, 2).metrics_port == 0  # off stays off
+    assert [(c.port, c.worker, c.frontends, c.metrics_port)
+            for c in (frontend_config(config, i, 6000, 2) for i in range(2))] == [(6000, 0, 2, 0), (6000, 1, 2, 0)]
 
 
 def test_auto_front_ends_take_half_the_cores_left_after_the_engines():
@@ -357,12 +368,13 @@ def test_a_lone_server_refuses_a_port_that_is_already_taken(server, weights_file
 
 @needs_promtool
 def test_the_supervisors_metrics_merge_its_workers_labelled_and_mark_one_that_does_not_answer():
-    supervisor_port = free_port_block(3)
+    supervisor_port = free_port()
     worker_0 = Metrics(largest_batch=8)
     worker_0.requests.labels("cpu", "OK").inc(3)
     worker_0.compute.labels("cpu").observe(0.2)
-    worker_0_http = serve_metrics(worker_0, "127.0.0.1", worker_metrics_port(supervisor_port, 0))
-    supervisor_http = serve_worker_metrics("127.0.0.1", supervisor_port, ["0", "1"])  # worker 1 has no endpoint
+    worker_0_http = serve_child_metrics(worker_0.registry)
+    endpoints = [("0", worker_0_http.server_port), ("1", 0)]  # worker 1 has no endpoint (yet)
+    supervisor_http = serve_worker_metrics("127.0.0.1", supervisor_port, lambda: endpoints)
     try:
         text = scrape_port(supervisor_port)
         assert scraped_value(supervisor_port, 'resnet_worker_up{worker="0"}') == 1
