@@ -174,7 +174,8 @@ class App:
         """One line per process (not per replica) where fp32 runs on a CPU that computes bf16 much faster."""
         if self.config.precision == "fp32" and any(device.type == "cpu" for device in self.devices) \
                 and (unit := cpu_bf16_unit()):
-            log.info("this CPU has %s here, with logits within about 0.5%% of fp32's range (README, Performance)",
+            log.info("this CPU has %s here, with logits within about 0.5%% of fp32's range "
+                     "(docs/performance.md, bf16 on the CPU)",
                      unit)
 
     def _record_model_info(self, replicas: list[Replica] | list[EngineClient]) -> None:

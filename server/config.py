@@ -68,7 +68,7 @@ class ServerConfig:
     max_connection_age: float = 0.0  # 0: connections live as long as their clients keep them
     preprocess_threads: int = 2
     torch_threads: int = 0
-    switch_interval_ms: float = 0.5  # Python's own is 5 (see the flag's help and the README)
+    switch_interval_ms: float = 0.5  # Python's own is 5 (see the flag's help)
     grace_period: float = 10.0
     replica_probe_interval: float = 30.0
     unhealthy_exit_after: float = 300.0  # 0: never

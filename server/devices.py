@@ -56,7 +56,7 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 # CPU flags (Linux /proc/cpuinfo) of units that compute bf16 convolutions natively, with what each was measured
-# to give ResNet18 over fp32 in process at batch 8 (README, Performance), best first.
+# to give ResNet18 over fp32 in process at batch 8 (docs/performance.md, bf16 on the CPU), best first.
 BF16_UNITS = {
     "amx_bf16": "AMX (amx_bf16): --precision bf16 runs the model about 3x faster than fp32",
     "avx512_bf16": "AVX-512 BF16 (avx512_bf16): --precision bf16 runs the model about 1.8x faster than fp32",

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -23,7 +24,16 @@ from client.bench import LoadSpec, _stream_loop, make_image, print_table
 from client.cli import main as client_main
 from server.app import main as server_main
 from server.bench_model import Replicas, add_model_arguments
-from tests.helpers import ROOT, free_port, load_script, needs_perf_analyzer, serving, wait_for
+from tests.helpers import (
+    ROOT,
+    ServerThread,
+    base_config,
+    free_port,
+    load_script,
+    needs_perf_analyzer,
+    serving,
+    wait_for,
+)
 
 
 def model_arguments(*argv: str) -> argparse.Namespace:
@@ -619,3 +629,31 @@ def test_cpu_split_reads_the_server_threads_and_this_process(weights_file, capsy
     assert 0 < bound < 1
     assert (f"Most that served c=2 can reach of the in-process forward ceiling on these cores: {bound:.3f} "
             "(the forward team's share") in capsys.readouterr().out
+
+
+def test_bench_fails_when_its_server_stops_answering_mid_run(weights_file, capsys):
+    """The server goes away once the bench's calls are being answered: the calls after fail UNAVAILABLE, and the
+    bench says so and exits 1 instead of reporting a run."""
+    running = ServerThread(base_config(str(weights_file[0]))).start()
+    with ThreadPoolExecutor(1) as pool:
+        bench = pool.submit(client_main, ["bench", "--server", running.target, "--concurrency", "2", "--duration",
+                                          "4", "--warmup", "0", "--input", "uint8", "--image-size", "64x48",
+                                          "--metrics", "", "--json", "--quiet"])
+        wait_for(lambda: running.sample("resnet_requests_total", device="cpu", code="OK") >= 3, timeout=60)
+        running.stop(grace=0)
+        code = bench.result(timeout=120)
+    assert code == 1
+    captured = capsys.readouterr()
+    (point,) = [json.loads(line) for line in captured.out.splitlines()]
+    assert point["ok"] >= 1 and point["errors"]["UNAVAILABLE"] >= 1
+    assert captured.err.endswith("resnet-client: error: the server stopped answering during the run: "
+                                 f"{point['errors']['UNAVAILABLE']} calls failed UNAVAILABLE\n")
+
+
+def test_bench_without_pillow_says_what_to_install():
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['PIL'] = None; from client.cli import main; "
+         "sys.exit(main(['bench', '--server', '127.0.0.1:1']))"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr == ("resnet-client bench: error: --input jpeg (the default) and png need Pillow: pip install "
+                           "'resnet-grpc[tools]', or send --input uint8 or --image FILE\n")

@@ -158,4 +158,5 @@ def test_server_reflection_lists_the_services(server):
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         (response,) = list(stub.ServerReflectionInfo(iter([request]), timeout=30))
     names = {service.name for service in response.list_services_response.service}
-    assert {"resnet.v1.Classifier", "grpc.health.v1.Health"} <= names
+    assert names == {"resnet.v1.Classifier", "inference.GRPCInferenceService", "grpc.health.v1.Health",
+                     "grpc.reflection.v1alpha.ServerReflection"}

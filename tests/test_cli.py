@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from client import Client
+from client.channel import with_default_port
 from client.cli import BENCH_ATTEMPTS, DEFAULT_TIMEOUT, SERVER_ENV, TOKEN_ENV, main, parse_args
 from tests.helpers import encode, random_rgb
 
@@ -54,6 +56,10 @@ def test_info_and_health(server, capsys):
     assert main(["info", "--server", server.target, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["name"] == "resnet18" and len(info["labels"]) == 1000 and info["devices"] == ["cpu"]
+    assert info["warning"] == ""  # a weights file: nothing to warn of, so the table leaves the row out
+    assert main(["info", "--server", server.target]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert "weights" in rows and "warning" not in rows
     assert main(["health", "--server", server.target]) == 0
     assert capsys.readouterr().out.strip() == "SERVING"
 
@@ -156,3 +162,34 @@ def test_the_cli_stops_quietly_when_its_reader_closes_the_pipe(server, tmp_path,
     process.stdout.close()  # the reader has gone before the first line is written, as `| head` may
     _, errors = process.communicate(timeout=60)
     assert (process.returncode, errors.decode()) == (0, "")
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--top-k", "0"], "argument --top-k: must be between 1 and 1000, got 0"),
+    (["--top-k", "1001"], "argument --top-k: must be between 1 and 1000, got 1001"),
+    (["--temperature", "0"], "argument --temperature: must be a finite number > 0, got 0"),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number > 0, got nan"),
+])
+def test_a_bad_flag_value_is_one_usage_error_and_nothing_is_sent(server, image_files, flags, error, capsys):
+    before = server.sample("resnet_requests_total", device="cpu", code="INVALID_ARGUMENT")
+    with pytest.raises(SystemExit) as exited:
+        main(["classify", *image_files, *image_files, "--server", server.target, *flags])
+    assert exited.value.code == 2
+    assert [line for line in capsys.readouterr().err.splitlines() if "error" in line] == \
+        [f"resnet-client classify: error: {error}"]
+    assert server.sample("resnet_requests_total", device="cpu", code="INVALID_ARGUMENT") == before
+
+
+@pytest.mark.parametrize(("given", "target"), [
+    ("localhost", "localhost:50051"), ("localhost:6000", "localhost:6000"), ("10.0.0.5", "10.0.0.5:50051"),
+    ("dns:///resnet.internal", "dns:///resnet.internal:50051"), ("dns:///resnet.internal:7", "dns:///resnet.internal:7"),
+    ("[::1]", "[::1]:50051"), ("[::1]:6000", "[::1]:6000"), ("::1", "[::1]:50051"), ("unix:/run/resnet.sock",
+                                                                                  "unix:/run/resnet.sock"),
+])
+def test_a_target_without_a_port_means_the_servers_default_port(given, target):
+    assert with_default_port(given) == target
+
+
+def test_the_client_completes_a_bare_host_with_the_default_port():
+    assert Client("localhost")._config.target == "localhost:50051"
+    assert Client("10.0.0.5,10.0.0.6:6000")._config.target == "ipv4:10.0.0.5:50051,10.0.0.6:6000"
