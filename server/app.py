@@ -26,7 +26,6 @@ from . import __version__, event_loop
 from .classify_request import read_classify_request
 from .config import ConfigError, ServerConfig, parse_config
 from .devices import cpu_bf16_unit, replica_names, resolve_devices
-from .engine import EngineLink
 from .engine_client import EngineClient
 from .errors import StartupError
 from .inference import InferenceCore, Limits
@@ -35,6 +34,7 @@ from .metrics import Metrics, serve_metrics
 from .model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION
 from .oip_service import InferenceService, read_infer_request
 from .preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
+from .protocol import EngineLink
 from .replicas import Replica, Router, load_replica
 from .security import TokenAuthInterceptor, load_tokens, server_credentials
 from .service import ClassifierService

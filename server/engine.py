@@ -1,10 +1,10 @@
 """The engine process of one device: the model, the batcher and nothing network-side.
 
 It has no asyncio and no gRPC. Front-end processes connect to it over a Unix socket (abstract, so no
-file is left behind; authenticated with a key the supervisor makes) and send it small messages: which
-slots of the shared slab (``server.slab``) hold new images, with each one's temperature, top-k and
-deadline. The pixels never go through the socket. The batcher forms batches across every connected
-front-end, the runner converts, runs and scores them, and the answers go back the same way: each image's
+file is left behind; authenticated with a key the supervisor makes) and send it small typed messages
+(``server.protocol``): which slots of the shared slab (``server.slab``) hold new images, with each one's
+temperature, top-k and deadline. The pixels never go through the socket. The batcher forms batches across
+every connected front-end, the runner converts, runs and scores them, and the answers go back the same way: each image's
 probabilities and logits into its slot, then one message per front-end per batch.
 
 A front-end that goes away (it ended, or was killed) is noticed by its socket closing: its queued images
@@ -15,14 +15,11 @@ model is loaded and warmed, so a front-end that could connect can be served.
 from __future__ import annotations
 
 import logging
-import pickle
 import signal
 import sys
 import threading
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
-from multiprocessing import reduction
 from multiprocessing.connection import Connection, Listener
 
 import numpy as np
@@ -34,43 +31,30 @@ from .device_decode import DeferredJpeg
 from .errors import ServingError, StartupError
 from .metrics import Metrics, serve_child_metrics
 from .preprocess import FLOAT_SHAPE, CroppedImage, RawImage, SlotBytes
+from .protocol import (
+    Answer,
+    Cancel,
+    Done,
+    EngineInfo,
+    EngineLink,
+    Failed,
+    Health,
+    Hello,
+    ImageKind,
+    Ready,
+    Released,
+    SlotEntry,
+    Submit,
+    ToFrontEnd,
+    receive_at_engine,
+    send,
+)
 from .registered_slab import device_rows, register_slab
 from .replicas import Replica, load_replica
-from .slab import Slab, SlabLayout
+from .slab import Slab
 from .statistics import SharedRow
 
 log = logging.getLogger("server.engine")
-
-# What a front-end sends per image: (slot, kind, dtype, shape, nbytes, temperature, top_k, deadline, request_id).
-# kind: "raw" (a checked raw tensor), "jpeg" (decoded here), "crop" (a front-end's uint8 [224, 224, 3] crop,
-# normalised here) or "float" (the model's float32 input).
-Entry = tuple[int, str, str, tuple[int, ...], int, float, int, "float | None", str]
-
-
-def send_message(connection: Connection, message: tuple) -> None:
-    """``connection.send`` without multiprocessing's reducers (the messages hold none of what they pickle: file
-    descriptors, sockets), which cost ten times the pickling itself, twice a call."""
-    connection.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
-
-
-@dataclass(frozen=True)
-class EngineLink:
-    """How a front-end reaches one engine: its socket, key and slab. Pickled for a spawned child, the slab's
-    descriptor travels with it (the child gets its own copy of the file descriptor)."""
-
-    name: str  # the replica's name, e.g. cuda:0
-    address: str
-    authkey: bytes
-    layout: SlabLayout
-    slab_fd: int
-
-    def __reduce__(self):
-        return _rebuild_link, (self.name, self.address, self.authkey, self.layout, reduction.DupFd(self.slab_fd))
-
-
-def _rebuild_link(name: str, address: str, authkey: bytes, layout: SlabLayout, fd) -> EngineLink:
-    return EngineLink(name, address, authkey, layout, fd.detach())
-
 
 class _FrontEnd:
     """One connected front-end: its socket, its owner number in the slab, and the items the engine holds."""
@@ -82,10 +66,10 @@ class _FrontEnd:
         self.alive = True
         self._sending = threading.Lock()  # the batcher's thread and this front-end's reader both send
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: ToFrontEnd) -> None:
         try:
             with self._sending:
-                send_message(self.connection, message)
+                send(self.connection, message)
         except OSError:  # it has gone; its reader sees the socket close and cleans up
             pass
 
@@ -118,12 +102,11 @@ class Engine:
         self._listener = Listener(self.link.address, "AF_UNIX", authkey=self.link.authkey)
         threading.Thread(target=self._accept, name="engine-accept", daemon=True).start()
 
-    def info(self) -> dict:
+    def info(self) -> EngineInfo:
         replica = self.replica
-        return {"name": replica.name, "device": str(replica.device), "weights": replica.weights.source,
-                "warning": replica.weights.warning, "max_batch_size": replica.batcher.max_batch_size,
-                "decode_on_device": replica.decode_on_device, "in_rotation": replica.healthy,
-                "switch_interval_ms": sys.getswitchinterval() * 1000, "torch_threads": replica.torch_threads}
+        return EngineInfo(replica.name, str(replica.device), replica.weights.source, replica.weights.warning,
+                          replica.batcher.max_batch_size, replica.decode_on_device, replica.healthy,
+                          sys.getswitchinterval() * 1000, replica.torch_threads)
 
     def stop(self, grace: float) -> None:
         """Take no new front-end, finish what is queued, and answer it."""
@@ -147,17 +130,17 @@ class Engine:
         """Read one front-end's messages until its socket closes."""
         frontend = None
         try:
-            _, owner = connection.recv()  # ("hello", owner)
-            frontend = _FrontEnd(connection, owner)
+            hello = receive_at_engine(connection)
+            if not isinstance(hello, Hello):
+                raise EOFError(f"a front-end began with {type(hello).__name__}, not Hello")
+            frontend = _FrontEnd(connection, hello.owner)
             with self._lock:
                 self._frontends.add(frontend)
-            frontend.send(("ready", self.info()))
+            frontend.send(Ready(self.info()))
+            handlers = {Submit: self._submit, Cancel: self._cancel}
             while True:
-                kind, payload = connection.recv()
-                if kind == "submit":
-                    self._submit(frontend, payload)
-                elif kind == "cancel":
-                    self._cancel(frontend, payload)
+                message = receive_at_engine(connection)
+                handlers[type(message)](frontend, message)
         except (EOFError, OSError):
             pass
         finally:
@@ -165,8 +148,8 @@ class Engine:
                 self._gone(frontend)
             connection.close()
 
-    def _submit(self, frontend: _FrontEnd, entries: list[Entry]) -> None:
-        items = [self._item(frontend, entry) for entry in entries]
+    def _submit(self, frontend: _FrontEnd, message: Submit) -> None:
+        items = [self._item(frontend, entry) for entry in message.entries]
         with self._lock:
             frontend.items.update((item.future.slot, item) for item in items)
         try:
@@ -174,21 +157,22 @@ class Engine:
         except ServingError as exc:
             self._fail(items, exc)
 
-    def _item(self, frontend: _FrontEnd, entry: Entry) -> WorkItem:
-        slot, kind, dtype, shape, nbytes, temperature, k, deadline, request_id = entry
-        if kind == "raw":
-            model_input = RawImage(dtype, tuple(shape), SlotBytes(self._input_rows, slot, nbytes))
-        elif kind == "crop":
+    def _item(self, frontend: _FrontEnd, entry: SlotEntry) -> WorkItem:
+        slot, nbytes = entry.slot, entry.nbytes
+        if entry.kind is ImageKind.RAW:
+            model_input = RawImage(entry.dtype, entry.shape, SlotBytes(self._input_rows, slot, nbytes))
+        elif entry.kind is ImageKind.CROP:
             model_input = CroppedImage(SlotBytes(self._input_rows, slot, nbytes))
-        elif kind == "float":
+        elif entry.kind is ImageKind.FLOAT:
             model_input = torch.frombuffer(self.slab.input(slot, nbytes), dtype=torch.float32).view(FLOAT_SHAPE)
-        else:  # jpeg
+        else:  # ImageKind.JPEG
             model_input = DeferredJpeg(torch.frombuffer(self.slab.input(slot, nbytes), dtype=torch.uint8))
-        return WorkItem(model_input, temperature, k, deadline, Ticket(frontend, slot), request_id)
+        return WorkItem(model_input, entry.temperature, entry.top_k, entry.deadline, Ticket(frontend, slot),
+                        entry.request_id)
 
-    def _cancel(self, frontend: _FrontEnd, slots: list[int]) -> None:
+    def _cancel(self, frontend: _FrontEnd, message: Cancel) -> None:
         with self._lock:
-            items = [frontend.items[slot] for slot in slots if slot in frontend.items]
+            items = [frontend.items[slot] for slot in message.slots if slot in frontend.items]
             for item in items:
                 item.future.cancelled = True  # dropped before compute if a batch has taken it already
         self._released(self.replica.batcher.withdraw(items))
@@ -205,7 +189,7 @@ class Engine:
             self.slab.give_back([slot for slot in mine if slot not in frontend.items], frontend.owner)
         self._released(self.replica.batcher.withdraw(held))
 
-    def _answer(self, frontend: _FrontEnd, slots: list[int], message: tuple) -> None:
+    def _answer(self, frontend: _FrontEnd, slots: list[int], message: ToFrontEnd) -> None:
         with self._lock:
             for slot in slots:
                 frontend.items.pop(slot, None)
@@ -221,26 +205,26 @@ class Engine:
         self.slab.outputs[slots, 1] = output.logits
         answers = defaultdict(list)
         for item, slot, top, queued in zip(items, slots, output.top_k, output.queue_seconds, strict=True):
-            answers[item.future.owner].append((slot, top, queued))
-        timing = output.timing
+            answers[item.future.owner].append(Answer(slot, top, queued))
+        timing = (output.timing.input, output.timing.infer, output.timing.output)
         for frontend, answered in answers.items():
-            message = ("done", (answered, (timing.input, timing.infer, timing.output), self.replica.healthy))
-            self._answer(frontend, [slot for slot, _, _ in answered], message)
+            message = Done(answered, timing, self.replica.healthy)
+            self._answer(frontend, [answer.slot for answer in answered], message)
 
     def _fail(self, items: list[WorkItem], exc: BaseException) -> None:
         for frontend, slots in _slots_by_frontend(items).items():
-            self._answer(frontend, slots, ("failed", (slots, type(exc).__name__, str(exc), self.replica.healthy)))
+            self._answer(frontend, slots, Failed(slots, type(exc).__name__, str(exc), self.replica.healthy))
 
     def _released(self, items: list[WorkItem]) -> None:
         """Items dropped before compute because their caller went: their slots go back to their front-end."""
         for frontend, slots in _slots_by_frontend(items).items():
-            self._answer(frontend, slots, ("released", (slots,)))
+            self._answer(frontend, slots, Released(slots))
 
     def _rejoined(self) -> None:
         with self._lock:
             frontends = list(self._frontends)
         for frontend in frontends:
-            frontend.send(("health", (True,)))
+            frontend.send(Health(True))
 
 
 def _slots_by_frontend(items: list[WorkItem]) -> dict[_FrontEnd, list[int]]:

@@ -24,9 +24,24 @@ import torch
 from . import errors
 from .batcher import ImageOutput, WorkItem
 from .device_decode import DeferredJpeg
-from .engine import EngineLink, Entry, send_message
 from .errors import Overloaded, ServingError, StartupError, Unavailable
 from .preprocess import CROP_SHAPE, FLOAT_SHAPE, RawImage
+from .protocol import (
+    Cancel,
+    Done,
+    EngineInfo,
+    EngineLink,
+    Failed,
+    Health,
+    Hello,
+    ImageKind,
+    Ready,
+    Released,
+    SlotEntry,
+    Submit,
+    receive_at_frontend,
+    send,
+)
 from .slab import Slab
 from .statistics import BatchTiming
 
@@ -48,15 +63,17 @@ class EngineClient:
         self.inline_bytes = link.layout.inline_bytes  # larger images are preprocessed here, not sent as they came
         self.pending = 0  # images routed here and not yet answered (InferenceCore keeps it)
         self.batcher = self
-        self.info: dict = {}
+        self.info: EngineInfo | None = None
         self._on_lost, self._on_back = on_lost, on_back
         self._connection: Connection | None = None
         self._in_rotation = False
         self._waiting: dict[int, WorkItem] = {}  # by slot: items sent and not yet answered
-        self._unsent: list[Entry] = []  # submitted in this turn of the event loop; sent together at its end
+        self._unsent: list[SlotEntry] = []  # submitted in this turn of the event loop; sent together at its end
         self._slot_of: dict[WorkItem, int] = {}
         self._reconnecting: asyncio.Task | None = None
         self._closed = False
+        self._handlers = {Done: self._on_done, Failed: self._on_failed, Released: self._on_released,
+                          Health: self._on_health}
 
     @property
     def healthy(self) -> bool:
@@ -64,22 +81,22 @@ class EngineClient:
 
     @property
     def weights(self) -> SimpleNamespace:
-        return SimpleNamespace(source=self.info["weights"], warning=self.info["warning"])
+        return SimpleNamespace(source=self.info.weights, warning=self.info.warning)
 
     @property
     def max_batch_size(self) -> int:
-        return self.info["max_batch_size"]
+        return self.info.max_batch_size
 
     @property
     def takes_crops(self) -> bool:
         """Images preprocessed here go as their uint8 crop, normalised by the engine with its batch: on a GPU (a
         quarter of the bytes through the slab, its one host thread's copy and the upload; normalised on the
         device). A CPU engine's thread runs the forward pass, the bound there: it takes the float input."""
-        return self.info["device"].startswith("cuda")
+        return self.info.device.startswith("cuda")
 
     @property
     def decode_on_device(self) -> bool:
-        return self.info["decode_on_device"]
+        return self.info.decode_on_device
 
     async def open(self) -> None:
         """Connect, waiting for as long as the engine takes to warm up (compiling every bucket can take minutes):
@@ -104,14 +121,17 @@ class EngineClient:
             return True
         return False
 
-    def _connect(self) -> tuple[Connection, dict]:
+    def _connect(self) -> tuple[Connection, EngineInfo]:
         connection = Client(self.link.address, "AF_UNIX", authkey=self.link.authkey)
-        connection.send(("hello", self.owner))
-        _, info = connection.recv()
-        return connection, info
+        send(connection, Hello(self.owner))
+        ready = receive_at_frontend(connection)
+        if not isinstance(ready, Ready):
+            connection.close()
+            raise EOFError(f"the engine answered Hello with {type(ready).__name__}, not Ready")
+        return connection, ready.info
 
-    def _attach(self, connection: Connection, info: dict) -> None:
-        self._connection, self.info, self._in_rotation = connection, info, info["in_rotation"]
+    def _attach(self, connection: Connection, info: EngineInfo) -> None:
+        self._connection, self.info, self._in_rotation = connection, info, info.in_rotation
         asyncio.get_running_loop().add_reader(connection.fileno(), self._read)
 
     def submit(self, items: Sequence[WorkItem]) -> None:
@@ -135,25 +155,27 @@ class EngineClient:
         if not entries or self._connection is None:  # lost meanwhile: _lost has failed these calls already
             return
         try:
-            send_message(self._connection, ("submit", entries))
+            send(self._connection, Submit(entries))
         except OSError:
             self._lost()  # fails these items too: UNAVAILABLE, and the client retries
 
-    def _write(self, slot: int, item: WorkItem) -> Entry:
+    def _write(self, slot: int, item: WorkItem) -> SlotEntry:
         """The image into its slot, as it came (raw pixels, JPEG bytes) or preprocessed here (a uint8 crop for a
         GPU engine, the model's float input for a CPU one)."""
         image = item.model_input
         if isinstance(image, RawImage):
-            kind, dtype, shape, data = "raw", image.dtype, tuple(image.shape), image.data
+            kind, dtype, shape, data = ImageKind.RAW, image.dtype, tuple(image.shape), image.data
         elif isinstance(image, DeferredJpeg):
-            kind, dtype, shape, data = "jpeg", "uint8", (), memoryview(image.data.numpy())
+            kind, dtype, shape, data = ImageKind.JPEG, "uint8", (), memoryview(image.data.numpy())
         elif image.dtype == torch.uint8:  # preprocess's crop, [224, 224, 3] contiguous
-            kind, dtype, shape, data = "crop", "uint8", CROP_SHAPE, memoryview(image.numpy()).cast("B")
+            kind, dtype, shape, data = ImageKind.CROP, "uint8", CROP_SHAPE, memoryview(image.numpy()).cast("B")
         else:  # the model's float32 input
-            kind, dtype, shape, data = "float", "float32", FLOAT_SHAPE, memoryview(image.contiguous().numpy()).cast("B")
+            kind, dtype, shape = ImageKind.FLOAT, "float32", FLOAT_SHAPE
+            data = memoryview(image.contiguous().numpy()).cast("B")
         nbytes = len(data) if isinstance(data, bytes) else data.nbytes
         self.slab.input(slot, nbytes)[:] = data
-        return slot, kind, dtype, shape, nbytes, item.temperature, item.top_k, item.deadline, item.request_id
+        return SlotEntry(slot, kind, dtype, shape, nbytes, item.temperature, item.top_k, item.deadline,
+                         item.request_id)
 
     def withdraw(self, items: Sequence[WorkItem]) -> None:
         """The caller has gone: ask the engine to drop what it has not computed (it answers 'released')."""
@@ -161,7 +183,7 @@ class EngineClient:
         self._send_unsent()  # the engine must have them before it is asked to drop them
         if slots and self._connection is not None:
             with contextlib.suppress(OSError):  # it has gone: the reader sees the socket close
-                send_message(self._connection, ("cancel", slots))
+                send(self._connection, Cancel(slots))
 
     def _read(self) -> None:
         """One message a call: the loop calls again while the socket has more (a poll first would cost a system
@@ -169,43 +191,44 @@ class EngineClient:
         if self._connection is None:
             return
         try:
-            kind, payload = self._connection.recv()
-            getattr(self, f"_on_{kind}")(*payload)
+            message = receive_at_frontend(self._connection)
         except (EOFError, OSError):
             self._lost()
+            return
+        self._handlers[type(message)](message)
 
     def _take(self, slot: int) -> WorkItem:
         item = self._waiting.pop(slot)
         del self._slot_of[item]
         return item
 
-    def _on_done(self, answered: list, timing: tuple[float, float, float], in_rotation: bool) -> None:
-        batch_timing = BatchTiming(*timing)
-        for slot, top_k, queue_seconds in answered:
-            item = self._take(slot)
-            probabilities, logits = self.slab.output(slot).copy()  # one copy of both rows: the slot is freed next
-            self.slab.give_back([slot], self.owner)
+    def _on_done(self, done: Done) -> None:
+        batch_timing = BatchTiming(*done.timing)
+        for answer in done.answers:
+            item = self._take(answer.slot)
+            probabilities, logits = self.slab.output(answer.slot).copy()  # both rows at once: the slot is freed next
+            self.slab.give_back([answer.slot], self.owner)
             if not item.future.done():
-                item.future.set_result(ImageOutput(probabilities, logits, top_k, item.temperature, queue_seconds,
-                                                   batch_timing, self.name))
-        self._set_rotation(in_rotation)
+                item.future.set_result(ImageOutput(probabilities, logits, answer.top_k, item.temperature,
+                                                   answer.queue_seconds, batch_timing, self.name))
+        self._set_rotation(done.in_rotation)
 
-    def _on_failed(self, slots: list[int], kind: str, message: str, in_rotation: bool) -> None:
-        error = _ERRORS.get(kind, errors.ComputeFailed)(message)
-        for slot in slots:
+    def _on_failed(self, failed: Failed) -> None:
+        error = _ERRORS.get(failed.error, errors.ComputeFailed)(failed.message)
+        for slot in failed.slots:
             item = self._take(slot)
             self.slab.give_back([slot], self.owner)
             if not item.future.done():
                 item.future.set_exception(error)
-        self._set_rotation(in_rotation)
+        self._set_rotation(failed.in_rotation)
 
-    def _on_released(self, slots: list[int]) -> None:
-        for slot in slots:
+    def _on_released(self, released: Released) -> None:
+        for slot in released.slots:
             self._take(slot)
-        self.slab.give_back(slots, self.owner)
+        self.slab.give_back(released.slots, self.owner)
 
-    def _on_health(self, in_rotation: bool) -> None:
-        self._set_rotation(in_rotation)
+    def _on_health(self, health: Health) -> None:
+        self._set_rotation(health.in_rotation)
 
     def _set_rotation(self, in_rotation: bool) -> None:
         came_back = in_rotation and not self._in_rotation

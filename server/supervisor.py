@@ -43,9 +43,10 @@ from multiprocessing.process import BaseProcess
 
 from .config import ServerConfig
 from .devices import replica_names, resolve_devices
-from .engine import EngineLink, engine_main
+from .engine import engine_main
 from .errors import StartupError
 from .metrics import serve_child_metrics
+from .protocol import EngineLink
 from .slab import SLOT_INPUT_BYTES, SlabLayout, create_slab_memory
 from .statistics import SharedRow, shared_rows
 from .worker_metrics import serve_worker_metrics

@@ -121,7 +121,7 @@ def test_an_engine_process_on_cuda_answers_like_the_cpu_reference(weights_file, 
             np.testing.assert_allclose(result.logits, want, atol=0.02 * np.abs(want).max(), rtol=0)
         assert engine_set.taken_slots() == 0
         # The engine copies bytes on one host thread: an OpenMP team would spin beside the front-ends.
-        assert frontend.app.core.router.replicas[0].info["torch_threads"] == 1
+        assert frontend.app.core.router.replicas[0].info.torch_threads == 1
     finally:
         engine_set.stop()
 

@@ -15,6 +15,7 @@ import pytest
 
 from client import ClassifierError, Client
 from server.engine_client import EngineClient
+from server.protocol import ImageKind
 from tests.helpers import EngineSet, base_config, encode, free_port, random_rgb, scraped_value, serving, wait_for
 
 JPEG = encode(random_rgb(41))
@@ -63,9 +64,11 @@ def test_a_front_end_in_another_process_answers_as_the_in_process_server(engines
     with Client(frontend.target, timeout=60) as remote, Client(server.target, timeout=60) as local:
         got = remote.classify(images, full=True, logits=True, temperature=1.7)
         want = local.classify(images, full=True, logits=True, temperature=1.7)
-    preprocessed = ("crop", (224, 224, 3), 224 * 224 * 3) if crops else ("float", FLOATS.shape, FLOATS.nbytes)
-    assert [(kind, shape, nbytes) for _, kind, _, shape, nbytes, *_ in sent] == [
-        preprocessed, ("raw", PIXELS.shape, PIXELS.nbytes), preprocessed, ("raw", FLOATS.shape, FLOATS.nbytes)]
+    preprocessed = (ImageKind.CROP, (224, 224, 3), 224 * 224 * 3) if crops else \
+        (ImageKind.FLOAT, FLOATS.shape, FLOATS.nbytes)
+    assert [(entry.kind, entry.shape, entry.nbytes) for entry in sent] == [
+        preprocessed, (ImageKind.RAW, PIXELS.shape, PIXELS.nbytes), preprocessed,
+        (ImageKind.RAW, FLOATS.shape, FLOATS.nbytes)]
     for answer, expected in zip(got, want, strict=True):
         np.testing.assert_allclose(answer.probabilities, expected.probabilities, atol=1e-6, rtol=0)
         np.testing.assert_allclose(answer.logits, expected.logits, atol=1e-5, rtol=0)
@@ -74,8 +77,8 @@ def test_a_front_end_in_another_process_answers_as_the_in_process_server(engines
     assert engine_set.taken_slots() == 0  # every slot given back once its answer was read
     # The engine took the GIL switch interval asked for (Python's own, 5 ms, would leave its batcher waiting).
     engine_info = frontend.app.core.router.replicas[0].info
-    assert engine_info["switch_interval_ms"] == pytest.approx(engine_set.config.switch_interval_ms) != 5.0
-    assert engine_info["torch_threads"] == len(os.sched_getaffinity(0))  # a CPU engine's forward uses every core
+    assert engine_info.switch_interval_ms == pytest.approx(engine_set.config.switch_interval_ms) != 5.0
+    assert engine_info.torch_threads == len(os.sched_getaffinity(0))  # a CPU engine's forward uses every core
 
 
 def test_one_batch_holds_calls_from_two_front_ends(engines):
@@ -140,13 +143,13 @@ def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_
     with Client(engine_set.frontend().target, timeout=60) as client:
         want = client.classify([PIXELS], full=True, temperature=1.3)[0].probabilities
     sent = []
-    send = engine_client.send_message
+    real_send = engine_client.send
 
     def send_and_note(connection, message):  # the real send, and the kind of each message sent
-        sent.append(message[0])
-        send(connection, message)
+        sent.append(type(message).__name__)
+        real_send(connection, message)
 
-    monkeypatch.setattr(engine_client, "send_message", send_and_note)
+    monkeypatch.setattr(engine_client, "send", send_and_note)
 
     async def three_calls_and_one_withdrawn():
         handle = engine_client.EngineClient(engine_set.links[0], 3000, on_lost=lambda: None, on_back=lambda: None)
@@ -154,9 +157,9 @@ def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_
         loop = asyncio.get_running_loop()
         items = [WorkItem(RawImage("uint8", PIXELS.shape, PIXELS.tobytes()), 1.3, 5, None, loop.create_future())
                  for _ in range(3)]
-        for item in items:  # three calls' submits in one turn of the loop: nothing sent yet
+        for item in items:  # three calls' submits in one turn of the loop: nothing sent yet but the greeting
             handle.submit([item])
-        assert sent == []
+        assert sent == ["Hello"]
         handle.withdraw(items[2:])  # sends what waits first: the engine must know the slot it is asked to drop
         items[2].future.cancel()
         answers = await asyncio.wait_for(asyncio.gather(items[0].future, items[1].future), 60)
@@ -164,7 +167,7 @@ def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_
         return answers
 
     answers = asyncio.run(three_calls_and_one_withdrawn())
-    assert sent == ["submit", "cancel"]
+    assert sent == ["Hello", "Submit", "Cancel"]
     for answer in answers:
         np.testing.assert_allclose(answer.probabilities, want, atol=1e-6, rtol=0)
     wait_for(lambda: engine_set.taken_slots() == 0)  # the withdrawn one's slot too, whether dropped or computed
