@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import types
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -91,6 +93,18 @@ class ServerConfig:
     event_loop: str = "auto"  # the front-ends' (server.event_loop)
     worker: int = 0  # a front-end process's index (set by server.supervisor, not a flag)
 
+    def __post_init__(self) -> None:
+        """Each field of the type it is declared with, and each choice one of its values: a configuration built in
+        code (a test, a script) is checked as the flag parser checks a command line. ConfigError if not."""
+        for name, expected in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if not _has_type(value, expected):
+                shown = expected.__name__ if isinstance(expected, type) else str(expected)
+                raise ConfigError(f"{name} must be {shown}, got {value!r} ({type(value).__name__})")
+        for name, options in _CHOICES.items():
+            if getattr(self, name) not in options:
+                raise ConfigError(f"{name} must be one of {', '.join(options)}, got {getattr(self, name)!r}")
+
     @property
     def uses_cuda_graphs(self) -> bool:
         """Whether CUDA replicas replay captured graphs: asked for, or auto while neither --compile nor
@@ -101,6 +115,23 @@ class ServerConfig:
     def largest_batch(self) -> int:
         """The most images a batch can hold on any device this configuration may serve."""
         return self.max_batch_size or max(DEFAULT_MAX_BATCH_SIZE.values())
+
+
+_FIELD_TYPES = typing.get_type_hints(ServerConfig)
+AUTO_BOOLEAN = ("true", "false", "auto")
+
+
+def _has_type(value: object, expected: object) -> bool:
+    """isinstance for the field types ServerConfig uses; a bool is no number here, though Python's bool is an int."""
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if typing.get_origin(expected) is tuple:
+        return isinstance(value, tuple) and all(isinstance(item, str) for item in value)
+    if isinstance(expected, types.UnionType):
+        return any(_has_type(value, option) for option in typing.get_args(expected))
+    return isinstance(value, expected)
 
 
 def _one_of(*options: str) -> Callable[[str], str]:
@@ -115,11 +146,17 @@ def _one_of(*options: str) -> Callable[[str], str]:
     return check
 
 
-_precision = _one_of("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "fp16", "bf16")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# The fields that take one of a few values, and those values (what the flags below accept, and what a
+# configuration built in code is checked against).
+_CHOICES = {"precision": PRECISIONS, "compile_mode": COMPILE_MODES, "log_format": LOG_FORMATS,
+            "event_loop": EVENT_LOOPS, "log_level": LOG_LEVELS, "cuda_graphs": AUTO_BOOLEAN,
+            "decode_on_device": AUTO_BOOLEAN}
+_precision = _one_of(*PRECISIONS)
 _compile_mode = _one_of(*COMPILE_MODES)
 _log_format = _one_of(*LOG_FORMATS)
 _event_loop = _one_of(*EVENT_LOOPS)
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def _log_level(text: str) -> str:

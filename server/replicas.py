@@ -113,7 +113,8 @@ def load_replica(name: str, device: torch.device, config: ServerConfig, metrics:
     metrics.healthy.labels(name).set_function(lambda: 1 if batcher.in_rotation else 0)
     if device.type == "cuda":
         _watch_gpu(name, device, runner, metrics)
-    log.info("replica %s ready on %s in %.2fs (weights %s)", name, device, elapsed, weights.source)
+    log.info("replica %s ready on %s in %.2fs (weights %s); %s", name, device, elapsed, weights.source,
+             runner.describe())
     if weights.warning:
         log.warning("%s", weights.warning)
     decode_on_device = config.decode_on_device == "true" or (

@@ -58,6 +58,7 @@ class ModelRunner:
                  channels_last: bool = True, compiled: bool = False, compile_mode: str = "default",
                  fold_batch_norms: bool = True, torchscript: bool = False, cuda_graphs: bool = False) -> None:
         self.device = device
+        self.precision = precision
         self.dtype = PRECISIONS[precision]
         self.cuda = device.type == "cuda"
         # channels_last speeds up convolutions on CUDA (tensor cores) and on the CPU too (oneDNN, eager: +20-30%
@@ -75,6 +76,17 @@ class ModelRunner:
         self.buckets: list[int] = []  # the batch sizes warmed up, filled by warm_up
         self.sizes_run: set[int] = set()  # every batch size the network has run since warm-up (tests check it)
         self._batch_buffer: torch.Tensor | None = None  # see _stack
+
+    def describe(self) -> str:
+        """How batches run, for the start-up log: '<device> runs fp16 as CUDA graphs at batch sizes 1, 2, ...'."""
+        if self.cuda_graphs:
+            how = "as CUDA graphs"
+        elif self.compiled:
+            how = f"compiled by inductor ({self.compile_mode})"
+        else:
+            how = "as a TorchScript graph" if self.torchscript else "eagerly"
+        sizes = ", ".join(map(str, self.buckets)) or "any size (not warmed)"
+        return f"{self.device} runs {self.precision} {how} at batch sizes {sizes}"
 
     def _graph(self) -> torch.nn.Module:
         """What runs the forward pass: the model itself, compiled, or traced and frozen."""

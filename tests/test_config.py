@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,18 @@ def test_the_readme_flag_table_is_the_help_of_every_flag():
         # The default as written, read with the flag's own type, is the default the server starts with.
         default = getattr(defaults, "devices" if flag == "--device" else flag[2:].replace("-", "_"))
         assert (None if written == "none" else kind(written)) == default, flag
+
+
+@pytest.mark.parametrize(("field", "value", "error"), [
+    ("cuda_graphs", True, "cuda_graphs must be str, got True (bool)"),  # "true", "false" or "auto"
+    ("cuda_graphs", "yes", "cuda_graphs must be one of true, false, auto, got 'yes'"),
+    ("port", "50051", "port must be int, got '50051' (str)"),
+    ("grace_period", True, "grace_period must be float, got True (bool)"),
+    ("devices", "cpu", "devices must be tuple[str, ...], got 'cpu' (str)"),
+    ("precision", "fp8", "precision must be one of fp32, fp16, bf16, got 'fp8'"),
+    ("tls_cert", 3, "tls_cert must be str | None, got 3 (int)"),
+])
+def test_a_configuration_built_in_code_is_checked_as_the_flags_are(field, value, error):
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        ServerConfig(**{field: value})
+    assert ServerConfig(grace_period=5, tls_cert="server.pem").grace_period == 5  # an int is a float's value

@@ -154,7 +154,7 @@ def test_torchscript_on_cuda_matches_the_cpu_reference(make_server, reference, p
 
 @pytest.mark.parametrize("precision, tolerance", [("fp32", 0.02), ("fp16", 0.05)])  # as the eager test's
 def test_cuda_graphs_replay_padded_batches_as_the_cpu_reference(make_server, reference, precision, tolerance):
-    running = make_server(devices=("cuda:0",), cuda_graphs=True, precision=precision, max_batch_size=4)
+    running = make_server(devices=("cuda:0",), cuda_graphs="true", precision=precision, max_batch_size=4)
     runner = running.app.core.router.replicas[0].runner
     assert sorted(runner._graphs) == runner.buckets == [1, 2, 4]
     with Client(running.target) as client:

@@ -45,7 +45,9 @@ def test_the_server_logs_json_from_start_to_stop(weights_file):
         process.kill()
     logged += [json.loads(line) for line in rest.splitlines() if line.startswith("{")]
     messages = [entry["message"] for entry in logged]
-    assert any(message.startswith("replica cpu ready on cpu") for message in messages), messages
+    (ready,) = [message for message in messages if message.startswith("replica cpu ready on cpu")]
+    # How the engine runs its batches, and at which sizes (the CPU's default largest batch is 8).
+    assert ready.endswith("; cpu runs fp32 eagerly at batch sizes 1, 2, 3, 4, 5, 6, 7, 8"), ready
     assert any(message.startswith("serving resnet18 on 127.0.0.1:") for message in messages), messages
     assert messages[-1] == "stopped"
     assert {entry["logger"] for entry in logged} >= {"server", "server.replicas"}
