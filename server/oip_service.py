@@ -28,7 +28,7 @@ from client.api import model_config_pb2 as mc
 from . import __version__
 from .batcher import ImageOutput
 from .errors import InvalidInput, NotFound, Unavailable
-from .inference import ClassifyCall, InferenceCore
+from .inference import DEFAULT_TOP_K, ClassifyCall, InferenceCore
 from .model import MODEL_NAME, MODEL_VERSION
 from .preprocess import CROP, EncodedImage, ImageInput, RawImage
 from .service import answer, caller_status, in_order, request_id
@@ -40,7 +40,6 @@ PROBABILITIES = "probabilities"
 TOP_K_OUTPUTS = ("top_k_indices", "top_k_probabilities", "top_k_labels")
 OUTPUT_TYPES = {PROBABILITIES: "FP32", "top_k_indices": "INT64", "top_k_probabilities": "FP32",
                 "top_k_labels": "BYTES"}
-DEFAULT_TOP_K = 5
 RAW_INPUT_CONTENTS = oip.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
 
 

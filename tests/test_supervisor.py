@@ -34,6 +34,7 @@ from tests.helpers import (
     ephemeral_ports,
     free_port,
     listening_ports,
+    load_script,
     needs_promtool,
     random_rgb,
     scraped_value,
@@ -185,6 +186,9 @@ def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, 
         assert all(count > 0 for count in served), served
         assert [scraped_value(workers.metrics_port, f'resnet_worker_up{{worker="{worker}"}}')
                 for worker in ("0", "1", "engine-cpu")] == [1, 1, 1]
+        # The soak's memory reading (scripts/soak.py) finds every process of the server on its one /metrics.
+        memory = load_script("soak").rss(workers.metrics_port)
+        assert set(memory) == {"0", "1", "engine-cpu", "supervisor"} and all(value > 2**20 for value in memory.values())
         # The engine formed the batches of both front-ends' calls: every batch is in its series alone.
         assert scraped_value(workers.metrics_port, 'resnet_batch_size_count{device="cpu",worker="0"}') == 0
         computed = after[("resnet_batch_size_sum", "cpu")] - before[("resnet_batch_size_sum", "cpu")]
