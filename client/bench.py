@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import grpc
 
 from .api import classifier_pb2 as pb
-from .cli import connection
 from .client import AsyncClient, Client
+from .connection_flags import connection
 from .errors import ClassifierError
 from .flags import (
     DEFAULT_IMAGE_SIZE,

@@ -15,6 +15,7 @@ import json
 import math
 from pathlib import Path
 
+from .connection_flags import connect
 from .progress import ProgressBar
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".gif", ".webp"}
@@ -166,7 +167,6 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from .cli import connect
 
     np = _numpy()
     wnids = Path(args.wnids).read_text().split() if args.wnids else None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from perf_analyzer import REQUEST_PARTS, part_label
 
-from client.flags import DEFAULT_IMAGE_SIZE, size_text
+from resnet_client.flags import DEFAULT_IMAGE_SIZE, size_text
 
 
 def load(folder: Path, name: str) -> list[dict]:

@@ -22,10 +22,10 @@ import os
 import time
 from pathlib import Path
 
-from client.api import classifier_pb2 as pb
-from client.bench import make_image
-from client.client import AsyncClient
-from client.flags import image_size
+from resnet_client.api import classifier_pb2 as pb
+from resnet_client.bench import make_image
+from resnet_client.client import AsyncClient
+from resnet_client.flags import image_size
 
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 

@@ -14,10 +14,10 @@ import torch
 from check_args import check_parser, write_json
 from PIL import Image
 
-from server.device_decode import DeferredJpeg, decode_batch
-from server.model import build_model, load_weights
-from server.preprocess import decode, transform
-from server.runner import ModelRunner
+from resnet_server.common.device_decode import DeferredJpeg, decode_batch
+from resnet_server.common.model import build_model, load_weights
+from resnet_server.common.preprocess import decode, transform
+from resnet_server.engine.runner import ModelRunner
 
 
 def sample_jpegs(count: int, seed: int = 0) -> list[bytes]:

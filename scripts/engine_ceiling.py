@@ -2,7 +2,7 @@
 
 A GPU engine is one process, and its threads share one GIL, so its CPU time an image bounds what one device can
 serve however many front-ends feed it (frontend_cost.py's engine figure is for batches of one or two calls; a GPU's
-batches are far larger). This starts one engine as the server does, with handling_ceiling's free model (ready-made
+batches are far larger). This starts one engine as the server does, with the free runner (``--runner free``: ready-made
 inputs and scores; with ``--compute-ms`` each batch's scores land that long after its launch, as a GPU's do, so
 batches grow as they do on a device), and feeds it from ``--feeders`` processes that do what a front-end does after
 gRPC: the real ``EngineClient`` (a slot each image, the pixels into the slab, one message a loop turn, the answers
@@ -20,13 +20,11 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import statistics
 import time
 from dataclasses import replace
 
 from frontend_cost import cpu_seconds  # scripts/ is this script's first path entry, and its spawned children's
-from handling_ceiling import COMPUTE_MS  # patches the runner: the free model, here and in the engine
 
 RAW_BYTES = 224 * 224 * 3
 
@@ -35,9 +33,9 @@ def feed(link, owner: int, in_flight: int, pipe) -> None:
     """One feeder process: connects, says so, and keeps ``in_flight`` images in flight through an EngineClient
     from the (start, end) it is sent (time.monotonic(), one clock for every process) until end; sends back how
     many were answered in that window."""
-    from server.batcher import WorkItem
-    from server.engine_client import EngineClient
-    from server.preprocess import RawImage
+    from resnet_server.common.preprocess import RawImage
+    from resnet_server.common.work import WorkItem
+    from resnet_server.frontend.engine_client import EngineClient
 
     async def main() -> int:
         loop = asyncio.get_running_loop()
@@ -110,14 +108,13 @@ def main() -> None:
                         help="the engine's /metrics is on the port two after it (its mean batch is read there)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a line of text")
     args = parser.parse_args()
-    os.environ[COMPUTE_MS] = str(args.compute_ms)  # the engine, spawned, imports handling_ceiling again
 
-    from server.config import ServerConfig
-    from server.devices import resolve_devices
-    from server.supervisor import Supervisor
+    from resnet_server.common.config import ServerConfig
+    from resnet_server.common.devices import resolve_devices
+    from resnet_server.supervisor.launcher import Supervisor
 
     config = ServerConfig(host="127.0.0.1", port=0, metrics_port=args.metrics_port, devices=("cpu",),
-                          weights="random", max_batch_size=args.max_batch_size,
+                          weights="random", max_batch_size=args.max_batch_size, runner=f"free:{args.compute_ms:g}",
                           max_queue=max(1024, args.feeders * args.in_flight))
     supervisor = Supervisor(replace(config, frontends=1), resolve_devices(config.devices))
     try:

@@ -2,7 +2,7 @@
 
 Measures, side by side in one run on this machine: (1) a bare ``grpc.aio`` server in one process, whose one
 method ignores its request and answers 4,000 bytes; (2) ``resnet-server --frontends 1`` with a model that costs
-nothing (``scripts/handling_ceiling.py``: every forward pass is ready-made), so what is left is the serving
+nothing (``--runner free``: every forward pass is ready-made), so what is left is the serving
 path itself: gRPC, the handler, validation, the slab, the engine's hand-offs and the answer. Both take the same
 150 KB requests (one uint8 224x224 image, as a ClassifyRequest) from the same client: ``--processes`` processes
 of ``--concurrency`` calls in flight each, for ``--duration`` seconds after a second of warm-up. Both servers
@@ -12,7 +12,7 @@ then falls on both alike. The median of the rounds' ratios is the issue's target
 server process's CPU time a call (median of the rounds; warm-up included, over every call made): on a machine
 whose cores the clients share, a steadier measure than calls a second, and it says whether the front-end or
 its engine costs what. The bare server runs on asyncio's own event loop, the issue's reference; the
-front-end on uvloop where installed (server.event_loop), so ``--bare-loop uvloop`` gives the front-end's own
+front-end on uvloop where installed (server.common.event_loop), so ``--bare-loop uvloop`` gives the front-end's own
 cost alone. Both servers listen on 127.0.0.1 and are stopped when done.
 
 Usage: python scripts/frontend_cost.py [--processes 4] [--concurrency 16] [--duration 10] [--rounds 3]
@@ -36,14 +36,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import NamedTuple
 
 import grpc
 from cpu_split import thread_cpu_seconds
 from grpc_floor import serve_aio  # scripts/ is this script's first path entry, and its spawned children's
 
-from client.api import classifier_pb2 as pb
+from resnet_client.api import classifier_pb2 as pb
 
 STARTED = re.compile(r"started resnet-(engine|frontend)-\S+ \(pid (\d+)\)")  # the supervisor's log line
 BARE_METHOD = "/floor.Floor/Call"  # grpc_floor's server: one method that answers 4,000 bytes
@@ -120,10 +119,10 @@ def bare_server(loop: str) -> Iterator[Server]:
 
 @contextlib.contextmanager
 def frontend_server(args: argparse.Namespace) -> Iterator[Server]:
-    script = Path(__file__).with_name("handling_ceiling.py")
     server = subprocess.Popen(
-        [sys.executable, str(script), "--frontends", "1", "--device", "cpu", "--weights", "random", "--host",
-         "127.0.0.1", "--port", "0", "--metrics-port", "0", "--max-batch-size", "64", "--max-queue", "1024",
+        [sys.executable, "-m", "resnet_server", "--runner", "free", "--frontends", "1", "--device", "cpu",
+         "--weights", "random", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--max-batch-size", "64",
+         "--max-queue", "1024",
          *shlex.split(args.server_flags)],
         stderr=subprocess.PIPE, text=True)
     processes = {}

@@ -41,11 +41,11 @@ fi
 # Triton's perf_analyzer, if carried: the binary in .whl/gpu/bin, the libraries it links in .whl/gpu/lib.
 [ -x .whl/gpu/bin/perf_analyzer ] && export PATH="$PWD/.whl/gpu/bin:$PATH"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-frontends=$(python -c 'from server.config import ServerConfig; from server.supervisor import frontend_count
+frontends=$(python -c 'from resnet_server.common.config import ServerConfig; from resnet_server.supervisor.launcher import frontend_count
 print(frontend_count(ServerConfig(), 1))')  # what --frontends auto starts here, with one device
 # The server as a command, not a function: started in the background it is then the process stop signals.
-server=(resnet-server); type -P resnet-server >/dev/null || server=(python -m server)
-command -v resnet-client >/dev/null || resnet-client() { python -c 'import sys; from client.cli import main; sys.exit(main())' "$@"; }
+server=(resnet-server); type -P resnet-server >/dev/null || server=(python -m resnet_server)
+command -v resnet-client >/dev/null || resnet-client() { python -c 'import sys; from resnet_client.cli import main; sys.exit(main())' "$@"; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 lscpu > "$out/lscpu.txt" 2>&1 || true  # threads a core: whether the 16 "cores" are 8 with two threads each
 

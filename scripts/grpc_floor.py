@@ -43,8 +43,8 @@ def serve_aio(ports, stop, loop: str = "asyncio") -> None:
         await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         await server.stop(0)
 
-    # Not server.event_loop.run: importing the server package tunes malloc (server.memory), and the reference
-    # server must stay bare.
+    # Not server.common.event_loop.run: importing the server package tunes malloc (server.common.memory), and the
+    # reference server must stay bare.
     if loop == "uvloop":
         import uvloop
 

@@ -25,12 +25,12 @@ import time
 
 import torch
 
-from client.api import classifier_pb2 as pb
-from client.bench import make_image
-from client.client import Client
-from client.flags import image_size
-from server.bench_model import MAX_PIXELS, Replicas, add_model_arguments, parse_model_arguments
-from server.preprocess import RawImage, preprocess
+from resnet_client.api import classifier_pb2 as pb
+from resnet_client.bench import make_image
+from resnet_client.client import Client
+from resnet_client.flags import image_size
+from resnet_server.common.preprocess import RawImage, preprocess
+from resnet_server.engine.bench_model import MAX_PIXELS, Replicas, add_model_arguments, parse_model_arguments
 
 
 def in_process_window(replicas: Replicas, model_input: torch.Tensor, seconds: float) -> float:

@@ -25,8 +25,8 @@ import statistics
 import perf_analyzer
 import torch
 
-from server.bench_model import Replicas, add_model_arguments, parse_model_arguments
-from server.preprocess import FLOAT_SHAPE
+from resnet_server.common.preprocess import FLOAT_SHAPE
+from resnet_server.engine.bench_model import Replicas, add_model_arguments, parse_model_arguments
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from check_args import check_parser, write_json
 
-from server.model import build_model, load_weights
-from server.runner import ModelRunner
+from resnet_server.common.model import build_model, load_weights
+from resnet_server.engine.runner import ModelRunner
 
 
 def main() -> None:

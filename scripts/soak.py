@@ -31,8 +31,8 @@ import numpy as np
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from client.api import classifier_pb2 as pb
-from client.api import classifier_pb2_grpc as pb_grpc
+from resnet_client.api import classifier_pb2 as pb
+from resnet_client.api import classifier_pb2_grpc as pb_grpc
 
 PORT, METRICS_PORT = 50177, 8177
 
@@ -167,7 +167,7 @@ def main() -> int:
                         help="requests/s, past the server's capacity (a 2-core CPU computes about 60 of these)")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
-    server = subprocess.Popen([sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(PORT),
+    server = subprocess.Popen([sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", str(PORT),
                                "--metrics-port", str(METRICS_PORT), "--device", "cpu", "--weights", "random",
                                "--max-queue", "16", "--log-level", "ERROR"])
     try:

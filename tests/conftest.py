@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import Reference, ServerThread, base_config, save_random_weights
+from tests.helpers import EngineSet, Faults, Reference, ServerThread, base_config, free_port, save_random_weights
 
 
 @pytest.fixture(scope="session")
@@ -19,10 +19,18 @@ def reference(weights_file) -> Reference:
 
 @pytest.fixture(scope="session")
 def server(weights_file):
-    """One shared server on 127.0.0.1:0 serving the test-made weights file (the real file-loading path)."""
-    running = ServerThread(base_config(str(weights_file[0]))).start()
-    yield running
-    running.stop()
+    """One shared server on 127.0.0.1:0 serving the test-made weights file (the real file-loading path), as
+    resnet-server runs: an engine process (its model, batcher and /metrics) fed through its shared slab by a
+    front-end, here on a thread of the test's process, so that tests can read its series."""
+    engines = EngineSet(base_config(str(weights_file[0]), metrics_port=free_port()))
+    yield engines.frontend()
+    engines.stop()
+
+
+@pytest.fixture()
+def faults(tmp_path) -> Faults:
+    """A fault file for a server started with ``runner=faults.runner``; no fault until the test sets one."""
+    return Faults(tmp_path / "faults")
 
 
 @pytest.fixture()

@@ -21,15 +21,16 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.models import resnet18
 from torchvision.transforms import v2
 
-from client import ClassifierError, Client
-from server.app import App
-from server.config import ServerConfig
-from server.event_loop import new_event_loop
-from server.metrics import Metrics
+from resnet_client import ClassifierError, Client
+from resnet_server.common.config import ServerConfig
+from resnet_server.common.event_loop import new_event_loop
+from resnet_server.common.metrics import Metrics
+from resnet_server.frontend.server import App
 
 TEST_SEED = 1234
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,9 +65,10 @@ class ServerThread:
     ``engines`` it is a front-end of those engine processes (as owner ``owner`` in their slabs); without, its
     replicas load in this process."""
 
-    def __init__(self, config: ServerConfig, engines=(), owner: int = 1) -> None:
+    def __init__(self, config: ServerConfig, engines=(), owner: int = 1, engine_metrics_ports=()) -> None:
         self.metrics = Metrics(config.largest_batch)
         self.app = App(config, self.metrics, engines, owner)
+        self.engine_metrics_ports = list(engine_metrics_ports)  # where its engines serve their own /metrics
         self.loop = new_event_loop(config.event_loop)  # uvloop where installed, as the server's own processes run
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -84,8 +86,9 @@ class ServerThread:
         return f"127.0.0.1:{self.app.port}"
 
     def sample(self, name: str, **labels) -> float:
-        value = self.metrics.registry.get_sample_value(name, labels)
-        return 0.0 if value is None else value
+        """The server's value of one series: this front-end's, plus its engines' (read from their /metrics)."""
+        value = self.metrics.registry.get_sample_value(name, labels) or 0.0
+        return value + sum(engine_sample(port, name, labels) for port in self.engine_metrics_ports)
 
     def stop(self, grace: float = 5.0) -> None:
         self.run(self.app.stop(grace))
@@ -99,8 +102,8 @@ class EngineSet:
     The test holds the slabs too, so it can see which slots are taken."""
 
     def __init__(self, config: ServerConfig) -> None:
-        from server.devices import resolve_devices
-        from server.supervisor import Supervisor
+        from resnet_server.common.devices import resolve_devices
+        from resnet_server.supervisor.launcher import Supervisor
 
         self.config = config
         self.supervisor = Supervisor(config, resolve_devices(config.devices))
@@ -125,7 +128,9 @@ class EngineSet:
 
     def frontend(self, **overrides) -> ServerThread:
         config = replace(self.config, **{"metrics_port": 0, **overrides})  # the engines have the ports
-        running = ServerThread(config, self.links, next(self._owners)).start()
+        ports = [self.engine_metrics_port(index) for index in range(len(self.links))] if self.config.metrics_port \
+            else []
+        running = ServerThread(config, self.links, next(self._owners), ports).start()
         self._frontends.append(running)
         return running
 
@@ -142,7 +147,7 @@ class EngineSet:
         assert self.supervisor._wait_until(lambda: self.supervisor.children[f"engine-{index}"].serving) is None
 
     def taken_slots(self, index: int = 0) -> int:
-        from server.slab import Slab
+        from resnet_server.boundary.slab import Slab
 
         link = self.links[index]
         slab = Slab(link.slab_fd, link.layout)
@@ -156,6 +161,15 @@ class EngineSet:
             running.stop(grace=1.0)
         self.supervisor.stop()
         self.supervisor.close()
+
+
+def engine_sample(port: int, name: str, labels: dict[str, str]) -> float:
+    """One sample's value on an engine's own /metrics (0 when it has none)."""
+    for family in text_string_to_metric_families(scrape(port)):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0
 
 
 def save_random_weights(path, seed: int = TEST_SEED) -> dict[str, torch.Tensor]:
@@ -294,17 +308,34 @@ def serving(client: Client) -> bool:
         return False
 
 
-def device_fell_off(inputs, temperatures):
-    """A replica's forward pass that always fails."""
-    raise RuntimeError("device fell off the bus")
+class Faults:
+    """The fault file of a server started with ``--runner faulty:FILE`` (resnet_server.engine.runners): what its
+    batches do from the next one on, for every replica or for one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.write_text("")
+
+    @property
+    def runner(self) -> str:
+        return f"faulty:{self.path}"
+
+    def set(self, fault: str, replica: str | None = None) -> None:
+        self.path.write_text(f"@{replica} {fault}\n" if replica else f"{fault}\n")
+
+    def clear(self) -> None:
+        self.path.write_text("")
 
 
-def break_until_evicted(running: ServerThread, replica) -> None:
-    """Make the replica's forward pass fail and send requests until the router has taken it out."""
-    replica.batcher._compute = device_fell_off
+DEVICE_FELL_OFF = "fail device fell off the bus"
+
+
+def break_until_evicted(running: ServerThread, faults: Faults, replica: str = "cpu") -> None:
+    """Make the replica's batches fail and send requests until the router has taken it out."""
+    faults.set(DEVICE_FELL_OFF, replica)
     image = encode(random_rgb(5))
     with Client(running.target) as client:
-        while replica.healthy:
+        while running.sample("resnet_replica_healthy", device=replica) == 1:
             try:
                 client.classify([image])
             except ClassifierError as exc:

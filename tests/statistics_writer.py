@@ -7,7 +7,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from server.statistics import BatchTiming, ModelStatistics, SharedRow
+from resnet_server.common.statistics import BatchTiming, ModelStatistics, SharedRow
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 
-from client import AsyncClient, Client
-from server.batcher import CUDA_BATCHES_IN_FLIGHT
-from server.runner import PendingScores
+from resnet_client import AsyncClient, Client
+from resnet_server.engine.batcher import CUDA_BATCHES_IN_FLIGHT
+from resnet_server.engine.runner import PendingScores
 from tests.helpers import encode, random_rgb, wait_for
 
 IMAGES = [encode(random_rgb(900 + i)) for i in range(4)]

@@ -18,12 +18,12 @@ import pytest
 import torch
 import tritonclient.grpc as tc
 
-from client import Client
-from client.api import classifier_pb2 as pb
-from client.bench import LoadSpec, _stream_loop, make_image, print_table
-from client.cli import main as client_main
-from server.app import main as server_main
-from server.bench_model import Replicas, add_model_arguments
+from resnet_client import Client
+from resnet_client.api import classifier_pb2 as pb
+from resnet_client.bench import LoadSpec, _stream_loop, make_image, print_table
+from resnet_client.cli import main as client_main
+from resnet_server.cli import main as server_main
+from resnet_server.engine.bench_model import Replicas, add_model_arguments
 from tests.helpers import (
     ROOT,
     ServerThread,
@@ -384,13 +384,13 @@ def test_frontend_cost_measures_both_servers_in_rounds_and_each_process_cpu_a_ca
     assert all(us > 0 for us in result["cpu_us_per_call"].values())
 
 
-def test_handling_ceiling_serves_the_costless_model_from_every_worker(weights_file):
-    """scripts/handling_ceiling.py: the server with its model replaced, in worker processes too; with
-    --compute-ms, each batch's scores land that long after its launch, in the engine process."""
+def test_the_free_runner_answers_ready_made_scores_through_every_front_end(weights_file):
+    """--runner free:MS: the engine runs no model; each batch's scores are ready-made and land MS ms after its
+    launch, and both front-ends answer them."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "handling_ceiling.py"), "--compute-ms", "40",
-                                "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--device", "cpu",
-                                "--weights", str(weights_file[0]), "--workers", "2", "--log-level", "WARNING"])
+    process = subprocess.Popen([sys.executable, "-m", "resnet_server", "--runner", "free:40", "--host", "127.0.0.1",
+                                "--port", str(port), "--metrics-port", "0", "--device", "cpu",
+                                "--weights", str(weights_file[0]), "--frontends", "2", "--log-level", "WARNING"])
     try:
         answers = []
         for _ in range(6):  # six connections: the kernel hands them to either worker
@@ -604,7 +604,7 @@ def test_the_table_sets_perf_analyzer_beside_our_bench(tmp_path):
 
 def test_cpu_split_reads_the_server_threads_and_this_process(weights_file, capsys, tmp_path, monkeypatch):
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
+    process = subprocess.Popen([sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", str(port),
                                 "--metrics-port", "0", "--device", "cpu", "--weights", str(weights_file[0]),
                                 "--log-level", "WARNING"])
     try:
@@ -652,7 +652,7 @@ def test_bench_fails_when_its_server_stops_answering_mid_run(weights_file, capsy
 
 def test_bench_without_pillow_says_what_to_install():
     done = subprocess.run(
-        [sys.executable, "-c", "import sys; sys.modules['PIL'] = None; from client.cli import main; "
+        [sys.executable, "-c", "import sys; sys.modules['PIL'] = None; from resnet_client.cli import main; "
          "sys.exit(main(['bench', '--server', '127.0.0.1:1']))"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr == ("resnet-client bench: error: --input jpeg (the default) and png need Pillow: pip install "

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from client import Client
-from client.calibrate import brier, expected_calibration_error, fit_temperature, nll
-from client.cli import main
+from resnet_client import Client
+from resnet_client.calibrate import brier, expected_calibration_error, fit_temperature, nll
+from resnet_client.cli import main
 from tests.helpers import ServerThread, base_config, encode, random_rgb
 
 

@@ -8,8 +8,8 @@ import grpc
 import numpy as np
 import pytest
 
-from client import AsyncClient, ClassifierError, Client
-from client.messages import build_request
+from resnet_client import AsyncClient, ClassifierError, Client
+from resnet_client.messages import build_request
 from tests.helpers import encode, random_rgb
 
 TOLERANCE = 1e-5

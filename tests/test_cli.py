@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client import Client
-from client.channel import with_default_port
-from client.cli import BENCH_ATTEMPTS, DEFAULT_TIMEOUT, SERVER_ENV, TOKEN_ENV, main, parse_args
+from resnet_client import Client
+from resnet_client.channel import with_default_port
+from resnet_client.cli import main, parse_args
+from resnet_client.connection_flags import BENCH_ATTEMPTS, DEFAULT_TIMEOUT, SERVER_ENV, TOKEN_ENV
 from tests.helpers import encode, random_rgb
 
 
@@ -67,10 +68,10 @@ def test_info_and_health(server, capsys):
 def test_server_from_the_environment(server):
     """RESNET_CLIENT_SERVER names the server when --server does not (containers, scripts)."""
     env = {**os.environ, SERVER_ENV: server.target}
-    done = subprocess.run([sys.executable, "-m", "client.cli", "health"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "resnet_client.cli", "health"], capture_output=True, text=True,
                           timeout=60, env=env)
     assert (done.returncode, done.stdout.strip()) == (0, "SERVING")
-    named = subprocess.run([sys.executable, "-m", "client.cli", "health", "--server", "127.0.0.1:1", "--timeout",
+    named = subprocess.run([sys.executable, "-m", "resnet_client.cli", "health", "--server", "127.0.0.1:1", "--timeout",
                             "5"], capture_output=True, text=True, timeout=60, env=env)
     assert named.returncode == 1 and named.stderr.startswith("resnet-client: error: UNAVAILABLE: ")  # the flag wins
 
@@ -101,7 +102,7 @@ def test_parse_args_fills_each_connection_flag_given_nowhere(monkeypatch):
 def test_failure_exits_non_zero_with_the_status_code(server, tmp_path):
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(b"definitely not a jpeg")
-    done = subprocess.run([sys.executable, "-m", "client.cli", "classify", str(bad), "--server", server.target],
+    done = subprocess.run([sys.executable, "-m", "resnet_client.cli", "classify", str(bad), "--server", server.target],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
@@ -157,7 +158,7 @@ def test_the_cli_stops_quietly_when_its_reader_closes_the_pipe(server, tmp_path,
     image = tmp_path / "image.png"
     image.write_bytes(encode(random_rgb(3), "PNG"))
     process = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", *[str(image) if part == "IMAGE" else part for part in command],
+        [sys.executable, "-m", "resnet_client.cli", *[str(image) if part == "IMAGE" else part for part in command],
          "--server", server.target], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     process.stdout.close()  # the reader has gone before the first line is written, as `| head` may
     _, errors = process.communicate(timeout=60)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.config import _FLAGS, ConfigError, ServerConfig, env_name, flags_table, parse_config
-from server.devices import replica_names, resolve_devices
-from server.errors import StartupError
-from server.event_loop import resolved
+from resnet_server.common.config import _FLAGS, ConfigError, ServerConfig, env_name, flags_table, parse_config
+from resnet_server.common.devices import replica_names, resolve_devices
+from resnet_server.common.errors import StartupError
+from resnet_server.common.event_loop import resolved
 
 
 def test_defaults():
@@ -164,7 +164,8 @@ def test_replica_names_are_unique_per_device():
 
 def test_the_readme_flag_table_is_the_help_of_every_flag():
     """One source: the README's table is flags_table(), which --help's text also comes from. After changing a
-    flag, paste the output of `python -c 'from server.config import flags_table; print(flags_table())'`."""
+    flag, paste the output of
+    `python -c 'from resnet_server.common.config import flags_table; print(flags_table())'`."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert flags_table() in readme
     defaults = ServerConfig()

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from client import Client
-from server.model import build_model, load_weights
-from server.preprocess import RawImage
-from server.runner import ModelRunner
+from resnet_client import Client
+from resnet_server.common.model import build_model, load_weights
+from resnet_server.common.preprocess import RawImage
+from resnet_server.engine.runner import ModelRunner
 from tests.helpers import EngineSet, base_config, free_port, random_rgb
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from client import Client
+from resnet_client import Client
 from tests.helpers import IN_CI, break_until_evicted, encode, free_port, needs_promtool, random_rgb, wait_for
 from tests.prom import ALERT_RULES, ROOT, Prometheus
 
@@ -73,8 +73,8 @@ def test_alert_rules_are_valid_and_pass_their_unit_tests():
 
 @needs_promtool
 @pytest.mark.slow
-def test_every_dashboard_query_returns_data_from_a_real_prometheus(make_server, tmp_path):
-    running = make_server(metrics_port=free_port())
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(make_server, faults, tmp_path):
+    running = make_server(metrics_port=free_port(), runner=faults.runner)
     with Prometheus(f"127.0.0.1:{running.app.config.metrics_port}", tmp_path) as prometheus:
         image = encode(random_rgb(3))
         with Client(running.target) as client:
@@ -101,7 +101,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(make_server, 
         for name, rule in rules.items():
             assert (rule["health"], rule["state"]) == ("ok", "inactive"), (name, rule)
         # A replica taken out of rotation: both replica alerts match the real series (pending, for their `for:`).
-        break_until_evicted(running, running.app.core.router.replicas[0])
+        break_until_evicted(running, faults)
         wait_for(lambda: prometheus.rule_state("ResnetNoReplicaInRotation") == "pending", timeout=30)
         wait_for(lambda: prometheus.rule_state("ResnetReplicaOutOfRotation") == "pending", timeout=30)
         (alert,) = prometheus.evaluated_rules()["ResnetReplicaOutOfRotation"]["alerts"]

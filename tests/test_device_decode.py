@@ -15,10 +15,10 @@ import pytest
 import torch
 from PIL import Image
 
-from client import AsyncClient, ClassifierError, Client
-from server.device_decode import DeferredJpeg, decode_batch
-from server.errors import InvalidInput
-from server.preprocess import decode, transform
+from resnet_client import AsyncClient, ClassifierError, Client
+from resnet_server.common.device_decode import DeferredJpeg, decode_batch
+from resnet_server.common.errors import InvalidInput
+from resnet_server.common.preprocess import decode, transform
 from tests.helpers import encode, random_rgb
 
 JPEGS = [encode(random_rgb(seed)) for seed in (31, 32, 33)]

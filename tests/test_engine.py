@@ -13,9 +13,9 @@ import grpc
 import numpy as np
 import pytest
 
-from client import ClassifierError, Client
-from server.engine_client import EngineClient
-from server.protocol import ImageKind
+from resnet_client import ClassifierError, Client
+from resnet_server.boundary.protocol import ImageKind
+from resnet_server.frontend.engine_client import EngineClient
 from tests.helpers import EngineSet, base_config, encode, free_port, random_rgb, scraped_value, serving, wait_for
 
 JPEG = encode(random_rgb(41))
@@ -135,9 +135,9 @@ def test_deadline_and_cancel_free_their_slots_before_compute(engines):
 
 def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_one_is_not_answered(engines,
                                                                                                   monkeypatch):
-    from server import engine_client
-    from server.batcher import WorkItem
-    from server.preprocess import RawImage
+    from resnet_server.common.preprocess import RawImage
+    from resnet_server.common.work import WorkItem
+    from resnet_server.frontend import engine_client
 
     engine_set = engines(max_batch_size=8)
     with Client(engine_set.frontend().target, timeout=60) as client:

@@ -10,10 +10,9 @@ import grpc
 import numpy as np
 import pytest
 
-from client import AsyncClient, ClassifierError, Client
-from client.api import classifier_pb2 as pb
-from client.api import classifier_pb2_grpc as pb_grpc
-from server.runner import PendingScores
+from resnet_client import AsyncClient, ClassifierError, Client
+from resnet_client.api import classifier_pb2 as pb
+from resnet_client.api import classifier_pb2_grpc as pb_grpc
 from tests.helpers import encode, random_rgb, wait_for
 
 GOOD = encode(random_rgb(5))
@@ -148,13 +147,9 @@ def test_passed_deadline_is_deadline_exceeded(client, server):
     assert result.top_k
 
 
-def test_unexpected_failure_is_internal_without_internals(make_server):
-    running = make_server()
-
-    def explode(inputs, temperatures):
-        raise RuntimeError("secret internal detail /opt/model.py line 42")
-
-    running.app.core.router.replicas[0].batcher._compute = explode
+def test_unexpected_failure_is_internal_without_internals(make_server, faults):
+    running = make_server(runner=faults.runner)
+    faults.set("fail secret internal detail /opt/model.py line 42")
     with Client(running.target, timeout=60) as client, pytest.raises(ClassifierError) as caught:
         client.classify([GOOD])
     assert caught.value.code == grpc.StatusCode.INTERNAL
@@ -162,21 +157,14 @@ def test_unexpected_failure_is_internal_without_internals(make_server):
     assert running.sample("resnet_requests_total", device="cpu", code="INTERNAL") == 1
 
 
-def test_a_failure_after_the_forward_pass_fails_its_batch_and_the_worker_goes_on(make_server):
-    running = make_server()
-    batcher = running.app.core.router.replicas[0].batcher
-    real_compute = batcher._compute
-
-    def three_classes(inputs, temperatures):  # too few classes for a top 5: picking it fails, not the pass
-        probabilities, logits = real_compute(inputs, temperatures).wait()
-        return PendingScores(probabilities[:, :3], logits[:, :3])
-
-    batcher._compute = three_classes
+def test_a_failure_after_the_forward_pass_fails_its_batch_and_the_worker_goes_on(make_server, faults):
+    running = make_server(runner=faults.runner)
+    faults.set("fail-late the copy back failed")  # the forward pass ran; waiting for its scores fails
     with Client(running.target, timeout=20) as client:
         with pytest.raises(ClassifierError) as caught:
             client.classify([GOOD])
         assert caught.value.code == grpc.StatusCode.INTERNAL
-        batcher._compute = real_compute
+        faults.clear()
         (result,) = client.classify([GOOD])
     assert len(result.top_k) == 5
 

@@ -12,29 +12,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client import AsyncClient, ClassifierError, Client
-from client.api import classifier_pb2 as pb
-from client.api import classifier_pb2_grpc as pb_grpc
-from server.errors import InvalidInput
-from server.preprocess import EncodedImage, RawImage, preprocess
+from resnet_client import AsyncClient, ClassifierError, Client
+from resnet_client.api import classifier_pb2 as pb
+from resnet_client.api import classifier_pb2_grpc as pb_grpc
+from resnet_server.common.errors import InvalidInput
+from resnet_server.common.preprocess import EncodedImage, RawImage, preprocess
 from tests.helpers import encode, random_rgb, wait_for
 
 IMAGE = encode(random_rgb(12))
 
 
-def test_out_of_memory_batch_is_split_and_every_request_answered(make_server, reference):
-    running = make_server(max_batch_delay_ms=300.0)
-    batcher = running.app.core.router.replicas[0].batcher
-    real_compute = batcher._compute
-    sizes = []
-
-    def small_device(inputs, temperatures):
-        sizes.append(len(inputs))
-        if len(inputs) > 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_compute(inputs, temperatures)
-
-    batcher._compute = small_device
+def test_out_of_memory_batch_is_split_and_every_request_answered(make_server, faults, reference):
+    running = make_server(max_batch_delay_ms=300.0, runner=faults.runner)
+    faults.set("oom-above 2")  # a "device" with room for two images a pass
     images = [encode(random_rgb(600 + i)) for i in range(6)]
 
     async def fire():
@@ -42,20 +32,17 @@ def test_out_of_memory_batch_is_split_and_every_request_answered(make_server, re
             return await asyncio.gather(*(client.classify([image], full=True) for image in images))
 
     results = asyncio.run(fire())
-    assert any(size > 2 for size in sizes), sizes  # a batch too big for the "device" was tried...
-    assert sum(size for size in sizes if size <= 2) == 6, sizes  # ...and its halves computed every image once
+    # One batch of all six (the delay gathered them), too big for the "device", computed in pieces of two at most.
+    assert running.sample("resnet_batch_size_count", device="cpu") == 1
+    assert running.sample("resnet_batch_size_sum", device="cpu") == 6
     for image, (result,) in zip(images, results, strict=True):
         expected = reference.probabilities(reference.input_from_bytes(image))
         np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
 
 
-def test_out_of_memory_on_a_single_image_is_resource_exhausted(make_server):
-    running = make_server()
-
-    def no_memory(inputs, temperatures):
-        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-
-    running.app.core.router.replicas[0].batcher._compute = no_memory
+def test_out_of_memory_on_a_single_image_is_resource_exhausted(make_server, faults):
+    running = make_server(runner=faults.runner)
+    faults.set("oom")
     with Client(running.target) as client, pytest.raises(ClassifierError) as caught:
         client.classify([IMAGE])
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -7,15 +7,17 @@ import argparse
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from client.cli import build_parser as client_parser
-from server.bench_model import build_parser as bench_model_parser
-from server.config import build_parser as server_parser
+from resnet_client.cli import build_parser as client_parser
+from resnet_server.common.config import build_parser as server_parser
+from resnet_server.engine.bench_model import build_parser as bench_model_parser
 
 BIN = Path(sys.executable).parent  # the venv's console scripts, beside its python
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _options(parser: argparse.ArgumentParser) -> set[str]:
@@ -59,8 +61,34 @@ def test_a_client_only_install_says_how_to_get_the_server(absent, named):
     """The client's install lacks the server extra's packages (each absent here by the import system's own
     seam, a None in sys.modules); `resnet-server` then says what to install, in one line, exit 1."""
     done = subprocess.run(
-        [sys.executable, "-c", f"import sys; sys.modules[{absent!r}] = None; from server.entry import main; "
+        [sys.executable, "-c", f"import sys; sys.modules[{absent!r}] = None; from resnet_server.cli import main; "
          "sys.exit(main(['--help']))"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr == (f"resnet-server: error: this install has the client only (no {named}); the server "
                            "needs its extra: pip install 'resnet-grpc[server]'\n")
+
+
+def test_a_front_end_process_loads_none_of_the_engines_modules():
+    """What a front-end process imports (its entry point and everything under it) holds no module of the engine
+    package: the front-end reaches engines only through the boundary."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, resnet_server.frontend.main, resnet_server.frontend.server; "
+         "print(sorted(name for name in sys.modules if name.startswith('resnet_server.')))"],
+        capture_output=True, text=True, timeout=120, check=True)
+    loaded = done.stdout.strip()
+    assert "resnet_server.frontend.engine_client" in loaded and "resnet_server.boundary.protocol" in loaded
+    assert "resnet_server.engine" not in loaded and "resnet_server.supervisor" not in loaded
+
+
+def test_what_pip_installs_is_named_for_the_project(tmp_path):
+    """The folders are server/ and client/; the wheel holds resnet_server and resnet_client, never a top-level
+    package called server or client that another distribution's could overwrite."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("resnet_grpc-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        top_level = {name.split("/")[0] for name in archive.namelist() if not name.split("/")[0].endswith(".dist-info")}
+        entry_points = archive.read(next(n for n in archive.namelist() if n.endswith("entry_points.txt"))).decode()
+    assert top_level == {"resnet_server", "resnet_client"}
+    assert "resnet-server = resnet_server.cli:main" in entry_points
+    assert "resnet-client = resnet_client.cli:main" in entry_points

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.app import SERVICE_NAMES
-from server.config import _FLAGS, ServerConfig, env_name
+from resnet_server.common.config import _FLAGS, ServerConfig, env_name
+from resnet_server.frontend.server import SERVICE_NAMES
 from tests.helpers import IN_CI, ROOT
 
 KUBERNETES = ROOT / "deploy/kubernetes"

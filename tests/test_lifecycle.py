@@ -16,16 +16,16 @@ import threading
 import grpc
 import pytest
 
-import server.app
-from client import AsyncClient, ClassifierError, Client
-from client.api import classifier_pb2 as pb
-from client.api import classifier_pb2_grpc as pb_grpc
-from client.channel import ChannelConfig
-from server.replicas import FAILURES_BEFORE_EVICTION
+from resnet_client import AsyncClient, ClassifierError, Client
+from resnet_client.api import classifier_pb2 as pb
+from resnet_client.api import classifier_pb2_grpc as pb_grpc
+from resnet_client.channel import ChannelConfig
+from resnet_server.engine.replicas import FAILURES_BEFORE_EVICTION
+from resnet_server.frontend import server as frontend_server
 from tests.helpers import (
+    DEVICE_FELL_OFF,
     ServerThread,
     base_config,
-    device_fell_off,
     encode,
     free_port,
     random_rgb,
@@ -61,7 +61,7 @@ def test_sigterm_answers_every_accepted_request_then_exits_zero(weights_file, lo
     env = {**os.environ, "RESNET_SERVER_METRICS_PORT": str(metrics_port), "RESNET_SERVER_HOST": "127.0.0.1"}
     # A long batch delay keeps the requests queued, so SIGTERM surely finds them in flight.
     process = subprocess.Popen(
-        [sys.executable, "-m", "server", "--port", "0", "--device", "cpu", "--weights", str(weights_file[0]),
+        [sys.executable, "-m", "resnet_server", "--port", "0", "--device", "cpu", "--weights", str(weights_file[0]),
          "--max-batch-size", "64", "--max-batch-delay-ms", "3000", "--grace-period", "20", "--event-loop", loop],
         stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -90,15 +90,9 @@ def test_sigterm_answers_every_accepted_request_then_exits_zero(weights_file, lo
     assert all(isinstance(result, list) and result[0].top_k for result in results), results
 
 
-def test_the_server_drains_and_exits_1_when_no_replica_comes_back_in_time(weights_file, monkeypatch):
-    class BrokenOnceLoaded(server.app.App):
-        async def load(self) -> None:
-            await super().load()
-            self.core.router.replicas[0].batcher._compute = device_fell_off  # every batch and probe fails
-
-    monkeypatch.setattr(server.app, "App", BrokenOnceLoaded)
+def test_the_server_drains_and_exits_1_when_no_replica_comes_back_in_time(weights_file, faults, monkeypatch):
     config = base_config(str(weights_file[0]), replica_probe_interval=0.05, unhealthy_exit_after=0.3,
-                         switch_interval_ms=0.25)
+                         switch_interval_ms=0.25, runner=faults.runner)
     intervals: list[float] = []
     monkeypatch.setattr(sys, "setswitchinterval", intervals.append)  # serve() sets it, for the whole process
     ports: queue.Queue[int] = queue.Queue()
@@ -108,6 +102,7 @@ def test_the_server_drains_and_exits_1_when_no_replica_comes_back_in_time(weight
     def call_until_unavailable() -> None:
         with Client(f"127.0.0.1:{ports.get(timeout=60)}", timeout=30) as client:
             wait_for(lambda: serving(client))
+            faults.set(DEVICE_FELL_OFF)  # from now, every batch and probe fails
             while not codes or codes[-1] != grpc.StatusCode.UNAVAILABLE:
                 with pytest.raises(ClassifierError) as caught:
                     client.classify([IMAGE])
@@ -117,7 +112,7 @@ def test_the_server_drains_and_exits_1_when_no_replica_comes_back_in_time(weight
 
     caller = threading.Thread(target=call_until_unavailable, daemon=True)
     caller.start()
-    code = server.app.run(config, on_bound=ports.put)  # serve() on this (the main) thread, signals and all
+    code = frontend_server.run(config, on_bound=ports.put)  # serve() on this (the main) thread, signals and all
     returned.set()
     caller.join(30)
     assert code == 1
@@ -222,16 +217,17 @@ def _code_of(client: Client, image: bytes) -> str:
 # loading is swapped, at import: the engines, spawned, import the script again (as __mp_main__).
 ONE_REPLICA_FAILS = """
 import sys, threading
-import server.app, server.replicas
+from resnet_server import cli
+from resnet_server.engine import replicas
 
 def load_weights(*args):
     if threading.current_thread().name == "batcher-cpu#0":
         threading.Event().wait()
     raise RuntimeError("disk read error")
 
-server.replicas.load_weights = load_weights
+replicas.load_weights = load_weights
 if __name__ == "__main__":
-    sys.exit(server.app.main(sys.argv[1:]))
+    sys.exit(cli.main(sys.argv[1:]))
 """
 
 

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from server.logs import JsonFormatter
+from resnet_server.common.logs import JsonFormatter
 
 
 def test_a_record_with_a_traceback_is_one_json_line():
@@ -28,7 +28,7 @@ def test_a_record_with_a_traceback_is_one_json_line():
 
 def test_the_server_logs_json_from_start_to_stop(weights_file):
     process = subprocess.Popen(
-        [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        [sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
          "--device", "cpu", "--weights", str(weights_file[0]), "--log-format", "json"],
         stderr=subprocess.PIPE, text=True)
     logged = []

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from server.memory import malloc_set_by_operator
+from resnet_server.common.memory import malloc_set_by_operator
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning is glibc malloc's")
@@ -23,10 +23,10 @@ PROBE = """
 import ctypes, json, resource, sys, threading
 import server
 import torch
-from server.model import build_model, load_weights
-from server.runner import ModelRunner
-from server.memory import M_ARENA_MAX, M_MMAP_MAX, M_TRIM_THRESHOLD, keep_freed_memory
-from server.threads import use_torch_threads
+from resnet_server.common.model import build_model, load_weights
+from resnet_server.engine.runner import ModelRunner
+from resnet_server.common.memory import M_ARENA_MAX, M_MMAP_MAX, M_TRIM_THRESHOLD, keep_freed_memory
+from resnet_server.common.threads import use_torch_threads
 if sys.argv[1] in ("undo", "undo-then-keep"):
     mallopt, M_MMAP_THRESHOLD = ctypes.CDLL(None).mallopt, -3  # the one parameter server.memory leaves alone
     mallopt(M_ARENA_MAX, 0)  # glibc's default: an arena per thread, up to 8 a core

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from prometheus_client import generate_latest
 
-from client import Client
+from resnet_client import Client
 from tests.helpers import encode, free_port, random_rgb, scrape
 
 IMAGE = encode(random_rgb(9))

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from server.errors import StartupError
-from server.model import WeightsError, build_model, load_state_dict_file, load_weights, random_state_dict
+from resnet_server.common.errors import StartupError
+from resnet_server.common.model import WeightsError, build_model, load_state_dict_file, load_weights, random_state_dict
 
 CPU = torch.device("cpu")
 
@@ -106,7 +106,7 @@ def test_server_exits_with_one_clear_line_when_imagenet_is_unavailable(tmp_path)
     env = {"TORCH_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "RESNET_SERVER_METRICS_PORT": "0",
            # An unroutable proxy makes the download fail fast, with or without a network.
            "https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}
-    done = subprocess.run([sys.executable, "-m", "server", "--port", "0", "--device", "cpu"], env=env,
+    done = subprocess.run([sys.executable, "-m", "resnet_server", "--port", "0", "--device", "cpu"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     error_lines = [line for line in done.stderr.splitlines() if line.startswith("resnet-server: error:")]

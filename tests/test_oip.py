@@ -16,9 +16,9 @@ import tritonclient.grpc as tc
 import tritonclient.grpc.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
-from client import Client
-from client.api import grpc_predict_v2_pb2 as oip
-from client.api import grpc_predict_v2_pb2_grpc as oip_grpc
+from resnet_client import Client
+from resnet_client.api import grpc_predict_v2_pb2 as oip
+from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 from tests.helpers import encode, random_rgb
 
 IMAGES = [random_rgb(500 + i, 240, 300) for i in range(3)]

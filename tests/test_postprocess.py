@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from server.postprocess import temperature_softmax, top_k
+from resnet_server.common.postprocess import temperature_softmax, top_k
 
 
 def reference_softmax(logits: np.ndarray, temperature: float) -> np.ndarray:

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torchvision.models import ResNet18_Weights
 
-from server.errors import InvalidInput
-from server.preprocess import (
+from resnet_server.common.errors import InvalidInput
+from resnet_server.common.preprocess import (
     CROP_SHAPE,
     FLOAT_SHAPE,
     STD,

@@ -13,10 +13,19 @@ import numpy as np
 import pytest
 import torch
 
-from client import AsyncClient, ClassifierError
-from server.errors import InvalidInput
-from server.preprocess import STD, CroppedImage, RawImage, check_raw, cropped_batch, raw_batch, transform, whole_batch
-from server.runner import ModelRunner
+from resnet_client import AsyncClient, ClassifierError
+from resnet_server.common.errors import InvalidInput
+from resnet_server.common.preprocess import (
+    STD,
+    CroppedImage,
+    RawImage,
+    check_raw,
+    cropped_batch,
+    raw_batch,
+    transform,
+    whole_batch,
+)
+from resnet_server.engine.runner import ModelRunner
 from tests.helpers import random_rgb
 
 

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from client import AsyncClient, ClassifierError, Client
-from server.config import ServerConfig
-from server.devices import cpu_bf16_unit
-from server.replicas import FAILURES_BEFORE_EVICTION, max_batch_size, replica_torch_threads
-from server.runner import ModelRunner, _split, bucket_sizes, cuda_graph_state_for_this_thread
+from resnet_client import AsyncClient, ClassifierError, Client
+from resnet_server.common.config import ServerConfig
+from resnet_server.common.devices import cpu_bf16_unit
+from resnet_server.engine.replicas import FAILURES_BEFORE_EVICTION, max_batch_size, replica_torch_threads
+from resnet_server.engine.runner import ModelRunner, _split, bucket_sizes, cuda_graph_state_for_this_thread
 from tests.helpers import (
+    DEVICE_FELL_OFF,
     break_until_evicted,
-    device_fell_off,
     encode,
     free_port,
     random_rgb,
@@ -56,18 +56,18 @@ def test_two_replicas_on_one_device_share_the_load_with_their_own_labels(make_se
 
 
 def test_replicas_load_at_the_same_time(make_server, monkeypatch):
-    import server.app
+    from resnet_server.engine import replicas
 
     # Each load waits at the barrier until the other has begun too: loaded one after the other, the
     # first would wait alone, the barrier would break, and the server would not start.
     both_loading = threading.Barrier(2, timeout=60)
-    real_load = server.app.load_replica
+    real_load = replicas.load_replica
 
     def load_alongside(*args):
         both_loading.wait()
         return real_load(*args)
 
-    monkeypatch.setattr(server.app, "load_replica", load_alongside)
+    monkeypatch.setattr(replicas, "load_replica", load_alongside)
     running = make_server(devices=("cpu", "cpu"))
     with Client(running.target) as client:
         assert list(client.model_info().devices) == ["cpu#0", "cpu#1"]
@@ -99,11 +99,9 @@ def test_sequential_requests_alternate_when_replicas_are_idle(make_server):
     assert devices in (["cpu#1", "cpu#0", "cpu#1", "cpu#0"], ["cpu#0", "cpu#1", "cpu#0", "cpu#1"])
 
 
-def test_a_failing_replica_leaves_the_rotation_and_the_other_keeps_serving(make_server):
-    running = make_server(devices=("cpu", "cpu"))
-    broken = running.app.core.router.replicas[0]
-
-    broken.batcher._compute = device_fell_off
+def test_a_failing_replica_leaves_the_rotation_and_the_other_keeps_serving(make_server, faults):
+    running = make_server(devices=("cpu", "cpu"), runner=faults.runner)
+    faults.set(DEVICE_FELL_OFF, "cpu#0")
     codes = []
     with Client(running.target) as client:
         for _ in range(2 * FAILURES_BEFORE_EVICTION + 4):
@@ -117,21 +115,17 @@ def test_a_failing_replica_leaves_the_rotation_and_the_other_keeps_serving(make_
     assert running.sample("resnet_replica_healthy", device="cpu#1") == 1
 
 
-def test_all_replicas_failing_is_unavailable(make_server):
-    running = make_server()
-    batcher = running.app.core.router.replicas[0].batcher
-    with batcher._cond:  # evicted as failed batches evict it, so its first probe is a probe interval away
-        for _ in range(FAILURES_BEFORE_EVICTION):
-            batcher._batch_failed()
+def test_all_replicas_failing_is_unavailable(make_server, faults):
+    running = make_server(runner=faults.runner)
+    break_until_evicted(running, faults)  # its first probe is a probe interval (30 s) away
     with Client(running.target) as client, pytest.raises(ClassifierError) as caught:
         client.classify([IMAGE])
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 
-def test_health_says_not_serving_once_the_last_replica_leaves_the_rotation(make_server):
-    running = make_server()
-
-    running.app.core.router.replicas[0].batcher._compute = device_fell_off
+def test_health_says_not_serving_once_the_last_replica_leaves_the_rotation(make_server, faults):
+    running = make_server(runner=faults.runner)
+    faults.set(DEVICE_FELL_OFF)
     with Client(running.target) as client:
         for _ in range(FAILURES_BEFORE_EVICTION):
             assert client.health() == "SERVING"
@@ -145,10 +139,9 @@ def test_health_says_not_serving_once_the_last_replica_leaves_the_rotation(make_
         assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 
-def test_an_evicted_replica_is_probed_and_rejoins_once_a_probe_passes(make_server):
-    running = make_server(devices=("cpu", "cpu"), replica_probe_interval=0.05)
-    broken = running.app.core.router.replicas[0]
-    break_until_evicted(running, broken)
+def test_an_evicted_replica_is_probed_and_rejoins_once_a_probe_passes(make_server, faults):
+    running = make_server(devices=("cpu", "cpu"), replica_probe_interval=0.05, runner=faults.runner)
+    break_until_evicted(running, faults, "cpu#0")
 
     def probes(result: str) -> float:
         return running.sample("resnet_replica_probes_total", device="cpu#0", result=result)
@@ -161,7 +154,7 @@ def test_an_evicted_replica_is_probed_and_rejoins_once_a_probe_passes(make_serve
     assert running.sample("resnet_requests_total", device="cpu#0", code="INTERNAL") == FAILURES_BEFORE_EVICTION
     assert probes("passed") == 0
 
-    broken.batcher._compute = broken.runner.launch  # the fault clears
+    faults.clear()
     wait_for(lambda: running.sample("resnet_replica_healthy", device="cpu#0") == 1)
     assert probes("passed") == 1
     with Client(running.target) as client:
@@ -169,23 +162,21 @@ def test_an_evicted_replica_is_probed_and_rejoins_once_a_probe_passes(make_serve
     assert running.sample("resnet_requests_total", device="cpu#0", code="OK") >= 1
 
 
-def test_health_is_serving_again_when_the_last_replica_rejoins(make_server):
-    running = make_server(replica_probe_interval=0.05)
-    replica = running.app.core.router.replicas[0]
-    break_until_evicted(running, replica)
+def test_health_is_serving_again_when_the_last_replica_rejoins(make_server, faults):
+    running = make_server(replica_probe_interval=0.05, runner=faults.runner)
+    break_until_evicted(running, faults)
     with Client(running.target) as client:
         wait_for(lambda: client.health() == "NOT_SERVING")
-        replica.batcher._compute = replica.runner.launch
+        faults.clear()
         wait_for(lambda: client.health() == "SERVING")
         assert client.health("resnet.v1.Classifier") == "SERVING"
         (result,) = client.classify([IMAGE])
     assert result.device == "cpu"
 
 
-def test_no_replica_back_within_unhealthy_exit_after_stops_the_server_with_exit_code_1(make_server):
-    running = make_server(replica_probe_interval=0.05, unhealthy_exit_after=0.5)
-    replica = running.app.core.router.replicas[0]
-    break_until_evicted(running, replica)
+def test_no_replica_back_within_unhealthy_exit_after_stops_the_server_with_exit_code_1(make_server, faults):
+    running = make_server(replica_probe_interval=0.05, unhealthy_exit_after=0.5, runner=faults.runner)
+    break_until_evicted(running, faults)
     wait_for(running.app.stop_requested.is_set)
     assert running.app.exit_code == 1
     assert "--unhealthy-exit-after" in running.app.stop_reason
@@ -194,25 +185,24 @@ def test_no_replica_back_within_unhealthy_exit_after_stops_the_server_with_exit_
         assert client.health() == "NOT_SERVING"
 
 
-def test_a_replica_back_in_rotation_in_time_keeps_the_server_running(make_server):
-    running = make_server(replica_probe_interval=0.05, unhealthy_exit_after=600)
-    replica = running.app.core.router.replicas[0]
-    break_until_evicted(running, replica)
+def test_a_replica_back_in_rotation_in_time_keeps_the_server_running(make_server, faults):
+    running = make_server(replica_probe_interval=0.05, unhealthy_exit_after=600, runner=faults.runner)
+    break_until_evicted(running, faults)
     with Client(running.target) as client:
         wait_for(lambda: client.health() == "NOT_SERVING")
         give_up = running.app._give_up
         assert give_up is not None and not give_up.cancelled()
-        replica.batcher._compute = replica.runner.launch
+        faults.clear()
         wait_for(lambda: client.health() == "SERVING")
     assert give_up.cancelled()
     assert not running.app.stop_requested.is_set()
 
 
-def test_without_probes_an_evicted_replica_stays_out(make_server):
-    running = make_server(devices=("cpu", "cpu"), replica_probe_interval=0)
+def test_without_probes_an_evicted_replica_stays_out(make_server, faults):
+    running = make_server(devices=("cpu", "cpu"), replica_probe_interval=0, runner=faults.runner)
     broken = running.app.core.router.replicas[0]
-    break_until_evicted(running, broken)
-    broken.batcher._compute = broken.runner.launch
+    break_until_evicted(running, faults, "cpu#0")
+    faults.clear()
     with Client(running.target) as client:
         assert {client.classify([IMAGE])[0].device for _ in range(4)} == {"cpu#1"}
     assert broken.batcher._time_to_probe() is None  # its worker waits for work alone, with no timeout
@@ -337,7 +327,7 @@ def test_cuda_graphs_change_nothing_on_the_cpu(make_server, reference):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("saved_on", ["cuda:0", "cpu"])
 def test_checkpoint_saved_on_any_device_loads_on_cuda_and_cpu(tmp_path, weights_file, saved_on):
-    from server.model import load_state_dict_file
+    from resnet_server.common.model import load_state_dict_file
 
     state = {key: value.to(saved_on) for key, value in weights_file[1].items()}
     torch.save({"state_dict": {f"module.{k}": v for k, v in state.items()}}, tmp_path / "w.pth")
@@ -350,8 +340,8 @@ def test_checkpoint_saved_on_any_device_loads_on_cuda_and_cpu(tmp_path, weights_
 def test_client_round_robin_spreads_calls_over_three_server_processes(weights_file):
     ports = [(free_port(), free_port()) for _ in range(3)]
     processes = [subprocess.Popen(
-        [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics),
-         "--device", "cpu", "--weights", str(weights_file[0]), "--log-level", "WARNING"])
+        [sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", str(port), "--metrics-port",
+         str(metrics), "--device", "cpu", "--weights", str(weights_file[0]), "--log-level", "WARNING"])
         for port, metrics in ports]
     try:
         targets = [f"127.0.0.1:{port}" for port, _ in ports]

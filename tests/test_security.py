@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from client import ClassifierError, Client
-from client.cli import main as client_main
+from resnet_client import ClassifierError, Client
+from resnet_client.cli import main as client_main
 from tests.certs import Authority
 from tests.helpers import encode, random_rgb
 

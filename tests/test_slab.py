@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from server.preprocess import RawImage, SlotBytes, copy_slots, gather_slots, raw_batch
-from server.registered_slab import device_rows, register_slab
-from server.slab import FREE, Slab, SlabLayout, create_slab_memory
+from resnet_server.boundary.slab import FREE, Slab, SlabLayout, create_slab_memory
+from resnet_server.common.preprocess import RawImage, SlotBytes, copy_slots, gather_slots, raw_batch
+from resnet_server.engine.registered_slab import device_rows, register_slab
 
 A, B = 1, 2  # two front-ends' owner numbers
 

@@ -14,8 +14,8 @@ import pytest
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
-from client import Client
-from server.statistics import (
+from resnet_client import Client
+from resnet_server.common.statistics import (
     SETTLE_SECONDS,
     BatchTotals,
     Duration,

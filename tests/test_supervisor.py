@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tc
 
-from client import ClassifierError, Client
-from client.api import classifier_pb2 as pb
-from client.bench import LoadSpec, _closed_loop, scrape, server_cpu
-from server.config import ServerConfig
-from server.errors import StartupError
-from server.metrics import Metrics, serve_child_metrics
-from server.supervisor import MOST_RESTART_DELAY, frontend_config, frontend_count, restart_delay
-from server.worker_metrics import serve_worker_metrics
+from resnet_client import ClassifierError, Client
+from resnet_client.api import classifier_pb2 as pb
+from resnet_client.bench import LoadSpec, _closed_loop, scrape, server_cpu
+from resnet_server.common.config import ServerConfig
+from resnet_server.common.errors import StartupError
+from resnet_server.common.metrics import Metrics, serve_child_metrics
+from resnet_server.supervisor.launcher import MOST_RESTART_DELAY, frontend_config, frontend_count, restart_delay
+from resnet_server.supervisor.merged_metrics import serve_merged_metrics
 from tests.helpers import (
     ServerThread,
     base_config,
@@ -58,7 +58,7 @@ class Workers:
     def __init__(self, weights: str, *extra: str) -> None:
         self.metrics_port = free_port()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "server", "--frontends", "2", "--host", "127.0.0.1", "--port", "0",
+            [sys.executable, "-m", "resnet_server", "--frontends", "2", "--host", "127.0.0.1", "--port", "0",
              "--metrics-port", str(self.metrics_port), "--device", "cpu", "--weights", weights,
              "--grace-period", "20", *extra],
             stderr=subprocess.PIPE, text=True)
@@ -333,7 +333,7 @@ def test_an_engine_that_cannot_start_ends_the_server_with_its_error_and_no_front
     front-end is depends on whether the engine fails before it binds; the second starts only once it has."""
     (tmp_path / "garbage.pth").write_text("not a checkpoint")
     done = subprocess.run(
-        [sys.executable, "-m", "server", "--frontends", "2", "--host", "127.0.0.1", "--port", "0",
+        [sys.executable, "-m", "resnet_server", "--frontends", "2", "--host", "127.0.0.1", "--port", "0",
          "--metrics-port", "0", "--device", "cpu", "--weights", str(weights_file[0]), "--grace-period", "60", *flags],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
@@ -378,7 +378,7 @@ def test_the_supervisors_metrics_merge_its_workers_labelled_and_mark_one_that_do
     worker_0.compute.labels("cpu").observe(0.2)
     worker_0_http = serve_child_metrics(worker_0.registry)
     endpoints = [("0", worker_0_http.server_port), ("1", 0)]  # worker 1 has no endpoint (yet)
-    supervisor_http = serve_worker_metrics("127.0.0.1", supervisor_port, lambda: endpoints)
+    supervisor_http = serve_merged_metrics("127.0.0.1", supervisor_port, lambda: endpoints)
     try:
         text = scrape_port(supervisor_port)
         assert scraped_value(supervisor_port, 'resnet_worker_up{worker="0"}') == 1
@@ -407,7 +407,7 @@ def test_the_server_refuses_a_metrics_port_already_taken_before_starting_any_pro
         taken.listen()
         port = taken.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "server", "--frontends", "2", "--host", "127.0.0.1", "--port", "0",
+            [sys.executable, "-m", "resnet_server", "--frontends", "2", "--host", "127.0.0.1", "--port", "0",
              "--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--device", "cpu", "--weights", "random"],
             capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 1

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from server.threads import use_torch_threads
+from resnet_server.common.threads import use_torch_threads
 
 
 def test_a_thread_keeps_its_own_count_after_another_thread_sets_one():

@@ -7,13 +7,13 @@ import grpc
 import pytest
 from google.protobuf.message import DecodeError
 
-from client import Client
-from client.api import classifier_pb2 as pb
-from client.api import grpc_predict_v2_pb2 as oip
-from client.api import grpc_predict_v2_pb2_grpc as oip_grpc
-from server.classify_request import image_input, read_classify_request
-from server.oip_service import read_infer_request
-from server.preprocess import EncodedImage, RawImage
+from resnet_client import Client
+from resnet_client.api import classifier_pb2 as pb
+from resnet_client.api import grpc_predict_v2_pb2 as oip
+from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
+from resnet_server.common.preprocess import EncodedImage, RawImage
+from resnet_server.frontend.classify_request import image_input, read_classify_request
+from resnet_server.frontend.oip_service import read_infer_request
 from tests.helpers import encode, random_rgb
 
 PIXELS = bytes(range(256)) * 588  # 150,528 bytes: a uint8 224x224x3 image

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from client import Client
+from resnet_client import Client
 
 ROOT = Path(__file__).resolve().parents[2]
 

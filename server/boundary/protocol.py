@@ -1,0 +1,158 @@
+"""Everything that crosses between a front-end process and an engine process, in one place.
+
+A front-end reaches an engine through its :class:`EngineLink`: a Unix socket for small messages and the
+engine's shared slab (``server.boundary.slab``) for the pixels and the scores, which never go through the socket. The
+messages are typed (msgspec Structs, encoded as MessagePack arrays whose first element is the message's
+:class:`Kind`), so each side decodes into the types below and dispatches on the type through a table.
+
+    front-end -> engine: Hello (once), Submit, Cancel
+    engine -> front-end: Ready (once, after Hello), Done, Failed, Released, Health
+
+msgspec rather than pickle: its validated decode costs no more than pickle's round trip for these messages
+(the measure is in docs/performance.md, "The engine protocol").
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from resnet_server.boundary.slab import SlabLayout
+
+
+class Kind(enum.IntEnum):
+    """The tag of each message on the socket."""
+
+    HELLO = 1
+    READY = 2
+    SUBMIT = 3
+    CANCEL = 4
+    DONE = 5
+    FAILED = 6
+    RELEASED = 7
+    HEALTH = 8
+
+
+class ImageKind(enum.IntEnum):
+    """How an image's bytes in its slot are to be read by the engine."""
+
+    RAW = 0  # a checked raw tensor: dtype and shape say how
+    JPEG = 1  # JPEG bytes, decoded by the engine (on its device where it decodes there)
+    CROP = 2  # a front-end's uint8 [224, 224, 3] centre crop, normalised by the engine with its batch
+    FLOAT = 3  # the model's float32 input [3, 224, 224], preprocessed by the front-end
+
+
+class SlotEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One image a front-end has written into ``slot``, and how it is to be answered."""
+
+    slot: int
+    kind: ImageKind
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    temperature: float
+    top_k: int
+    deadline: float | None  # time.monotonic() after which the caller no longer waits (machine-wide clock)
+    request_id: str
+
+
+class EngineInfo(msgspec.Struct, frozen=True):
+    """What an engine tells the supervisor and each front-end once its model is warm."""
+
+    name: str  # the replica's name, e.g. cuda:0
+    device: str
+    weights: str
+    warning: str
+    max_batch_size: int
+    decode_on_device: bool
+    in_rotation: bool
+    switch_interval_ms: float
+    torch_threads: int
+
+
+class Answer(msgspec.Struct, array_like=True, frozen=True):
+    """One image answered: its scores are in its slot's output rows."""
+
+    slot: int
+    top_k: list[tuple[int, float]]
+    queue_seconds: float
+
+
+class Hello(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.HELLO)):
+    owner: int  # the front-end's number in the slab's owner column
+
+
+class Ready(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.READY)):
+    info: EngineInfo
+
+
+class Submit(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.SUBMIT)):
+    entries: list[SlotEntry]
+
+
+class Cancel(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.CANCEL)):
+    slots: list[int]  # callers gone: drop what has not been computed (answered by Released)
+
+
+class Done(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.DONE)):
+    answers: list[Answer]
+    timing: tuple[float, float, float]  # the batch's input, infer and output seconds
+    in_rotation: bool
+
+
+class Failed(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.FAILED)):
+    slots: list[int]
+    error: str  # the name of a server.common.errors.ServingError subclass
+    message: str
+    in_rotation: bool
+
+
+class Released(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.RELEASED)):
+    slots: list[int]  # dropped before compute: the slots are the front-end's again
+
+
+class Health(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.HEALTH)):
+    in_rotation: bool
+
+
+ToEngine = Hello | Submit | Cancel
+ToFrontEnd = Ready | Done | Failed | Released | Health
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_to_frontend = msgspec.msgpack.Decoder(ToFrontEnd)
+
+
+def send(connection: Connection, message: ToEngine | ToFrontEnd) -> None:
+    connection.send_bytes(_encoder.encode(message))
+
+
+def receive_at_engine(connection: Connection) -> ToEngine:
+    return _to_engine.decode(connection.recv_bytes())
+
+
+def receive_at_frontend(connection: Connection) -> ToFrontEnd:
+    return _to_frontend.decode(connection.recv_bytes())
+
+
+@dataclass(frozen=True)
+class EngineLink:
+    """How a front-end reaches one engine: its socket, key and slab. Pickled for a spawned child, the slab's
+    descriptor travels with it (the child gets its own copy of the file descriptor)."""
+
+    name: str  # the replica's name, e.g. cuda:0
+    address: str
+    authkey: bytes
+    layout: SlabLayout
+    slab_fd: int
+
+    def __reduce__(self):
+        return _rebuild_link, (self.name, self.address, self.authkey, self.layout, reduction.DupFd(self.slab_fd))
+
+
+def _rebuild_link(name: str, address: str, authkey: bytes, layout: SlabLayout, fd) -> EngineLink:
+    return EngineLink(name, address, authkey, layout, fd.detach())

@@ -1,0 +1,54 @@
+"""Keep the host memory a forward pass frees for the next pass (glibc malloc), rather than fault it back in.
+
+A ResNet18 forward pass on the CPU allocates and frees tens to hundreds of MB of activations (the first
+convolution's output alone: 26 MB at batch 8, 51 MB at 16, 103 MB at 32). glibc hands large freed blocks back
+to the kernel, and the next pass takes that memory back a page at a time: blocks above its mmap threshold
+(32 MB at most) are unmapped when freed, a thread's arena is made of heaps of at most 64 MB that are given back
+when empty, and free memory at the top of a heap beyond its trim threshold is returned: thousands of minor page
+faults a pass, and a slower pass (docs/performance.md, "Figures behind the code").
+
+So the process keeps one arena, the main one, which grows in one piece (brk) with no cap per heap; blocks never
+get their own mapping, however large; and the heap's top is trimmed only past 1 GB: no faults, a smaller process,
+and serving level with per-thread arenas.
+
+glibc only: ``mallopt`` elsewhere (musl) does nothing or is missing, and this then reports False. Set before any
+thread starts (the server package does it when imported): a thread that has allocated already keeps its arena.
+An operator who tunes any of these with glibc's own settings (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_MAX_``,
+``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or their ``glibc.malloc`` tunables in ``GLIBC_TUNABLES``)
+keeps malloc as set: this then changes nothing and reports False (``MALLOC_ARENA_MAX=8``, say, turns it off).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Mapping
+
+M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
+M_MMAP_MAX = -4
+M_ARENA_MAX = -8
+TRIM_THRESHOLD = 1024 * 1024 * 1024  # free memory at the heap's top is kept up to this much
+SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+# glibc's own ways to set the same parameters, at process start: where any is set, the operator's malloc stands.
+OPERATOR_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+OPERATOR_TUNABLES = ("glibc.malloc.arena_max", "glibc.malloc.mmap_max", "glibc.malloc.mmap_threshold",
+                     "glibc.malloc.trim_threshold")
+
+
+def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
+    """Set this process's malloc to one arena, no block mapped on its own, the heap not trimmed below 1 GB;
+    True if it took."""
+    if malloc_set_by_operator(environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return all(mallopt(parameter, value) == 1 for parameter, value in SETTINGS)
+
+
+def malloc_set_by_operator(environ: Mapping[str, str]) -> bool:
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    return any(name in environ for name in OPERATOR_VARIABLES) or any(name in tunables for name in OPERATOR_TUNABLES)

@@ -1,0 +1,121 @@
+"""Build ResNet18, load its weights, and place it on a device.
+
+Weights come from torchvision's ImageNet checkpoint (cached under ``TORCH_HOME``), from a
+file (a plain ``state_dict``, a checkpoint dict holding one under ``state_dict`` or ``model``,
+or ``nn.DataParallel`` keys prefixed ``module.``), or from a seeded random initialisation.
+Files are read with ``weights_only=True`` (no pickle code runs) and ``map_location`` onto the
+serving device, so a checkpoint saved on any GPU loads anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torchvision.models import ResNet, ResNet18_Weights, resnet18
+
+from resnet_server.common.errors import StartupError
+
+log = logging.getLogger("server.model")
+
+MODEL_NAME = "resnet18"
+MODEL_VERSION = "1"
+IMAGENET_WEIGHTS = ResNet18_Weights.IMAGENET1K_V1
+RANDOM_SEED = 0
+RANDOM_WARNING = (
+    "serving RANDOM weights (--weights random): predictions are meaningless; "
+    "use --weights imagenet or --weights PATH for a trained model"
+)
+
+
+class WeightsError(StartupError):
+    """The weights cannot be loaded; the message says what to do about it."""
+
+
+@dataclass(frozen=True)
+class LoadedWeights:
+    state_dict: Mapping[str, torch.Tensor]
+    source: str  # what GetModelInfo reports, e.g. "imagenet" or the file path
+    warning: str = ""
+
+
+def load_weights(spec: str, device: torch.device) -> LoadedWeights:
+    """Resolve ``--weights`` (imagenet, random or a path) to a state_dict on ``device``."""
+    if spec == "imagenet":
+        return LoadedWeights(_imagenet_state_dict(device), "imagenet:" + IMAGENET_WEIGHTS.name)
+    if spec == "random":
+        return LoadedWeights(random_state_dict(), f"random(seed={RANDOM_SEED})", RANDOM_WARNING)
+    return LoadedWeights(load_state_dict_file(Path(spec), device), str(spec))
+
+
+def random_state_dict(seed: int = RANDOM_SEED) -> dict[str, torch.Tensor]:
+    """A reproducible, untrained ResNet18 (for tests and smoke runs)."""
+    torch.manual_seed(seed)
+    return resnet18(weights=None).state_dict()
+
+
+def _imagenet_state_dict(device: torch.device) -> Mapping[str, torch.Tensor]:
+    try:
+        return IMAGENET_WEIGHTS.get_state_dict(progress=False, map_location=device, weights_only=True)
+    except Exception as exc:  # URLError, HTTPError, socket errors: all mean "not available"
+        cache = Path(torch.hub.get_dir()) / "checkpoints" / Path(IMAGENET_WEIGHTS.url).name
+        raise WeightsError(
+            f"cannot get ImageNet weights ({type(exc).__name__}: {exc}); they are not cached at {cache} "
+            f"and could not be downloaded. Place the file there (TORCH_HOME sets the cache), "
+            f"or start with --weights PATH (a ResNet18 state_dict) or --weights random"
+        ) from exc
+
+
+def load_state_dict_file(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """Read a checkpoint file safely and return a clean ResNet18 state_dict."""
+    if not path.is_file():
+        raise WeightsError(f"weights file {path} does not exist (use imagenet, random or a file path)")
+    try:
+        loaded = torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # pickle.UnpicklingError for code-carrying files, zip errors, ...
+        raise WeightsError(
+            f"cannot load {path} with weights_only=True ({type(exc).__name__}): only plain tensors "
+            f"and dicts are accepted, never pickled code. Save it with torch.save(model.state_dict(), path)"
+        ) from exc
+    return _unwrap_state_dict(loaded, path)
+
+
+def _unwrap_state_dict(loaded: object, path: Path) -> dict[str, torch.Tensor]:
+    if isinstance(loaded, dict):
+        for key in ("state_dict", "model"):
+            if isinstance(loaded.get(key), dict):
+                loaded = loaded[key]
+                break
+    if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise WeightsError(f"{path} holds no state_dict (a dict of tensors, or one under 'state_dict' or 'model')")
+    # nn.DataParallel / DistributedDataParallel prefix every key with "module.".
+    if loaded and all(key.startswith("module.") for key in loaded):
+        loaded = {key.removeprefix("module."): value for key, value in loaded.items()}
+    return loaded
+
+
+def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+    """Name the first missing, unexpected or mis-shaped key, instead of torch's wall of text."""
+    expected = model.state_dict()
+    for key, tensor in expected.items():
+        if key not in state_dict:
+            raise WeightsError(f"weights {source}: missing key {key!r} (is this a ResNet18 state_dict?)")
+        if tuple(state_dict[key].shape) != tuple(tensor.shape):
+            raise WeightsError(
+                f"weights {source}: {key!r} has shape {tuple(state_dict[key].shape)}, "
+                f"ResNet18 needs {tuple(tensor.shape)}"
+            )
+    unexpected = [key for key in state_dict if key not in expected]
+    if unexpected:
+        raise WeightsError(f"weights {source}: unexpected key {unexpected[0]!r} (is this a ResNet18 state_dict?)")
+
+
+def build_model(weights: LoadedWeights, device: torch.device) -> ResNet:
+    """ResNet18 in eval mode on ``device`` with the given weights."""
+    model = resnet18(weights=None)
+    check_state_dict(model, weights.state_dict, weights.source)
+    model.load_state_dict(weights.state_dict)
+    return model.eval().to(device)

@@ -1,0 +1,67 @@
+"""What a front-end and an engine both hold of one image: the work queued for it and its result."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from resnet_server.common.device_decode import DeferredJpeg
+from resnet_server.common.preprocess import CroppedImage, RawImage
+from resnet_server.common.statistics import BatchTiming
+
+# What the batcher hands the runner per image: a ready CPU tensor (decoded in a preprocessing thread),
+# a JPEG to decode on the device, a checked raw tensor to convert with its batch, or a front-end's crop to
+# normalise with it.
+ModelInput = torch.Tensor | DeferredJpeg | RawImage | CroppedImage
+
+
+@dataclass(frozen=True)
+class ImageOutput:
+    """One image's result, on the CPU."""
+
+    probabilities: np.ndarray  # float32 [1000], softmax(logits / T)
+    logits: np.ndarray  # float32 [1000], before temperature
+    top_k: list[tuple[int, float]]
+    temperature: float
+    queue_seconds: float
+    timing: BatchTiming  # its batch's compute, in parts
+    device: str
+
+
+@dataclass(eq=False)
+class WorkItem:
+    """One queued image and the future its caller awaits."""
+
+    model_input: ModelInput  # a preprocessed image, or one the replica converts with its batch
+    temperature: float
+    top_k: int
+    deadline: float | None  # time.monotonic() value, or None for no deadline
+    future: asyncio.Future | Ticket  # done() once the caller has gone (cancelled)
+    request_id: str = ""
+    enqueued: float = field(default_factory=time.monotonic)
+
+    def is_dead(self, now: float) -> str | None:
+        """Why this item must not be computed (cancelled, deadline), or None."""
+        if self.future.done():  # only cancellation completes a queued item's future early
+            return "cancelled"
+        if self.deadline is not None and now >= self.deadline:
+            return "deadline"
+        return None
+
+
+class Ticket:
+    """An item's caller in another process: no future here, only whether that caller has gone."""
+
+    __slots__ = ("cancelled", "owner", "slot")
+
+    def __init__(self, owner: object, slot: int) -> None:
+        self.owner = owner  # who to answer (server.engine.core's front-end connection)
+        self.slot = slot  # where its image and answer lie (server.boundary.slab)
+        self.cancelled = False
+
+    def done(self) -> bool:
+        return self.cancelled

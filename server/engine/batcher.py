@@ -1,0 +1,456 @@
+"""Dynamic batching for one device: a bounded queue of images and the worker thread that drains it.
+
+The event loop calls :meth:`Batcher.submit` (never blocks, refuses at once when full) and awaits
+each item's future. The worker thread takes whatever is waiting, up to ``max_batch_size``, and
+runs it at once: a lone request pays no batching delay, and under load batches grow by
+themselves while the previous batch computes. ``max_batch_delay_ms`` lets the worker wait for a
+fuller batch, but never past that long after the oldest waiting image arrived.
+``wait_for_callers_ms`` lets it wait, after answering a batch, for as many new images as that batch
+held: a closed loop's callers send again one round trip after their answers, and without the wait
+they split into two batches that take turns (sixteen callers: two batches of eight, each computing
+while the other's callers are away). A wait that runs out says the callers are not such a loop, and
+the next batches start at once. Cancelled and expired images are dropped before compute.
+Results go back to the loop with one ``call_soon_threadsafe`` per batch; an engine process
+(``server.engine.core``) passes hooks of its own that write them to shared memory instead.
+
+A batcher whose batches fail ``failures_before_eviction`` times in a row is out of rotation (the
+router sends it nothing). Every ``probe_interval`` seconds its worker then runs one blank image
+through the forward pass, and the first probe that passes brings it back: a transient fault costs
+no user request after the eviction, and a device that stays broken stays out.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from resnet_server.common.config import MOST_WAITS_SKIPPED
+from resnet_server.common.errors import ComputeFailed, DeadlineExpired, Overloaded, ServingError, Unavailable
+from resnet_server.common.metrics import Metrics
+from resnet_server.common.postprocess import top_k
+from resnet_server.common.preprocess import FLOAT_SHAPE
+from resnet_server.common.statistics import BatchTiming
+from resnet_server.common.threads import use_torch_threads
+from resnet_server.common.work import ImageOutput, WorkItem
+from resnet_server.engine.runner import PendingScores
+
+if TYPE_CHECKING:
+    from resnet_server.engine.runner import ModelRunner
+
+log = logging.getLogger("server.batcher")
+
+# Batches a CUDA batcher keeps launched and unanswered: one computing on the device, the next queued behind it.
+CUDA_BATCHES_IN_FLIGHT = 2
+
+
+@dataclass(frozen=True)
+class BatchOutput:
+    """A batch's results on the CPU, row i for the batch's item i (NumPy views of one host tensor)."""
+
+    probabilities: np.ndarray  # float32 [B, 1000], softmax(logits / T)
+    logits: np.ndarray  # float32 [B, 1000], before temperature
+    top_k: list[list[tuple[int, float]]]
+    queue_seconds: list[float]
+    timing: BatchTiming  # the batch's compute, in parts
+
+    def images(self, items: list[WorkItem], device: str) -> list[ImageOutput]:
+        return [ImageOutput(self.probabilities[i], self.logits[i], self.top_k[i], item.temperature,
+                            self.queue_seconds[i], self.timing, device) for i, item in enumerate(items)]
+
+
+# Where a batch's answers go: (items, their outputs), and (items, the error that fails them).
+Deliver = Callable[[list[WorkItem], BatchOutput], None]
+Fail = Callable[[list[WorkItem], BaseException], None]
+
+
+# (inputs [B, 3, 224, 224] on the CPU or the device, temperatures [B]) -> (probabilities, logits), [B, 1000] on the
+# CPU, when PendingScores.wait() returns.
+ComputeFn = Callable[[torch.Tensor, torch.Tensor], "PendingScores"]
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A launched batch, until it is answered: its scores on their way, or why it could not start."""
+
+    batch: list[WorkItem]
+    started: float  # time.monotonic() when the worker took it
+    prepared: float = 0.0
+    scores: PendingScores | None = None
+    error: BaseException | None = None
+
+
+class Batcher:
+    """``setup`` runs first on the worker thread and returns the model runner. Loading, warm-up
+    and every forward pass thus share one thread: with OpenMP, each thread that runs parallel torch
+    ops gets its own team of spinning workers, and on a small CPU two teams cost a third of the speed.
+
+    The worker forms, prepares and launches batches; on CUDA a finisher thread waits for each one's scores,
+    takes its top-k and hands the answers back. A launch there returns while the device still computes, so the
+    worker gathers and uploads the next batch meanwhile (the host work ran in series with the GPU before:
+    measured on an H100, about 18 ms a batch of 120 against 6-7 ms of forward pass). At most
+    ``CUDA_BATCHES_IN_FLIGHT`` batches are launched and unanswered, and the next batch is formed only when
+    there is room for it, so it still takes everything that arrived in the meantime. On the CPU, where the
+    forward pass itself occupies the cores, the worker answers each batch itself before it takes the next."""
+
+    def __init__(self, name: str, setup: Callable[[], ModelRunner], metrics: Metrics, *, max_batch_size: int,
+                 max_batch_delay_ms: float, max_queue: int, failures_before_eviction: int, probe_interval: float,
+                 on_rejoin: Callable[[], None], wait_for_callers_ms: float = 0.0, deliver: Deliver | None = None,
+                 fail: Fail | None = None, on_dropped: Callable[[list[WorkItem]], None] | None = None) -> None:
+        self.name = name
+        # By default answers settle asyncio futures on their loop; an engine process passes its own.
+        self._deliver = deliver or self._resolve
+        self._fail = fail or _fail
+        self._on_dropped = on_dropped or (lambda items: None)  # cancelled items left out of a batch
+        self._setup = setup
+        self._compute: ComputeFn | None = None  # the runner's forward pass; tests swap it to inject faults
+        self._runner: ModelRunner | None = None
+        self._ready = threading.Event()
+        self._setup_error: BaseException | None = None
+        self.max_batch_size = max_batch_size
+        self._max_delay = max_batch_delay_ms / 1000.0
+        self._wait_for_callers = wait_for_callers_ms / 1000.0
+        self._answered = 0  # images in the last batch answered
+        self._answered_at = 0.0  # time.monotonic() just before they were handed back
+        self._waits_to_skip = 0
+        self._skip_after_ran_out = 1  # waits to skip once the next wait runs out (see MOST_WAITS_SKIPPED)
+        self._max_queue = max_queue
+        self._queue: collections.deque[WorkItem] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
+        self._finisher = threading.Thread(target=self._finish_batches, name=f"finisher-{name}", daemon=True)
+        self._launched: queue.SimpleQueue[_Launched | None] = queue.SimpleQueue()
+        self._in_flight = 0  # batches launched and not yet answered; guarded by _cond
+        self._most_in_flight = 1  # set from the runner's device once it is set up
+        self.consecutive_failures = 0
+        self._failures_before_eviction = failures_before_eviction
+        self._probe_interval = probe_interval  # 0: an evicted batcher stays out
+        self._next_probe = 0.0  # time.monotonic() of the next probe while out of rotation
+        self._on_rejoin = on_rejoin  # called on the worker thread when a probe brings it back
+        self._probes = metrics.probes
+        self._queue_depth = metrics.queue_depth.labels(name)
+        self._queue_wait = metrics.queue_wait.labels(name)
+        self._compute_time = metrics.compute.labels(name)
+        self._part_seconds = tuple(metrics.batch_part.labels(name, part) for part in BatchTiming._fields)
+        self._batch_size = metrics.batch_size.labels(name)
+        self._padded = metrics.padded.labels(name)
+        self._dropped = metrics.dropped
+        self._callers_came_back = metrics.caller_waits.labels(name, "came_back")
+        self._caller_wait_ran_out = metrics.caller_waits.labels(name, "ran_out")
+        self._statistics = metrics.statistics
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.consecutive_failures < self._failures_before_eviction
+
+    def start(self) -> None:
+        """Start the worker and wait until its setup is done (re-raising any setup error)."""
+        self._thread.start()
+        self._ready.wait()
+        if self._setup_error is not None:
+            raise self._setup_error
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Refuse new work, finish what is queued, and join the worker."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        """Queue all items or none: a full queue refuses at once with Overloaded."""
+        with self._cond:
+            if self._stopping:
+                raise Unavailable("server is shutting down")
+            if len(self._queue) + len(items) > self._max_queue:
+                raise Overloaded(
+                    f"queue of {self.name} is full ({len(self._queue)} of {self._max_queue} images waiting); "
+                    "retry later"
+                )
+            self._queue.extend(items)
+            self._queue_depth.set(len(self._queue))
+            self._cond.notify()
+
+    def withdraw(self, items: Sequence[WorkItem]) -> list[WorkItem]:
+        """Free the queue slots of a cancelled call's items that have not been taken yet; those items."""
+        with self._cond:
+            waiting = [item for item in items if item in self._queue]
+            for item in waiting:
+                self._queue.remove(item)
+            self._queue_depth.set(len(self._queue))
+        if waiting:
+            self._dropped.labels(self.name, "cancelled").inc(len(waiting))
+        return waiting
+
+    def _run(self) -> None:
+        try:
+            self._runner = self._setup()
+            self._compute = self._runner.launch
+            self._most_in_flight = CUDA_BATCHES_IN_FLIGHT if self._runner.cuda else 1
+        except BaseException as exc:  # handed to start(), which re-raises it in the caller
+            self._setup_error = exc
+            return
+        finally:
+            self._ready.set()
+        self._finisher.start()
+        while (batch := self._next_batch()) is not None:
+            if not batch:  # out of rotation, no work, and the time to probe has come
+                self._probe()
+                continue
+            live = self._drop_dead(batch)
+            if live:
+                self._launch(live)
+        self._launched.put(None)  # after every batch launched: the finisher answers them all, then ends
+        self._finisher.join()
+
+    def _next_batch(self) -> list[WorkItem] | None:
+        """Block until there is room for a batch and work arrives; None once stopping with nothing left;
+        [] when a probe is due."""
+        with self._cond:
+            while True:
+                while self._in_flight >= self._most_in_flight:
+                    self._cond.wait()
+                while not self._queue and not self._stopping:
+                    if not self._cond.wait(self._time_to_probe()):
+                        return []
+                if not self._queue:
+                    return None
+                if self._max_delay > 0:
+                    self._wait_for_fuller_batch()
+                if self._wait_for_callers > 0:
+                    self._wait_for_answered_callers()
+                if self._queue:  # else every image waited for was withdrawn meanwhile: wait for work again
+                    break
+            size = min(len(self._queue), self.max_batch_size)
+            batch = [self._queue.popleft() for _ in range(size)]
+            self._queue_depth.set(len(self._queue))
+            return batch
+
+    def _time_to_probe(self) -> float | None:
+        """Seconds until the next probe is due; None (wait for work alone) while in rotation or not probing."""
+        if self.in_rotation or not self._probe_interval:
+            return None
+        return max(0.0, self._next_probe - time.monotonic())
+
+    def _probe(self) -> None:
+        """One blank image through the forward pass, as a batch would go; passing brings the batcher back."""
+        with self._cond:  # a probe judges the device alone, once every batch launched before it is answered
+            while self._in_flight:
+                self._cond.wait()
+        try:
+            self._compute_split_on_oom(torch.zeros((1, *FLOAT_SHAPE)), torch.ones(1, dtype=torch.float64)).wait()
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the replica out; the next probe decides again
+            self._probes.labels(self.name, "failed").inc()
+            self._next_probe = time.monotonic() + self._probe_interval
+            log.warning("replica %s failed its probe (%s: %s); next probe in %gs", self.name, type(exc).__name__,
+                        exc, self._probe_interval)
+            return
+        self._probes.labels(self.name, "passed").inc()
+        self._batch_passed()
+
+    def _batch_passed(self) -> None:
+        rejoining = not self.in_rotation
+        self.consecutive_failures = 0
+        if rejoining:
+            log.warning("replica %s is back in rotation", self.name)
+            self._on_rejoin()
+
+    def _batch_failed(self) -> None:
+        self.consecutive_failures += 1
+        if self.consecutive_failures == self._failures_before_eviction:
+            self._next_probe = time.monotonic() + self._probe_interval
+            log.error("replica %s leaves the rotation after %d failed batches in a row%s", self.name,
+                      self.consecutive_failures,
+                      f"; probing it every {self._probe_interval:g}s" if self._probe_interval else "")
+
+    def _wait_while(self, short: Callable[[], bool], until: float) -> bool:
+        """Wait for more work while ``short()`` and the batch is not full, not past ``until`` (a
+        time.monotonic() value) nor past stopping; True if the wait ran out."""
+        while len(self._queue) < self.max_batch_size and short() and not self._stopping:
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                return True
+            self._cond.wait(remaining)
+        return False
+
+    def _wait_for_fuller_batch(self) -> None:
+        self._wait_while(lambda: True, self._queue[0].enqueued + self._max_delay)
+
+    def _wait_for_answered_callers(self) -> None:
+        """Until as many images have come since the last answer as it held, the batch is full, or
+        ``wait_for_callers_ms`` after that answer: at most that long a batch, and for traffic whose
+        callers do not come back about once in MOST_WAITS_SKIPPED + 1 batches."""
+        wait_until = self._answered_at + self._wait_for_callers
+        # Only a wait that holds a batch back counts: work arriving after an idle spell finds it over already.
+        if not self._callers_missing() or time.monotonic() >= wait_until:
+            return
+        if self._waits_to_skip > 0:
+            self._waits_to_skip -= 1
+            return
+        if self._wait_while(self._callers_missing, wait_until):
+            self._caller_wait_ran_out.inc()
+            self._waits_to_skip = self._skip_after_ran_out
+            self._skip_after_ran_out = min(2 * self._skip_after_ran_out, MOST_WAITS_SKIPPED)
+        elif not self._stopping:  # a wait cut short by shutdown says nothing about the callers
+            self._callers_came_back.inc()
+            self._skip_after_ran_out = max(1, self._skip_after_ran_out // 2)
+
+    def _callers_missing(self) -> bool:
+        """Fewer images have come since the last answer than it held, and the batch is not full."""
+        return len(self._queue) < self.max_batch_size and self._arrived_since_answer() < self._answered
+
+    def _arrived_since_answer(self) -> int:
+        count = 0
+        for item in reversed(self._queue):  # newest first: items queue in the order they were made
+            if item.enqueued < self._answered_at:
+                break
+            count += 1
+        return count
+
+    def _drop_dead(self, batch: list[WorkItem]) -> list[WorkItem]:
+        now = time.monotonic()
+        live, expired, cancelled = [], [], []
+        for item in batch:
+            reason = item.is_dead(now)
+            if reason is None:
+                live.append(item)
+                continue
+            self._dropped.labels(self.name, reason).inc()
+            (expired if reason == "deadline" else cancelled).append(item)
+        if expired:
+            self._fail(expired, DeadlineExpired("deadline passed while the image waited in the queue"))
+        if cancelled:
+            self._on_dropped(cancelled)
+        return live
+
+    def _launch(self, batch: list[WorkItem]) -> None:
+        """Prepare the batch and start its forward pass; it is answered in launch order (on CUDA by the
+        finisher). A failure here is answered the same way, so every batch's outcome is counted in one place."""
+        launched = _Launched(batch, time.monotonic())
+        try:
+            launched.batch, inputs = self._prepare(batch)
+            if not launched.batch:  # every image was refused: each has had its answer
+                return
+            launched.prepared = time.monotonic()
+            # Through NumPy: torch.tensor from a list costs twice as much, once a batch.
+            temperatures = torch.from_numpy(np.array([item.temperature for item in launched.batch], np.float64))
+            launched.scores = self._compute_split_on_oom(inputs, temperatures)
+        except Exception as exc:  # noqa: BLE001 - anything at all fails this batch, never the worker
+            launched.error = exc
+        with self._cond:
+            self._in_flight += 1
+        if self._most_in_flight == 1:  # nothing to overlap (the CPU): answered here, with no hand-off
+            self._settle(launched)
+        else:
+            self._launched.put(launched)
+
+    def _finish_batches(self) -> None:
+        use_torch_threads(1)  # top-k only: no OpenMP team of its own beside the worker's
+        while (launched := self._launched.get()) is not None:
+            self._settle(launched)
+
+    def _settle(self, launched: _Launched) -> None:
+        """Answer a launched batch and make room for the next."""
+        self._finish(launched)
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    def _finish(self, launched: _Launched) -> None:
+        batch = launched.batch
+        try:
+            output = self._output(launched)
+        except ServingError as exc:
+            self._fail(batch, exc)
+            return
+        except Exception:  # anything at all: a failure here must fail the batch, never end the finisher
+            self._batch_failed()
+            ids = sorted({item.request_id for item in batch})
+            log.exception("batch of %d on %s failed (requests %s)", len(batch), self.name, ", ".join(ids))
+            self._fail(batch, ComputeFailed(f"inference failed on {self.name} (request id {ids[0]})"))
+            return
+        self._batch_passed()
+        self._record(batch, launched.started, output.timing)
+        with self._cond:
+            self._answered, self._answered_at = len(batch), time.monotonic()
+        self._deliver(batch, output)
+
+    def _output(self, launched: _Launched) -> BatchOutput:
+        """The launched batch's results, once on the host; its launch's error if it had one."""
+        if launched.error is not None:
+            raise launched.error
+        batch = launched.batch
+        probabilities, logits = launched.scores.wait()
+        computed = time.monotonic()
+        if len(probabilities) != len(batch):
+            raise RuntimeError(f"compute returned {len(probabilities)} results for {len(batch)} images")
+        tops = top_k(probabilities, [item.top_k for item in batch])
+        timing = BatchTiming(launched.prepared - launched.started, computed - launched.prepared,
+                             time.monotonic() - computed)
+        # NumPy views of the host results: indexing a row is then plain Python work, not a torch call per image.
+        return BatchOutput(probabilities.numpy(), logits.numpy(), tops,
+                           [launched.started - item.enqueued for item in batch], timing)
+
+    def _prepare(self, batch: list[WorkItem]) -> tuple[list[WorkItem], torch.Tensor]:
+        """Stack the batch's inputs, decoding deferred JPEGs; an image that cannot be decoded fails alone."""
+        inputs, rejected = self._runner.prepare([item.model_input for item in batch])
+        for index, error in rejected.items():
+            self._fail([batch[index]], error)
+        return [item for i, item in enumerate(batch) if i not in rejected], inputs
+
+    def _compute_split_on_oom(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> PendingScores:
+        """Launch the batch; on device out-of-memory (raised at launch, when memory is allocated), run it
+        in halves, one after the other, before giving up."""
+        try:
+            return self._compute(inputs, temperatures)
+        except torch.OutOfMemoryError:
+            if len(inputs) == 1:
+                raise Overloaded(f"out of memory on {self.name} even for a single image") from None
+            log.warning("out of memory on %s with a batch of %d; splitting it", self.name, len(inputs))
+            half = len(inputs) // 2
+            first = self._compute_split_on_oom(inputs[:half], temperatures[:half]).wait()
+            second = self._compute_split_on_oom(inputs[half:], temperatures[half:]).wait()
+            return PendingScores(torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]]))
+
+    def _record(self, batch: list[WorkItem], started: float, timing: BatchTiming) -> None:
+        self._batch_size.observe(len(batch))
+        self._padded.inc(self._runner.padding_for(len(batch)))
+        self._compute_time.observe(timing.total)
+        for counter, seconds in zip(self._part_seconds, timing, strict=True):
+            counter.inc(seconds)
+        self._statistics.record_batch(len(batch), timing)
+        for item in batch:
+            self._queue_wait.observe(started - item.enqueued)
+
+    def _resolve(self, items: list[WorkItem], output: BatchOutput) -> None:
+        if items:
+            loop = items[0].future.get_loop()
+            loop.call_soon_threadsafe(_set_results, items, output.images(items, self.name))
+
+
+def _fail(items: list[WorkItem], exc: BaseException) -> None:
+    if items:
+        loop = items[0].future.get_loop()
+        loop.call_soon_threadsafe(_set_exceptions, items, exc)
+
+
+def _set_results(items: list[WorkItem], outputs: list[ImageOutput]) -> None:
+    for item, output in zip(items, outputs, strict=True):
+        if not item.future.done():
+            item.future.set_result(output)
+
+
+def _set_exceptions(items: list[WorkItem], exc: BaseException) -> None:
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(exc)

@@ -1,0 +1,236 @@
+"""The engine process of one device: the model, the batcher and nothing network-side.
+
+It has no asyncio and no gRPC. Front-end processes connect to it over a Unix socket (abstract, so no
+file is left behind; authenticated with a key the supervisor makes) and send it small typed messages
+(``server.boundary.protocol``): which slots of the shared slab (``server.boundary.slab``) hold new images,
+with each one's temperature, top-k and deadline. The pixels never go through the socket. The batcher forms
+batches across every connected front-end, the runner converts, runs and scores them, and the answers go back
+the same way: each image's
+probabilities and logits into its slot, then one message per front-end per batch.
+
+A front-end that goes away (it ended, or was killed) is noticed by its socket closing: its queued images
+are dropped and its slots freed, and nothing else changes. The engine accepts connections only once its
+model is loaded and warmed, so a front-end that could connect can be served.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from multiprocessing.connection import Connection, Listener
+
+import numpy as np
+import torch
+
+from resnet_server.boundary.protocol import (
+    Answer,
+    Cancel,
+    Done,
+    EngineInfo,
+    EngineLink,
+    Failed,
+    Health,
+    Hello,
+    ImageKind,
+    Ready,
+    Released,
+    SlotEntry,
+    Submit,
+    ToFrontEnd,
+    receive_at_engine,
+    send,
+)
+from resnet_server.boundary.slab import Slab
+from resnet_server.common.config import ServerConfig
+from resnet_server.common.device_decode import DeferredJpeg
+from resnet_server.common.errors import ServingError
+from resnet_server.common.metrics import Metrics
+from resnet_server.common.preprocess import FLOAT_SHAPE, CroppedImage, RawImage, SlotBytes
+from resnet_server.common.work import Ticket, WorkItem
+from resnet_server.engine.batcher import BatchOutput
+from resnet_server.engine.registered_slab import device_rows, register_slab
+from resnet_server.engine.replicas import Replica, load_replica
+
+log = logging.getLogger("server.engine")
+
+class _FrontEnd:
+    """One connected front-end: its socket, its owner number in the slab, and the items the engine holds."""
+
+    def __init__(self, connection: Connection, owner: int) -> None:
+        self.connection = connection
+        self.owner = owner
+        self.items: dict[int, WorkItem] = {}  # by slot; guarded by the engine's lock
+        self.alive = True
+        self._sending = threading.Lock()  # the batcher's thread and this front-end's reader both send
+
+    def send(self, message: ToFrontEnd) -> None:
+        try:
+            with self._sending:
+                send(self.connection, message)
+        except OSError:  # it has gone; its reader sees the socket close and cleans up
+            pass
+
+
+class Engine:
+    def __init__(self, link: EngineLink, device: torch.device, config: ServerConfig, metrics: Metrics) -> None:
+        self.link = link
+        self.device = device
+        self.config = config
+        self.metrics = metrics
+        self.slab = Slab(link.slab_fd, link.layout)
+        self._input_rows = torch.from_numpy(self.slab.input_rows())  # raw images are read from here a batch at once
+        self.replica: Replica | None = None
+        self._lock = threading.Lock()
+        self._frontends: set[_FrontEnd] = set()
+        self._listener: Listener | None = None
+
+    def start(self, live_owners: Iterable[int]) -> None:
+        """Load and warm the model, free the slots of front-ends that ended while no engine ran, then listen."""
+        self.replica = load_replica(self.link.name, self.device, self.config, self.metrics, self._rejoined,
+                                    deliver=self._deliver, fail=self._fail, on_dropped=self._released)
+        freed = self.slab.free_all_but(set(live_owners))
+        if freed:
+            log.info("freed %d slots of front-ends that have ended", freed)
+        # A GPU then reads the images where the front-ends wrote them: gathered in one kernel from the slab seen
+        # as a CUDA tensor where it can, else one DMA an image from the registered rows (server.engine.registered_slab).
+        if self.device.type == "cuda" and register_slab(self.slab, self.device):
+            on_device = device_rows(self.slab, self.device)
+            self._input_rows = self._input_rows if on_device is None else on_device
+        self._listener = Listener(self.link.address, "AF_UNIX", authkey=self.link.authkey)
+        threading.Thread(target=self._accept, name="engine-accept", daemon=True).start()
+
+    def info(self) -> EngineInfo:
+        replica = self.replica
+        return EngineInfo(replica.name, str(replica.device), replica.weights.source, replica.weights.warning,
+                          replica.batcher.max_batch_size, replica.decode_on_device, replica.healthy,
+                          sys.getswitchinterval() * 1000, replica.torch_threads)
+
+    def stop(self, grace: float) -> None:
+        """Take no new front-end, finish what is queued, and answer it."""
+        if self._listener is not None:
+            self._listener.close()
+        if self.replica is not None:
+            self.replica.batcher.stop(grace)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection = self._listener.accept()
+            except OSError:  # the listener was closed: stopping
+                return
+            except Exception as exc:  # noqa: BLE001 - a peer that failed the handshake: keep listening
+                log.warning("refused a connection: %s: %s", type(exc).__name__, exc)
+                continue
+            threading.Thread(target=self._serve, args=(connection,), name="engine-frontend", daemon=True).start()
+
+    def _serve(self, connection: Connection) -> None:
+        """Read one front-end's messages until its socket closes."""
+        frontend = None
+        try:
+            hello = receive_at_engine(connection)
+            if not isinstance(hello, Hello):
+                raise EOFError(f"a front-end began with {type(hello).__name__}, not Hello")
+            frontend = _FrontEnd(connection, hello.owner)
+            with self._lock:
+                self._frontends.add(frontend)
+            frontend.send(Ready(self.info()))
+            handlers = {Submit: self._submit, Cancel: self._cancel}
+            while True:
+                message = receive_at_engine(connection)
+                handlers[type(message)](frontend, message)
+        except (EOFError, OSError):
+            pass
+        finally:
+            if frontend is not None:
+                self._gone(frontend)
+            connection.close()
+
+    def _submit(self, frontend: _FrontEnd, message: Submit) -> None:
+        items = [self._item(frontend, entry) for entry in message.entries]
+        with self._lock:
+            frontend.items.update((item.future.slot, item) for item in items)
+        try:
+            self.replica.batcher.submit(items)
+        except ServingError as exc:
+            self._fail(items, exc)
+
+    def _item(self, frontend: _FrontEnd, entry: SlotEntry) -> WorkItem:
+        slot, nbytes = entry.slot, entry.nbytes
+        if entry.kind is ImageKind.RAW:
+            model_input = RawImage(entry.dtype, entry.shape, SlotBytes(self._input_rows, slot, nbytes))
+        elif entry.kind is ImageKind.CROP:
+            model_input = CroppedImage(SlotBytes(self._input_rows, slot, nbytes))
+        elif entry.kind is ImageKind.FLOAT:
+            model_input = torch.frombuffer(self.slab.input(slot, nbytes), dtype=torch.float32).view(FLOAT_SHAPE)
+        else:  # ImageKind.JPEG
+            model_input = DeferredJpeg(torch.frombuffer(self.slab.input(slot, nbytes), dtype=torch.uint8))
+        return WorkItem(model_input, entry.temperature, entry.top_k, entry.deadline, Ticket(frontend, slot),
+                        entry.request_id)
+
+    def _cancel(self, frontend: _FrontEnd, message: Cancel) -> None:
+        with self._lock:
+            items = [frontend.items[slot] for slot in message.slots if slot in frontend.items]
+            for item in items:
+                item.future.cancelled = True  # dropped before compute if a batch has taken it already
+        self._released(self.replica.batcher.withdraw(items))
+
+    def _gone(self, frontend: _FrontEnd) -> None:
+        """A front-end closed its socket: drop its queued images, free every slot it held that no batch holds."""
+        with self._lock:
+            frontend.alive = False
+            self._frontends.discard(frontend)
+            for item in frontend.items.values():
+                item.future.cancelled = True
+            held = list(frontend.items.values())
+            mine = np.flatnonzero(self.slab.owners == frontend.owner).tolist()
+            self.slab.give_back([slot for slot in mine if slot not in frontend.items], frontend.owner)
+        self._released(self.replica.batcher.withdraw(held))
+
+    def _answer(self, frontend: _FrontEnd, slots: list[int], message: ToFrontEnd) -> None:
+        with self._lock:
+            for slot in slots:
+                frontend.items.pop(slot, None)
+            if not frontend.alive:  # no one to read them: the slots are free again
+                self.slab.give_back(slots, frontend.owner)
+                return
+        frontend.send(message)
+
+    def _deliver(self, items: list[WorkItem], output: BatchOutput) -> None:
+        """On the finisher's thread: the batch's scores into its slots, then one message per front-end."""
+        slots = [item.future.slot for item in items]
+        self.slab.outputs[slots, 0] = output.probabilities
+        self.slab.outputs[slots, 1] = output.logits
+        answers = defaultdict(list)
+        for item, slot, top, queued in zip(items, slots, output.top_k, output.queue_seconds, strict=True):
+            answers[item.future.owner].append(Answer(slot, top, queued))
+        timing = (output.timing.input, output.timing.infer, output.timing.output)
+        for frontend, answered in answers.items():
+            message = Done(answered, timing, self.replica.healthy)
+            self._answer(frontend, [answer.slot for answer in answered], message)
+
+    def _fail(self, items: list[WorkItem], exc: BaseException) -> None:
+        for frontend, slots in _slots_by_frontend(items).items():
+            self._answer(frontend, slots, Failed(slots, type(exc).__name__, str(exc), self.replica.healthy))
+
+    def _released(self, items: list[WorkItem]) -> None:
+        """Items dropped before compute because their caller went: their slots go back to their front-end."""
+        for frontend, slots in _slots_by_frontend(items).items():
+            self._answer(frontend, slots, Released(slots))
+
+    def _rejoined(self) -> None:
+        with self._lock:
+            frontends = list(self._frontends)
+        for frontend in frontends:
+            frontend.send(Health(True))
+
+
+def _slots_by_frontend(items: list[WorkItem]) -> dict[_FrontEnd, list[int]]:
+    grouped = defaultdict(list)
+    for item in items:
+        grouped[item.future.owner].append(item.future.slot)
+    return grouped
+
+

@@ -1,0 +1,58 @@
+"""The engine process's entry point: one per device, started by the supervisor."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection
+
+import torch
+
+from resnet_server.boundary.protocol import EngineLink
+from resnet_server.common.config import ServerConfig
+from resnet_server.common.errors import StartupError
+from resnet_server.common.lifetime import die_with_supervisor
+from resnet_server.common.logs import configure_logging
+from resnet_server.common.metrics import Metrics, serve_child_metrics
+from resnet_server.common.statistics import SharedRow
+from resnet_server.common.threads import use_torch_threads
+from resnet_server.engine.core import Engine
+
+log = logging.getLogger("server.engine")
+
+
+def engine_main(link: EngineLink, device: str, config: ServerConfig, live_owners: list[int],
+                statistics: SharedRow | None, with_metrics: bool, reports: Connection) -> None:
+    """An engine process: report where its /metrics listens (``with_metrics``), load, report ("ready", info) to
+    the supervisor, serve until SIGTERM, then drain."""
+    die_with_supervisor()
+    configure_logging(config.log_level, config.log_format)
+    # Ctrl-C reaches every process of the group; the supervisor stops the engines last, with SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    use_torch_threads(1)  # the replica's own thread sets its team; the socket threads compute nothing
+    # The batcher's thread gives the GIL up at every torch call and must win it back from the socket readers and
+    # the finisher: the flag bounds that wait here, where the forward pass is launched (Python's own is 5 ms).
+    sys.setswitchinterval(config.switch_interval_ms / 1000)
+    metrics = Metrics(config.largest_batch, statistics)
+    http = serve_child_metrics(metrics.registry) if with_metrics else None
+    if http is not None:
+        reports.send(("metrics", http.server_port))
+    engine = Engine(link, torch.device(device), config, metrics)
+    try:
+        engine.start(live_owners)
+    except StartupError as exc:
+        print(f"resnet-server: error: engine {link.name}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    # Until now SIGTERM ends the engine at once (it holds no call; a load may take minutes); from now, it drains.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    reports.send(("ready", engine.info()))
+    log.info("engine %s ready on %s", link.name, device)
+    while not stop.wait(1.0):
+        pass
+    engine.stop(config.grace_period)
+    if http is not None:
+        http.shutdown()
+    log.info("engine %s stopped", link.name)

@@ -1,0 +1,149 @@
+"""One model replica per listed device, each with its own batcher and worker thread.
+
+Independent replicas (rather than ``nn.DataParallel``) let every device run its own batches
+concurrently, with no scatter/gather through one GPU on each forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from resnet_server.common.config import DEFAULT_MAX_BATCH_SIZE, ServerConfig
+from resnet_server.common.errors import StartupError
+from resnet_server.common.metrics import Metrics
+from resnet_server.common.model import LoadedWeights, build_model, load_weights
+from resnet_server.common.threads import use_torch_threads
+from resnet_server.engine.batcher import Batcher
+from resnet_server.engine.runner import ModelRunner, bucket_sizes
+from resnet_server.engine.runners import build_runner
+
+log = logging.getLogger("server.replicas")
+
+# A replica whose batches fail this many times in a row leaves the rotation.
+FAILURES_BEFORE_EVICTION = 3
+
+def max_batch_size(config: ServerConfig, device: torch.device) -> int:
+    return config.max_batch_size or DEFAULT_MAX_BATCH_SIZE.get(device.type, DEFAULT_MAX_BATCH_SIZE["cpu"])
+
+
+@dataclass
+class Replica:
+    name: str
+    device: torch.device
+    runner: ModelRunner
+    batcher: Batcher
+    weights: LoadedWeights
+    decode_on_device: bool = False  # JPEGs go to the batcher undecoded, decoded there in one batch
+    torch_threads: int = 1  # the OpenMP team of its worker thread (replica_torch_threads)
+    inline_bytes: int | None = None  # the most bytes an image goes as it came; None: any (an engine's slab sets one)
+    takes_crops: bool = False  # images preprocessed for it go as uint8 crops (EngineClient's; in process: floats)
+    pending: int = 0  # images routed here and not yet answered; touched on the event loop only
+
+    @property
+    def healthy(self) -> bool:
+        return self.batcher.in_rotation
+
+
+class _ReplicaSetup:
+    """Runs on the replica's worker thread: load weights, build, place and warm up the model."""
+
+    def __init__(self, name: str, device: torch.device, config: ServerConfig, batch_limit: int) -> None:
+        self.name = name
+        self.device = device
+        self.config = config
+        self.batch_limit = batch_limit
+        self.torch_threads = replica_torch_threads(config, device)
+        self.weights: LoadedWeights | None = None
+        self.runner: ModelRunner | None = None
+
+    def __call__(self) -> ModelRunner:
+        config, device = self.config, self.device
+        # This thread's OpenMP team: set here, since other threads (preprocessing) set theirs to 1.
+        use_torch_threads(self.torch_threads)
+        self.weights = load_weights(config.weights, device)
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = config.cudnn_benchmark
+        self.runner = build_runner(config.runner, self.name, build_model(self.weights, device), device,
+                                   config.precision, config.channels_last, compiled=config.compile,
+                                   compile_mode=config.compile_mode, torchscript=config.torchscript,
+                                   cuda_graphs=config.uses_cuda_graphs)
+        sizes = bucket_sizes(self.batch_limit, device.type == "cuda")
+        try:
+            self.runner.warm_up(sizes)
+        except Exception as exc:
+            # A setup problem, named by its flag: no C++ compiler for CPU kernels or an unsupported GPU (--compile),
+            # an operation CUDA cannot capture or the memory the graphs need (--cuda-graphs).
+            if config.compile:
+                flag, hint = "--compile", "inductor needs a C++ compiler for CPU devices; or run without --compile"
+            elif self.runner.cuda_graphs:
+                flag, hint = "--cuda-graphs", "or run with --cuda-graphs false"
+            else:
+                raise
+            raise StartupError(f"{flag} failed on {device}: {type(exc).__name__}: {str(exc)[:300]} ({hint})") from exc
+        return self.runner
+
+
+def load_replica(name: str, device: torch.device, config: ServerConfig, metrics: Metrics,
+                 on_rejoin: Callable[[], None], **hooks: Callable) -> Replica:
+    """Start the replica's worker thread, which loads and warms the model before taking work.
+    ``on_rejoin`` is called on that thread whenever the replica comes back into rotation; ``hooks`` (deliver,
+    fail, on_dropped) say where answers go when not to asyncio futures (see Batcher)."""
+    started = time.monotonic()
+    batch_limit = max_batch_size(config, device)
+    setup = _ReplicaSetup(name, device, config, batch_limit)
+    batcher = Batcher(name, setup, metrics, max_batch_size=batch_limit,
+                      max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue,
+                      failures_before_eviction=FAILURES_BEFORE_EVICTION,
+                      probe_interval=config.replica_probe_interval, on_rejoin=on_rejoin,
+                      wait_for_callers_ms=config.wait_for_callers_ms, **hooks)
+    try:
+        batcher.start()
+    except StartupError:
+        raise
+    except Exception as exc:  # a failure with no message of ours (out of memory in warm-up, a bad device...)
+        log.exception("replica %s failed to start on %s", name, device)
+        raise StartupError(f"replica {name} failed to start on {device}: {type(exc).__name__}: {str(exc)[:300]}"
+                           ) from exc
+    runner, weights = setup.runner, setup.weights
+    elapsed = time.monotonic() - started
+    metrics.load_time.labels(name).set(elapsed)
+    metrics.healthy.labels(name).set_function(lambda: 1 if batcher.in_rotation else 0)
+    if device.type == "cuda":
+        _watch_gpu(name, device, runner, metrics)
+    log.info("replica %s ready on %s in %.2fs (weights %s); %s", name, device, elapsed, weights.source,
+             runner.describe())
+    if weights.warning:
+        log.warning("%s", weights.warning)
+    decode_on_device = config.decode_on_device == "true" or (
+        config.decode_on_device == "auto" and device.type == "cuda")
+    return Replica(name, device, runner, batcher, weights, decode_on_device, setup.torch_threads)
+
+
+def replica_torch_threads(config: ServerConfig, device: torch.device) -> int:
+    """--torch-threads, or by default every core for a CPU replica (its forward pass runs there) and one for a
+    GPU's, whose host work is copying a batch's bytes: an OpenMP team there shares the cores with the front-ends,
+    spins, and every copy waits for its slowest member (docs/operations.md; the H100 run in performance.md)."""
+    if config.torch_threads:
+        return config.torch_threads
+    return len(os.sched_getaffinity(0)) if device.type == "cpu" else 1
+
+
+def _watch_gpu(name: str, device: torch.device, runner: ModelRunner, metrics: Metrics) -> None:
+    """GPU gauges, read at scrape time, never on the serving path. Utilisation needs NVML (the optional
+    nvidia-ml-py package); torch.cuda.utilization maps CUDA_VISIBLE_DEVICES indices to NVML's for us."""
+    metrics.gpu_allocated.labels(name).set_function(lambda: runner.memory()[0])
+    metrics.gpu_reserved.labels(name).set_function(lambda: runner.memory()[1])
+    try:
+        torch.cuda.utilization(device)
+    except Exception as exc:  # noqa: BLE001 - no pynvml, or NVML cannot see the device: no gauge
+        log.info("no GPU utilisation gauge for %s (%s: %s)", name, type(exc).__name__, exc)
+        return
+    metrics.gpu_utilization.labels(name).set_function(lambda: torch.cuda.utilization(device) / 100.0)
+
+

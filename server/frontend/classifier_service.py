@@ -1,0 +1,167 @@
+"""Thin servicer for ``resnet.v1.Classifier``: protobuf in, core call, protobuf out.
+
+All decisions live in :class:`~server.frontend.core.InferenceCore`; this module only converts
+messages and turns domain errors into gRPC status codes through :func:`server.common.errors.status_for`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from resnet_client.api import classifier_pb2 as pb
+from resnet_client.api import classifier_pb2_grpc as pb_grpc
+from resnet_client.errors import INVALID_IMAGES_KEY  # the client reads it; it installs without torch
+from resnet_server.common.errors import InvalidImages, InvalidInput, ServingError, Unavailable, status_for
+from resnet_server.common.work import ImageOutput
+from resnet_server.frontend.classify_request import ReadRequest
+from resnet_server.frontend.core import ClassifyCall, InferenceCore
+
+log = logging.getLogger("server.service")
+T = TypeVar("T")
+R = TypeVar("R")
+# Requests of one stream computed ahead of the one being answered.
+STREAM_PIPELINE_DEPTH = 32
+# Fresh request ids: this process's random prefix and a count, unique across processes and restarts (as a
+# uuid4 is) at a fifth of its cost, which every call without an x-request-id pays.
+_ID_PREFIX = os.urandom(4).hex()
+_ID_COUNT = itertools.count()
+
+
+def request_id(context: grpc.aio.ServicerContext) -> str:
+    """The caller's x-request-id, or a fresh one, for the logs and INTERNAL messages."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id":
+            return str(value)[:64]
+    return f"{_ID_PREFIX}{next(_ID_COUNT):08x}"
+
+
+async def answer(context: grpc.aio.ServicerContext, rid: str, work: Callable[[], Awaitable[T]]) -> T:
+    """Run the work; abort the call with the mapped status code if it raises."""
+    try:
+        return await work()
+    except Exception as exc:
+        await abort_with(context, rid, exc)
+        raise  # abort raises; this line only satisfies type checkers
+
+
+def caller_status(rid: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """Map an exception for the caller; unexpected ones are logged with the request id."""
+    code, message = status_for(exc)
+    if not isinstance(exc, ServingError):
+        log.error("request %s failed unexpectedly", rid, exc_info=exc)
+        message = f"{message} (request id {rid})"
+    return code, message
+
+
+async def abort_with(context: grpc.aio.ServicerContext, rid: str, exc: Exception) -> None:
+    remaining = context.time_remaining()
+    if context.done() or (remaining is not None and remaining <= 0):
+        # The caller is gone (cancelled, or its deadline passed): there is no one to answer, and
+        # grpc refuses to send a status on a finished call.
+        raise asyncio.CancelledError(f"request {rid} ended before its answer") from exc
+    if isinstance(exc, InvalidImages):
+        context.set_trailing_metadata(((INVALID_IMAGES_KEY, ",".join(map(str, exc.reasons))),))
+    await context.abort(*caller_status(rid, exc))
+
+
+async def in_order(requests: AsyncIterator[R], handle: Callable[[R], Awaitable[T]],
+                   depth: int = STREAM_PIPELINE_DEPTH) -> AsyncIterator[T]:
+    """Start handle(request) for up to ``depth`` requests ahead and yield the results in request order."""
+    pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue(depth)
+
+    async def read_requests() -> None:
+        try:
+            async for request in requests:
+                await pending.put(asyncio.ensure_future(handle(request)))
+        finally:
+            await pending.put(None)  # the writer stops here; `await reader` then re-raises any error
+
+    reader = asyncio.create_task(read_requests())
+    try:
+        while (task := await pending.get()) is not None:
+            yield await task
+        await reader
+    finally:
+        reader.cancel()
+        while not pending.empty():
+            task = pending.get_nowait()
+            if task is not None:
+                task.cancel()
+
+
+def to_call(request: ReadRequest, context: grpc.aio.ServicerContext, rid: str) -> ClassifyCall:
+    if request.unreadable is not None:
+        raise InvalidInput(f"the request is not a resnet.v1.ClassifyRequest: {request.unreadable}")
+    fields = request.fields
+    return ClassifyCall(
+        images=request.images,
+        temperature=fields.temperature if fields.HasField("temperature") else None,
+        top_k=fields.top_k if fields.HasField("top_k") else None,
+        timeout=context.time_remaining(),
+        request_id=rid,
+    )
+
+
+def to_result(output: ImageOutput, labels: list[str], request: pb.ClassifyRequest) -> pb.ImageResult:
+    result = pb.ImageResult(
+        top_k=[pb.ClassScore(index=i, label=labels[i], probability=p) for i, p in output.top_k],
+        queue_ms=output.queue_seconds * 1000.0,
+        compute_ms=output.timing.total * 1000.0,
+        device=output.device,
+        temperature=output.temperature,
+    )
+    if request.return_probabilities:
+        result.probabilities.extend(output.probabilities.tolist())
+    if request.return_logits:
+        result.logits.extend(output.logits.tolist())
+    return result
+
+
+class ClassifierService(pb_grpc.ClassifierServicer):
+    """Answers UNAVAILABLE until :meth:`attach` hands it the loaded core."""
+
+    def __init__(self) -> None:
+        self._core: InferenceCore | None = None
+        self._info = pb.ModelInfo()
+        self._labels: list[str] = []
+
+    def attach(self, core: InferenceCore, model_info: pb.ModelInfo) -> None:
+        self._core = core
+        self._info = model_info
+        self._labels = list(model_info.labels)
+
+    def _ready_core(self) -> InferenceCore:
+        if self._core is None:
+            raise Unavailable("the model is still loading; retry when health reports SERVING")
+        return self._core
+
+    async def _classify(self, request: ReadRequest, context, rid: str) -> pb.ClassifyResponse:
+        outputs = await self._ready_core().classify(to_call(request, context, rid))
+        return pb.ClassifyResponse(results=[to_result(output, self._labels, request.fields) for output in outputs])
+
+    async def Classify(self, request, context):
+        rid = request_id(context)
+        return await answer(context, rid, lambda: self._classify(request, context, rid))
+
+    async def ClassifyStream(self, request_iterator, context) -> AsyncIterator[pb.ClassifyResponse]:
+        """Answers in request order; the first failing request ends the stream with its status code."""
+        rid = request_id(context)
+        try:
+            async for response in in_order(request_iterator, lambda request: self._classify(request, context, rid)):
+                yield response
+        except Exception as exc:
+            await abort_with(context, rid, exc)
+
+    async def GetModelInfo(self, request, context):
+        return await answer(context, request_id(context), self._model_info)
+
+    async def _model_info(self) -> pb.ModelInfo:
+        self._ready_core()
+        return self._info

@@ -1,0 +1,272 @@
+"""A front-end's handle on one engine process: the replica that ``InferenceCore`` routes calls to.
+
+``submit`` takes a slot of the engine's slab per image (none free: RESOURCE_EXHAUSTED at once, since the
+slab is the whole server's queue for that device), writes the image into it and sends the slot numbers.
+Answers come back on the event loop (``add_reader`` on the engine's socket: no thread of ours between the
+socket and the futures), are copied out of the slab, and their slots freed. When the engine's socket
+closes (it ended or was killed), every call waiting on it fails UNAVAILABLE at once, the client's retry
+goes to another engine or waits for this one, and the handle reconnects once the supervisor has started
+a new engine and its model is warm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection
+from types import SimpleNamespace
+
+import torch
+
+from resnet_server.boundary.protocol import (
+    Cancel,
+    Done,
+    EngineInfo,
+    EngineLink,
+    Failed,
+    Health,
+    Hello,
+    ImageKind,
+    Ready,
+    Released,
+    SlotEntry,
+    Submit,
+    receive_at_frontend,
+    send,
+)
+from resnet_server.boundary.slab import Slab
+from resnet_server.common import errors
+from resnet_server.common.device_decode import DeferredJpeg
+from resnet_server.common.errors import Overloaded, ServingError, StartupError, Unavailable
+from resnet_server.common.preprocess import CROP_SHAPE, FLOAT_SHAPE, RawImage
+from resnet_server.common.statistics import BatchTiming
+from resnet_server.common.work import ImageOutput, WorkItem
+
+log = logging.getLogger("server.engine_client")
+RECONNECT_INTERVAL = 0.1  # seconds between tries to reach an engine that is starting or restarting
+_ERRORS = {cls.__name__: cls for cls in vars(errors).values()
+           if isinstance(cls, type) and issubclass(cls, ServingError)}
+
+
+class EngineClient:
+    """The replica interface (name, healthy, pending, batcher.submit/withdraw/stop) over an engine process."""
+
+    def __init__(self, link: EngineLink, owner: int, on_lost: Callable[[], None],
+                 on_back: Callable[[], None]) -> None:
+        self.link = link
+        self.name = link.name
+        self.owner = owner  # this front-end's number in the slab
+        self.slab = Slab(link.slab_fd, link.layout)
+        self.inline_bytes = link.layout.inline_bytes  # larger images are preprocessed here, not sent as they came
+        self.pending = 0  # images routed here and not yet answered (InferenceCore keeps it)
+        self.batcher = self
+        self.info: EngineInfo | None = None
+        self._on_lost, self._on_back = on_lost, on_back
+        self._connection: Connection | None = None
+        self._in_rotation = False
+        self._waiting: dict[int, WorkItem] = {}  # by slot: items sent and not yet answered
+        self._unsent: list[SlotEntry] = []  # submitted in this turn of the event loop; sent together at its end
+        self._slot_of: dict[WorkItem, int] = {}
+        self._reconnecting: asyncio.Task | None = None
+        self._closed = False
+        self._handlers = {Done: self._on_done, Failed: self._on_failed, Released: self._on_released,
+                          Health: self._on_health}
+
+    @property
+    def healthy(self) -> bool:
+        return self._connection is not None and self._in_rotation
+
+    @property
+    def weights(self) -> SimpleNamespace:
+        return SimpleNamespace(source=self.info.weights, warning=self.info.warning)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.info.max_batch_size
+
+    @property
+    def takes_crops(self) -> bool:
+        """Images preprocessed here go as their uint8 crop, normalised by the engine with its batch: on a GPU (a
+        quarter of the bytes through the slab, its one host thread's copy and the upload; normalised on the
+        device). A CPU engine's thread runs the forward pass, the bound there: it takes the float input."""
+        return self.info.device.startswith("cuda")
+
+    @property
+    def decode_on_device(self) -> bool:
+        return self.info.decode_on_device
+
+    async def open(self) -> None:
+        """Connect, waiting for as long as the engine takes to warm up (compiling every bucket can take minutes):
+        the supervisor, not a front-end, decides that an engine has failed, and stops the server then."""
+        if not await self._connect_when_up():
+            raise StartupError(f"stopped before the engine of {self.name} answered")
+
+    async def _connect_when_up(self) -> bool:
+        """Try every RECONNECT_INTERVAL until the engine answers (True) or the handle is closed (False)."""
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            try:
+                connection, info = await loop.run_in_executor(None, self._connect)
+            except (OSError, EOFError, ValueError, AuthenticationError) as exc:  # not listening yet, or it ended
+                log.debug("engine of %s not answering: %s", self.name, exc)
+                await asyncio.sleep(RECONNECT_INTERVAL)
+                continue
+            if self._closed:
+                connection.close()
+                return False
+            self._attach(connection, info)
+            return True
+        return False
+
+    def _connect(self) -> tuple[Connection, EngineInfo]:
+        connection = Client(self.link.address, "AF_UNIX", authkey=self.link.authkey)
+        send(connection, Hello(self.owner))
+        ready = receive_at_frontend(connection)
+        if not isinstance(ready, Ready):
+            connection.close()
+            raise EOFError(f"the engine answered Hello with {type(ready).__name__}, not Ready")
+        return connection, ready.info
+
+    def _attach(self, connection: Connection, info: EngineInfo) -> None:
+        self._connection, self.info, self._in_rotation = connection, info, info.in_rotation
+        asyncio.get_running_loop().add_reader(connection.fileno(), self._read)
+
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        """Send all items or none; Overloaded when the engine's slab has too few free slots."""
+        if self._connection is None:
+            raise Unavailable(f"the engine of {self.name} is restarting; retry")
+        slots = self.slab.take(len(items), self.owner)
+        if slots is None:
+            raise Overloaded(f"{self.name} has its --max-queue of {self.link.layout.slots} images accepted and "
+                             "not yet answered; retry later")
+        for slot, item in zip(slots, items, strict=True):
+            self._unsent.append(self._write(slot, item))
+            self._waiting[slot], self._slot_of[item] = item, slot
+        if len(self._unsent) == len(items):  # the first submit of this turn of the loop
+            asyncio.get_running_loop().call_soon(self._send_unsent)
+
+    def _send_unsent(self) -> None:
+        """One message for every call submitted since the last: a message and its wake-up of the engine cost
+        about as much as the rest of a call's hand-off, and under load many calls start in one turn of the loop."""
+        entries, self._unsent = self._unsent, []
+        if not entries or self._connection is None:  # lost meanwhile: _lost has failed these calls already
+            return
+        try:
+            send(self._connection, Submit(entries))
+        except OSError:
+            self._lost()  # fails these items too: UNAVAILABLE, and the client retries
+
+    def _write(self, slot: int, item: WorkItem) -> SlotEntry:
+        """The image into its slot, as it came (raw pixels, JPEG bytes) or preprocessed here (a uint8 crop for a
+        GPU engine, the model's float input for a CPU one)."""
+        image = item.model_input
+        if isinstance(image, RawImage):
+            kind, dtype, shape, data = ImageKind.RAW, image.dtype, tuple(image.shape), image.data
+        elif isinstance(image, DeferredJpeg):
+            kind, dtype, shape, data = ImageKind.JPEG, "uint8", (), memoryview(image.data.numpy())
+        elif image.dtype == torch.uint8:  # preprocess's crop, [224, 224, 3] contiguous
+            kind, dtype, shape, data = ImageKind.CROP, "uint8", CROP_SHAPE, memoryview(image.numpy()).cast("B")
+        else:  # the model's float32 input
+            kind, dtype, shape = ImageKind.FLOAT, "float32", FLOAT_SHAPE
+            data = memoryview(image.contiguous().numpy()).cast("B")
+        nbytes = len(data) if isinstance(data, bytes) else data.nbytes
+        self.slab.input(slot, nbytes)[:] = data
+        return SlotEntry(slot, kind, dtype, shape, nbytes, item.temperature, item.top_k, item.deadline,
+                         item.request_id)
+
+    def withdraw(self, items: Sequence[WorkItem]) -> None:
+        """The caller has gone: ask the engine to drop what it has not computed (it answers 'released')."""
+        slots = [self._slot_of[item] for item in items if item in self._slot_of]
+        self._send_unsent()  # the engine must have them before it is asked to drop them
+        if slots and self._connection is not None:
+            with contextlib.suppress(OSError):  # it has gone: the reader sees the socket close
+                send(self._connection, Cancel(slots))
+
+    def _read(self) -> None:
+        """One message a call: the loop calls again while the socket has more (a poll first would cost a system
+        call a message)."""
+        if self._connection is None:
+            return
+        try:
+            message = receive_at_frontend(self._connection)
+        except (EOFError, OSError):
+            self._lost()
+            return
+        self._handlers[type(message)](message)
+
+    def _take(self, slot: int) -> WorkItem:
+        item = self._waiting.pop(slot)
+        del self._slot_of[item]
+        return item
+
+    def _on_done(self, done: Done) -> None:
+        batch_timing = BatchTiming(*done.timing)
+        for answer in done.answers:
+            item = self._take(answer.slot)
+            probabilities, logits = self.slab.output(answer.slot).copy()  # both rows at once: the slot is freed next
+            self.slab.give_back([answer.slot], self.owner)
+            if not item.future.done():
+                item.future.set_result(ImageOutput(probabilities, logits, answer.top_k, item.temperature,
+                                                   answer.queue_seconds, batch_timing, self.name))
+        self._set_rotation(done.in_rotation)
+
+    def _on_failed(self, failed: Failed) -> None:
+        error = _ERRORS.get(failed.error, errors.ComputeFailed)(failed.message)
+        for slot in failed.slots:
+            item = self._take(slot)
+            self.slab.give_back([slot], self.owner)
+            if not item.future.done():
+                item.future.set_exception(error)
+        self._set_rotation(failed.in_rotation)
+
+    def _on_released(self, released: Released) -> None:
+        for slot in released.slots:
+            self._take(slot)
+        self.slab.give_back(released.slots, self.owner)
+
+    def _on_health(self, health: Health) -> None:
+        self._set_rotation(health.in_rotation)
+
+    def _set_rotation(self, in_rotation: bool) -> None:
+        came_back = in_rotation and not self._in_rotation
+        self._in_rotation = in_rotation
+        if came_back:
+            self._on_back()
+
+    def _lost(self) -> None:
+        """The engine's socket closed: fail what waits on it, free its slots, and reconnect in the background."""
+        if self._connection is None:
+            return
+        asyncio.get_running_loop().remove_reader(self._connection.fileno())
+        self._connection.close()
+        self._connection = None
+        waiting, self._waiting, self._slot_of, self._unsent = self._waiting, {}, {}, []
+        self.slab.give_back(list(waiting), self.owner)
+        error = Unavailable(f"the engine of {self.name} ended with this call in flight; retry")
+        for item in waiting.values():
+            if not item.future.done():
+                item.future.set_exception(error)
+        if not self._closed:
+            log.error("the engine of %s has gone; %d images in flight failed UNAVAILABLE", self.name, len(waiting))
+            self._on_lost()
+            self._reconnecting = asyncio.ensure_future(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        if await self._connect_when_up():
+            log.warning("the engine of %s is back", self.name)
+            if self._in_rotation:
+                self._on_back()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Close the connection (the engine frees whatever this front-end still held)."""
+        self._closed = True
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
+        if self._connection is not None:
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing was registered on one
+                asyncio.get_running_loop().remove_reader(self._connection.fileno())
+            self._connection.close()
+            self._connection = None

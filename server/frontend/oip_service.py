@@ -1,0 +1,372 @@
+"""The Open Inference Protocol (KServe v2 gRPC, plus Triton's ModelConfig and ModelStreamInfer).
+
+Same port, same core, same batcher, metrics and error mapping as ``resnet.v1``; this module only
+translates tensors. Input ``input`` (one per request): FP32 [N, 3, 224, 224] normalised, UINT8
+[N, H, W, 3] raw RGB, or BYTES [N] encoded images, in ``raw_input_contents`` or typed ``contents``.
+The model answers to two names, ``resnet18`` (whose metadata declares the FP32 input) and ``resnet18_uint8``
+(declaring UINT8): each takes all three, and tools that build requests from the declaration pick one by name.
+Outputs: ``probabilities`` FP32 [N, 1000] and, when ``top_k`` is asked, ``top_k_indices`` INT64,
+``top_k_probabilities`` FP32 and ``top_k_labels`` BYTES, each [N, K], in ``raw_output_contents``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from resnet_client.api import classifier_pb2 as pb
+from resnet_client.api import grpc_predict_v2_pb2 as oip
+from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
+from resnet_client.api import model_config_pb2 as mc
+from resnet_server import __version__
+from resnet_server.common.errors import InvalidInput, NotFound, Unavailable
+from resnet_server.common.model import MODEL_NAME, MODEL_VERSION
+from resnet_server.common.preprocess import CROP, EncodedImage, ImageInput, RawImage
+from resnet_server.common.statistics import BatchTotals, Duration, ModelStatistics, Totals
+from resnet_server.common.work import ImageOutput
+from resnet_server.frontend.classifier_service import answer, caller_status, in_order, request_id
+from resnet_server.frontend.core import DEFAULT_TOP_K, ClassifyCall, InferenceCore
+from resnet_server.frontend.wire import WireError, pull_out
+
+INPUT_NAME = "input"
+PROBABILITIES = "probabilities"
+TOP_K_OUTPUTS = ("top_k_indices", "top_k_probabilities", "top_k_labels")
+OUTPUT_TYPES = {PROBABILITIES: "FP32", "top_k_indices": "INT64", "top_k_probabilities": "FP32",
+                "top_k_labels": "BYTES"}
+RAW_INPUT_CONTENTS = oip.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
+
+
+class DeclaredInput(NamedTuple):
+    """The input ModelMetadata and ModelConfig declare under one of the model's names."""
+
+    datatype: str
+    shape: tuple[int, ...]  # the batch dimension first; -1 where any size goes
+    config_type: int
+    config_format: int
+
+
+# One model, one statistics, several names; every name accepts every input form. perf_analyzer sends what
+# the declaration says: FP32 makes it send 600 KB of floats an image, UINT8 (with --shape input:224,224,3)
+# the 150 KB of pixels our own bench sends.
+DECLARED_INPUTS = {
+    MODEL_NAME: DeclaredInput("FP32", (-1, 3, CROP, CROP), mc.TYPE_FP32, mc.ModelInput.FORMAT_NCHW),
+    f"{MODEL_NAME}_uint8": DeclaredInput("UINT8", (-1, -1, -1, 3), mc.TYPE_UINT8, mc.ModelInput.FORMAT_NHWC),
+}
+
+
+class InferRequest(NamedTuple):
+    """A ModelInferRequest without its ``raw_input_contents``, and those apart: memoryviews of the bytes gRPC
+    received (server.frontend.wire), not two copies; or, for bytes that are no ModelInferRequest, protobuf's reason."""
+
+    message: oip.ModelInferRequest
+    raw_input_contents: list
+    unreadable: str | None = None
+
+
+def read_infer_request(data: bytes) -> InferRequest:
+    """gRPC's request deserializer for ModelInfer and ModelStreamInfer."""
+    view = memoryview(data)
+    try:
+        return InferRequest(*pull_out(oip.ModelInferRequest, view, 0, len(view), RAW_INPUT_CONTENTS))
+    except WireError:
+        pass
+    try:
+        message = oip.ModelInferRequest.FromString(data)
+    except DecodeError as exc:
+        return InferRequest(oip.ModelInferRequest(), [], str(exc))
+    contents = list(message.raw_input_contents)
+    del message.raw_input_contents[:]
+    return InferRequest(message, contents)
+
+
+def check_model(name: str, version: str) -> None:
+    if name not in DECLARED_INPUTS:
+        raise NotFound(f"unknown model {name!r}; this server serves {' and '.join(map(repr, DECLARED_INPUTS))}")
+    if version not in ("", MODEL_VERSION):
+        raise NotFound(f"unknown version {version!r} of {name}; only version {MODEL_VERSION} is served")
+
+
+def parse_bytes_tensor(raw: bytes) -> list[bytes]:
+    """Triton's BYTES wire format: each element is a 4-byte little-endian length, then the bytes."""
+    elements, offset = [], 0
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise InvalidInput("BYTES input is malformed: a 4-byte length prefix is cut short")
+        (length,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        if offset + length > len(raw):
+            raise InvalidInput("BYTES input is malformed: an element is shorter than its length prefix")
+        elements.append(bytes(raw[offset:offset + length]))  # decoders take bytes
+        offset += length
+    return elements
+
+
+def serialize_bytes_tensor(elements: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(element)) + element for element in elements)
+
+
+def parameter(parameters, name: str):
+    """The value of one InferParameter, whichever oneof field carries it, or None."""
+    if name not in parameters:
+        return None
+    param = parameters[name]
+    kind = param.WhichOneof("parameter_choice")
+    return None if kind is None else getattr(param, kind)
+
+
+def temperature_parameter(parameters) -> float | None:
+    value = parameter(parameters, "temperature")
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    except ValueError:
+        raise InvalidInput(f"parameter temperature must be a number, got {value!r}") from None
+
+
+def top_k_parameter(parameters) -> int | None:
+    value = parameter(parameters, "top_k")
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        return int(value)
+    except (ValueError, OverflowError):
+        raise InvalidInput(f"parameter top_k must be an integer, got {value!r}") from None
+
+
+def input_images(request: oip.ModelInferRequest, raw_input_contents: list) -> list[ImageInput]:
+    """Split the request's one input tensor into per-image inputs for the core."""
+    if len(request.inputs) != 1 or request.inputs[0].name != INPUT_NAME:
+        names = [tensor.name for tensor in request.inputs]
+        raise InvalidInput(f"expected exactly one input named {INPUT_NAME!r}, got {names}")
+    tensor = request.inputs[0]
+    if len(raw_input_contents) > 1:
+        raise InvalidInput("raw_input_contents has more entries than inputs")
+    raw = raw_input_contents[0] if raw_input_contents else None
+    shape = tuple(tensor.shape)
+    if tensor.datatype == "BYTES":
+        return _bytes_images(shape, raw, tensor.contents)
+    if tensor.datatype == "UINT8":
+        return _array_images(shape, raw, list(tensor.contents.uint_contents), np.uint8, "uint8", 4)
+    if tensor.datatype == "FP32":
+        return _array_images(shape, raw, list(tensor.contents.fp32_contents), np.float32, "float32", 4)
+    raise InvalidInput(f"input datatype must be FP32, UINT8 or BYTES, got {tensor.datatype!r}")
+
+
+def _bytes_images(shape: tuple[int, ...], raw: bytes | None, contents) -> list[ImageInput]:
+    if len(shape) != 1:
+        raise InvalidInput(f"BYTES input must have shape [N], got {list(shape)}")
+    elements = parse_bytes_tensor(raw) if raw is not None else list(contents.bytes_contents)
+    if len(elements) != shape[0]:
+        raise InvalidInput(f"BYTES input declares shape {list(shape)} but holds {len(elements)} elements")
+    return [EncodedImage(element) for element in elements]
+
+
+def _array_images(shape, raw, typed: list, np_type, dtype: str, ndim: int) -> list[ImageInput]:
+    expected = "[N, 3, 224, 224]" if dtype == "float32" else "[N, H, W, 3]"
+    if len(shape) != ndim or min(shape, default=0) <= 0:
+        raise InvalidInput(f"{dtype} input must have shape {expected}, got {list(shape)}")
+    if dtype == "float32" and tuple(shape[1:]) != (3, CROP, CROP):
+        raise InvalidInput(f"FP32 input must have shape {expected}, got {list(shape)}")
+    count = math.prod(shape)
+    if raw is None:
+        if len(typed) != count:
+            raise InvalidInput(f"input of shape {list(shape)} needs {count} values, got {len(typed)}")
+        if dtype == "uint8" and any(value > 255 for value in typed):
+            raise InvalidInput("UINT8 input holds values above 255")
+        raw = np.asarray(typed, dtype=np_type).tobytes()
+    itemsize = np.dtype(np_type).itemsize
+    if len(raw) != count * itemsize:
+        raise InvalidInput(f"input of shape {list(shape)} needs {count * itemsize} bytes, got {len(raw)}")
+    per_image = len(raw) // shape[0]
+    return [RawImage(dtype, tuple(shape[1:]), raw[i * per_image:(i + 1) * per_image]) for i in range(shape[0])]
+
+
+def requested_outputs(request: oip.ModelInferRequest, top_k_asked: bool) -> list[str]:
+    names = [output.name for output in request.outputs]
+    for name in names:
+        if name not in OUTPUT_TYPES:
+            raise InvalidInput(f"unknown output {name!r}; outputs are {list(OUTPUT_TYPES)}")
+    if names:
+        return names
+    return [PROBABILITIES, *TOP_K_OUTPUTS] if top_k_asked else [PROBABILITIES]
+
+
+def build_response(request: oip.ModelInferRequest, outputs: list[ImageOutput], names: list[str],
+                   labels: list[str]) -> oip.ModelInferResponse:
+    response = oip.ModelInferResponse(model_name=request.model_name, model_version=MODEL_VERSION, id=request.id)
+    batch = len(outputs)
+    k = len(outputs[0].top_k)
+    for name in names:
+        if name == PROBABILITIES:
+            shape, data = [batch, len(outputs[0].probabilities)], _stack_probabilities(outputs)
+        elif name == "top_k_indices":
+            shape, data = [batch, k], np.array([[i for i, _ in o.top_k] for o in outputs], "<i8").tobytes()
+        elif name == "top_k_probabilities":
+            shape, data = [batch, k], np.array([[p for _, p in o.top_k] for o in outputs], "<f4").tobytes()
+        else:
+            shape = [batch, k]
+            data = serialize_bytes_tensor([labels[i].encode() for o in outputs for i, _ in o.top_k])
+        response.outputs.add(name=name, datatype=OUTPUT_TYPES[name], shape=shape)
+        response.raw_output_contents.append(data)
+    return response
+
+
+def _stack_probabilities(outputs: list[ImageOutput]) -> bytes:
+    return np.stack([output.probabilities for output in outputs]).astype("<f4").tobytes()
+
+
+class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
+    """Answers UNAVAILABLE (and ready=false) until :meth:`attach` hands it the loaded core."""
+
+    def __init__(self, statistics: ModelStatistics) -> None:
+        self._core: InferenceCore | None = None
+        self._labels: list[str] = []
+        self._configs: dict[str, mc.ModelConfig] = {}
+        self._statistics = statistics
+
+    def attach(self, core: InferenceCore, labels: list[str], info: pb.ModelInfo) -> None:
+        self._core, self._labels = core, labels
+        self._configs = {name: model_config(info, name) for name in DECLARED_INPUTS}
+
+    def _ready(self) -> bool:
+        return self._core is not None and self._core.router.any_healthy()
+
+    async def ServerLive(self, request, context):
+        return oip.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return oip.ServerReadyResponse(ready=self._ready())
+
+    async def ModelReady(self, request, context):
+        async def ready():
+            check_model(request.name, request.version)
+            return oip.ModelReadyResponse(ready=self._ready())
+        return await answer(context, request_id(context), ready)
+
+    async def ServerMetadata(self, request, context):
+        return oip.ServerMetadataResponse(name="resnet-grpc", version=__version__,
+                                          extensions=["model_configuration", "parameters", "statistics"])
+
+    async def ModelMetadata(self, request, context):
+        async def metadata():
+            check_model(request.name, request.version)
+            return model_metadata(request.name)
+        return await answer(context, request_id(context), metadata)
+
+    async def ModelConfig(self, request, context):
+        async def config():
+            check_model(request.name, request.version)
+            return oip.ModelConfigResponse(config=self._configs.get(request.name, mc.ModelConfig()))
+        return await answer(context, request_id(context), config)
+
+    async def ModelStatistics(self, request, context):
+        async def statistics():
+            if request.name:  # an empty name asks for every model: this one, once, by its first name
+                check_model(request.name, request.version)
+            totals = await asyncio.to_thread(self._statistics.snapshot)  # may wait on a sibling front-end's write
+            return oip.ModelStatisticsResponse(model_stats=[model_statistics(totals, request.name or MODEL_NAME)])
+        return await answer(context, request_id(context), statistics)
+
+    async def _infer(self, read: InferRequest, context, rid: str) -> oip.ModelInferResponse:
+        if read.unreadable is not None:
+            raise InvalidInput(f"the request is not an inference.ModelInferRequest: {read.unreadable}")
+        request = read.message
+        check_model(request.model_name, request.model_version)
+        top_k = top_k_parameter(request.parameters)
+        names = requested_outputs(request, top_k is not None)
+        if top_k is None and any(name in TOP_K_OUTPUTS for name in names):
+            top_k = DEFAULT_TOP_K
+        if self._core is None:
+            raise Unavailable("the model is still loading; retry when the server is ready")
+        call = ClassifyCall(input_images(request, read.raw_input_contents), temperature_parameter(request.parameters),
+                            top_k, context.time_remaining(), rid)
+        outputs = await self._core.classify(call)
+        return build_response(request, outputs, names, self._labels)
+
+    async def ModelInfer(self, request, context):
+        rid = request.message.id or request_id(context)
+        return await answer(context, rid, lambda: self._infer(request, context, rid))
+
+    async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[oip.ModelStreamInferResponse]:
+        """Triton's semantics: an error answers that request in the stream; the stream goes on."""
+        async def one(request: InferRequest) -> oip.ModelStreamInferResponse:
+            rid = request.message.id or request_id(context)
+            try:
+                return oip.ModelStreamInferResponse(infer_response=await self._infer(request, context, rid))
+            except Exception as exc:
+                code, message = caller_status(rid, exc)
+                return oip.ModelStreamInferResponse(
+                    error_message=f"[{code.name}] {message}",
+                    infer_response=oip.ModelInferResponse(model_name=request.message.model_name,
+                                                          id=request.message.id))
+
+        async for response in in_order(request_iterator, one):
+            yield response
+
+
+def model_metadata(name: str) -> oip.ModelMetadataResponse:
+    tensor = oip.ModelMetadataResponse.TensorMetadata
+    declared = DECLARED_INPUTS[name]
+    return oip.ModelMetadataResponse(
+        name=name, versions=[MODEL_VERSION], platform="pytorch_libtorch",
+        inputs=[tensor(name=INPUT_NAME, datatype=declared.datatype, shape=declared.shape)],
+        outputs=[tensor(name=PROBABILITIES, datatype="FP32", shape=[-1, 1000]),
+                 *(tensor(name=output, datatype=OUTPUT_TYPES[output], shape=[-1, -1]) for output in TOP_K_OUTPUTS)],
+    )
+
+
+def model_statistics(totals: Totals, name: str) -> oip.ModelStatistics:
+    def duration(value: Duration) -> oip.StatisticDuration:
+        return oip.StatisticDuration(count=value.count, ns=value.ns)
+
+    def compute(value: BatchTotals) -> dict[str, oip.StatisticDuration]:
+        return {"compute_input": duration(value.compute_input), "compute_infer": duration(value.compute_infer),
+                "compute_output": duration(value.compute_output)}
+
+    return oip.ModelStatistics(
+        name=name, version=MODEL_VERSION, last_inference=totals.last_inference_ms,
+        inference_count=totals.inference_count, execution_count=totals.execution_count,
+        inference_stats=oip.InferStatistics(success=duration(totals.success), fail=duration(totals.fail),
+                                            queue=duration(totals.queue), **compute(totals.compute)),
+        batch_stats=[oip.InferBatchStatistics(batch_size=size, **compute(totals.batches[size]))
+                     for size in sorted(totals.batches)],
+    )
+
+
+def model_config(info: pb.ModelInfo, name: str) -> mc.ModelConfig:
+    """Triton's view of the served model under ``name``, from the ModelInfo our own API reports; settings
+    Triton's config has no field for (the default temperature, the wait for closed-loop callers) go in its
+    parameters."""
+    gpus = sorted({int(device.split(":")[1].split("#")[0]) for device in info.devices if device.startswith("cuda")})
+    group = (mc.ModelInstanceGroup(name="gpu", kind=mc.ModelInstanceGroup.KIND_GPU, count=1, gpus=gpus) if gpus
+             else mc.ModelInstanceGroup(name="cpu", kind=mc.ModelInstanceGroup.KIND_CPU, count=len(info.devices)))
+    batching = info.batching
+    parameters = {"default_temperature": f"{info.default_temperature:g}",
+                  "wait_for_callers_ms": f"{batching.wait_for_callers_ms:g}"}
+    declared = DECLARED_INPUTS[name]
+    return mc.ModelConfig(
+        name=name, platform="pytorch_libtorch", backend="pytorch",
+        max_batch_size=info.input.max_images_per_request,
+        input=[mc.ModelInput(name=INPUT_NAME, data_type=declared.config_type, format=declared.config_format,
+                             dims=declared.shape[1:])],
+        output=[mc.ModelOutput(name=PROBABILITIES, data_type=mc.TYPE_FP32, dims=[1000]),
+                mc.ModelOutput(name="top_k_indices", data_type=mc.TYPE_INT64, dims=[-1]),
+                mc.ModelOutput(name="top_k_probabilities", data_type=mc.TYPE_FP32, dims=[-1]),
+                mc.ModelOutput(name="top_k_labels", data_type=mc.TYPE_STRING, dims=[-1])],
+        instance_group=[group],
+        dynamic_batching=mc.ModelDynamicBatching(
+            preferred_batch_size=[batching.max_batch_size],
+            max_queue_delay_microseconds=int(batching.max_batch_delay_ms * 1000)),
+        parameters={name: mc.ModelParameter(string_value=value) for name, value in parameters.items()},
+    )

@@ -1,0 +1,71 @@
+"""Which engine a front-end's call goes to."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from resnet_server.common.errors import Unavailable
+from resnet_server.common.work import WorkItem
+
+
+class Batches(Protocol):
+    """Where a call's images are queued: an engine's batcher, as its handle presents it."""
+
+    max_batch_size: int
+
+    def submit(self, items: Sequence[WorkItem]) -> None: ...
+
+    def withdraw(self, items: Sequence[WorkItem]) -> None: ...
+
+    def stop(self, timeout: float | None = None) -> None: ...
+
+
+class Weights(Protocol):
+    source: str  # what GetModelInfo reports, e.g. "imagenet:IMAGENET1K_V1" or the file's path
+    warning: str
+
+
+class EngineHandle(Protocol):
+    """The front-end's view of one device's engine (server.frontend.engine_client.EngineClient)."""
+
+    name: str
+    pending: int  # images routed here and not yet answered; kept by the core, on the event loop
+    inline_bytes: int | None  # the most bytes an image goes as it came; larger ones are preprocessed first
+    batcher: Batches
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def weights(self) -> Weights: ...
+
+    @property
+    def takes_crops(self) -> bool: ...
+
+    @property
+    def decode_on_device(self) -> bool: ...
+
+
+class Router:
+    """Sends each request to the healthy replica with the least queued work, ties in turn."""
+
+    def __init__(self, replicas: Sequence[EngineHandle]) -> None:
+        self.replicas = replicas
+        self._turn = 0
+
+    def choose(self) -> EngineHandle:
+        healthy = [replica for replica in self.replicas if replica.healthy]
+        if not healthy:
+            raise Unavailable("no healthy model replica is left to serve the request")
+        least = min(replica.pending for replica in healthy)
+        candidates = [replica for replica in healthy if replica.pending == least]
+        self._turn += 1
+        return candidates[self._turn % len(candidates)]
+
+    def any_healthy(self) -> bool:
+        return any(replica.healthy for replica in self.replicas)
+
+    def stop(self, timeout: float | None = None) -> None:
+        for replica in self.replicas:
+            replica.batcher.stop(timeout)

@@ -1,0 +1,406 @@
+"""Wiring: build replicas, the core and the servicers; serve gRPC and /metrics; drain on signals."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from resnet_client.api import classifier_pb2 as pb
+from resnet_client.api import classifier_pb2_grpc as pb_grpc
+from resnet_client.api import grpc_predict_v2_pb2 as oip_pb
+from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
+from resnet_server import __version__
+from resnet_server.boundary.protocol import EngineLink
+from resnet_server.common import event_loop
+from resnet_server.common.config import ServerConfig
+from resnet_server.common.devices import cpu_bf16_unit, replica_names, resolve_devices
+from resnet_server.common.errors import StartupError
+from resnet_server.common.metrics import Metrics, serve_metrics
+from resnet_server.common.model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION
+from resnet_server.common.preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
+from resnet_server.common.threads import use_torch_threads
+from resnet_server.frontend.classifier_service import ClassifierService
+from resnet_server.frontend.classify_request import read_classify_request
+from resnet_server.frontend.core import InferenceCore, Limits
+from resnet_server.frontend.engine_client import EngineClient
+from resnet_server.frontend.oip_service import InferenceService, read_infer_request
+from resnet_server.frontend.router import EngineHandle, Router
+from resnet_server.frontend.security import TokenAuthInterceptor, load_tokens, server_credentials
+from resnet_server.frontend.temperature import default_temperature
+
+log = logging.getLogger("server")
+T = TypeVar("T")
+LABELS = list(IMAGENET_WEIGHTS.meta["categories"])
+SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name,)
+OIP_SERVICE_NAME = oip_pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+
+
+class App:
+    """One server process: gRPC (classifier, health, reflection) and the metrics endpoint. ``metrics``: its
+    series and statistics, when made by the caller (a test reading them, a front-end sharing the server's totals)."""
+
+    def __init__(self, config: ServerConfig, metrics: Metrics | None = None, engines: Sequence[EngineLink] = (),
+                 owner: int = 1) -> None:
+        self.config = config
+        # A front-end's engine processes (one per device) and its number in their slabs; none: the replicas
+        # load in this process (tests of the layers above the engine).
+        self.engines, self.owner = list(engines), owner
+        self.metrics = metrics or Metrics(config.largest_batch)
+        # Checked before binding, so a bad --device, --temperature-file or TLS file fails at once.
+        self.devices = resolve_devices(config.devices)
+        self.credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+        self.tokens = load_tokens(config.auth_token_file)
+        self.temperature, self.temperature_source = default_temperature(config)
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self.core: InferenceCore | None = None
+        self.classifier = ClassifierService()
+        self.inference = InferenceService(self.metrics.statistics)
+        self._server: grpc.aio.Server | None = None
+        self._metrics_http = None
+        self._no_replica = False  # every replica out of rotation: health went NOT_SERVING
+        self._give_up: asyncio.TimerHandle | None = None  # runs out --unhealthy-exit-after seconds after that
+        self._draining = False
+        # Set by a signal, or when no replica has come back in time; serve() then drains and exits exit_code.
+        self.stop_requested = asyncio.Event()
+        self.stop_reason = ""
+        self.exit_code = 0
+        self._health_update: asyncio.Future | None = None  # the latest change of health; held, so it is not collected
+
+    async def start(self, on_bound: Callable[[int], object] | None = None, load_first: bool = False) -> int:
+        """Bind and load: the port answers health checks (NOT_SERVING) while the model loads. ``on_bound``
+        hears the port as soon as it is bound. With ``load_first`` (a front-end replacing one that ended, on a
+        port its siblings serve) it loads before it binds, so the kernel hands it no connection it cannot
+        answer yet."""
+        if load_first:
+            await self.load()
+        port = await self.bind()
+        if on_bound is not None:
+            on_bound(port)
+        if not load_first:
+            await self.load()
+        return port
+
+    def log_serving(self) -> None:
+        """The line that says the server is up (scripts and tests wait for it)."""
+        config = self.config
+        worker = f"; front-end {config.worker} of {config.frontends}" if config.frontends > 1 else ""
+        log.info("serving %s on %s:%d (devices %s; event loop %s%s)", MODEL_NAME, config.host, self.port,
+                 ", ".join(replica.name for replica in self.core.router.replicas),
+                 event_loop.resolved(config.event_loop), worker)
+
+    async def bind(self) -> int:
+        """Start gRPC, with health NOT_SERVING unless the model is loaded already; until load() is done,
+        classification answers UNAVAILABLE."""
+        config = self.config
+        if self.core is None:
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        limit = config.max_message_mb * 1024 * 1024
+        interceptors = [TokenAuthInterceptor(self.tokens, config.auth_health)] if self.tokens else []
+        self._server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+            # The port is shared only among this server's own front-ends. gRPC allows SO_REUSEPORT by default, so
+            # a second server started on a port already in use would otherwise take half its connections.
+            ("grpc.so_reuseport", int(config.frontends > 1)),
+            *_connection_age_options(config),
+        ])
+        # Requests that carry pixels are read with the pixels left in gRPC's bytes (server.frontend.wire).
+        add_servicer(pb_grpc.add_ClassifierServicer_to_server, self.classifier, self._server,
+                     {"Classify": read_classify_request, "ClassifyStream": read_classify_request})
+        add_servicer(oip_grpc.add_GRPCInferenceServiceServicer_to_server, self.inference, self._server,
+                     {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request})
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        address = f"{config.host}:{config.port}"
+        try:
+            self.port = (self._server.add_secure_port(address, self.credentials) if self.credentials
+                         else self._server.add_insecure_port(address))
+        except RuntimeError:  # gRPC says only "Failed to bind" (and logs the reason)
+            raise StartupError(f"cannot listen on {address}: the port is in use, or the address is not "
+                               "this machine's") from None
+        await self._server.start()
+        self._metrics_http = serve_metrics(self.metrics, config.metrics_host, config.metrics_port)
+        return self.port
+
+    async def load(self) -> None:
+        """Load and warm every replica off the loop, all at the same time (start-up on several GPUs then
+        lasts as long as the slowest one, not their sum), then report SERVING."""
+        config = self.config
+        replicas = await (self._connect_engines() if self.engines else self._load_replicas())
+        limits = Limits(config.max_images_per_request, config.max_pixels, config.max_queue)
+        self.core = InferenceCore(Router(replicas), self.metrics, limits, self.temperature,
+                                  config.preprocess_threads, self._no_replica_left)
+        info = model_info(config, replicas, self.temperature, self.temperature_source)
+        self._record_model_info(replicas)
+        self.classifier.attach(self.core, info)
+        self.inference.attach(self.core, LABELS, info)
+        self._suggest_bf16()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _load_replicas(self) -> list[EngineHandle]:
+        # The in-process topology (tests of the layers above the engine; never resnet-server), imported here so
+        # that a front-end process loads none of the engine's modules (the import contract lists this one edge).
+        from resnet_server.engine.replicas import load_replica
+
+        loop = asyncio.get_running_loop()
+        rejoined = functools.partial(loop.call_soon_threadsafe, self._replica_rejoined)
+        return list(await asyncio.gather(*(
+            in_own_thread(f"load-{name}", load_replica, name, device, self.config, self.metrics, rejoined)
+            for name, device in zip(replica_names(self.devices), self.devices, strict=True))))
+
+    async def _connect_engines(self) -> list[EngineClient]:
+        clients = [EngineClient(link, self.owner, self._engine_lost, self._replica_rejoined) for link in self.engines]
+        await asyncio.gather(*(client.open() for client in clients))
+        return clients
+
+    def _engine_lost(self) -> None:
+        if self.core is not None and not self.core.router.any_healthy():
+            self._no_replica_left()
+
+    def _suggest_bf16(self) -> None:
+        """One line per process (not per replica) where fp32 runs on a CPU that computes bf16 much faster."""
+        if self.config.precision == "fp32" and any(device.type == "cpu" for device in self.devices) \
+                and (unit := cpu_bf16_unit()):
+            log.info("this CPU has %s here, with logits within about 0.5%% of fp32's range "
+                     "(docs/performance.md, bf16 on the CPU)",
+                     unit)
+
+    def _record_model_info(self, replicas: Sequence[EngineHandle]) -> None:
+        for replica in replicas:
+            self.metrics.model.labels(replica.name).info(
+                {"model": MODEL_NAME, "version": MODEL_VERSION, "weights": replica.weights.source,
+                 "server_version": __version__})
+
+    def request_stop(self, reason: str, exit_code: int = 0) -> None:
+        """Ask serve() to drain and end the process with ``exit_code``; the first request wins."""
+        if not self.stop_requested.is_set():
+            self.stop_reason, self.exit_code = reason, exit_code
+            self.stop_requested.set()
+
+    def _no_replica_left(self) -> None:
+        """Every replica is out of rotation: health says NOT_SERVING, so that balancers stop sending work
+        here, and unless a replica's probe brings one back within --unhealthy-exit-after seconds the process
+        drains and exits 1. Its orchestrator then replaces it: a fresh process is what clears a CUDA context
+        that a fault has left unusable, and (with several front-ends) it moves the connections that a broken
+        one holds, which health checks on new connections cannot see, onto working processes."""
+        if self._no_replica:
+            return
+        log.error("no healthy replica is left; health now reports NOT_SERVING")
+        self._no_replica = True
+        self._change_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if seconds := self.config.unhealthy_exit_after:
+            self._give_up = asyncio.get_running_loop().call_later(
+                seconds, self.request_stop, f"no replica back in rotation within {seconds:g}s "
+                "(--unhealthy-exit-after)", 1)
+
+    def _replica_rejoined(self) -> None:
+        """A replica is back in rotation: if health had gone NOT_SERVING for want of one, it is SERVING again."""
+        if self._no_replica and not self._draining:
+            log.warning("a replica is back in rotation; health reports SERVING again")
+            self._no_replica = False
+            self._cancel_give_up()
+            self._change_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def _cancel_give_up(self) -> None:
+        if self._give_up is not None:
+            self._give_up.cancel()
+            self._give_up = None
+
+    def _change_health(self, status: int) -> None:
+        """From a synchronous callback on the loop; each change waits for the one before, so the last wins."""
+        self._health_update = asyncio.ensure_future(self._set_health_after(self._health_update, status))
+
+    async def _set_health_after(self, previous: asyncio.Future | None, status: int) -> None:
+        if previous is not None:
+            await previous
+        await self._set_health(status)
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, status)
+
+    async def begin_drain(self) -> None:
+        """Health says NOT_SERVING so balancers and orchestrators stop sending new work."""
+        self._draining = True
+        self._change_health(health_pb2.HealthCheckResponse.NOT_SERVING)  # after any change still under way
+        await self._health_update
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING, refuse new calls, answer accepted ones within grace, then let the replicas go."""
+        grace = self.config.grace_period if grace is None else grace
+        self._cancel_give_up()
+        await self.begin_drain()
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self.core is not None:
+            self.core.router.stop(timeout=grace)
+            self.core.close()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+
+
+class _Handlers:
+    """Stands in for a server to keep the method handlers a generated ``add_*_to_server`` registers."""
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Server,
+                 deserializers: dict[str, Callable[[bytes], object]]) -> None:
+    """``add_to_server(servicer, server)`` (the generated one), with the named methods' requests read by
+    ``deserializers`` instead of protobuf's parse."""
+    generated = _Handlers()
+    add_to_server(servicer, generated)
+    handlers = {name: handler._replace(request_deserializer=deserializers[name]) if name in deserializers else handler
+                for name, handler in generated.handlers.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generated.service, handlers),))
+    server.add_registered_method_handlers(generated.service, handlers)
+
+
+def _connection_age_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """GOAWAY after --max-connection-age (gRPC adds +-10% jitter, so clients do not reconnect in step), calls in
+    flight then having --grace-period to finish. A client's connection otherwise stays on the process (or, with
+    several front-ends, the front-end) it first reached, however many have been added since."""
+    if not config.max_connection_age:
+        return []
+    return [("grpc.max_connection_age_ms", round(config.max_connection_age * 1000)),
+            ("grpc.max_connection_age_grace_ms", round(config.grace_period * 1000))]
+
+
+def in_own_thread(name: str, function: Callable[..., T], *args: object) -> asyncio.Future[T]:
+    """``function(*args)`` on a daemon thread of its own, as a future of the running loop. Unlike the loop's
+    default executor, whose threads are joined when the loop closes, nothing waits for it: a replica that fails
+    to load ends start-up at once instead of after the other replicas' loads and warm-ups."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result, error = function(*args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed: start-up failed and no one waits
+            loop.call_soon_threadsafe(_settle, future, result, error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def model_info(config: ServerConfig, replicas: Sequence[EngineHandle], temperature: float, source: str
+               ) -> pb.ModelInfo:
+    weights = replicas[0].weights
+    return pb.ModelInfo(
+        name=MODEL_NAME,
+        version=MODEL_VERSION,
+        labels=LABELS,
+        input=pb.InputSpec(encodings=list(ENCODINGS), raw_formats=list(RAW_FORMATS), max_pixels=config.max_pixels,
+                           max_images_per_request=config.max_images_per_request, crop_size=CROP,
+                           resize_size=RESIZE, mean=MEAN, std=STD),
+        devices=[replica.name for replica in replicas],
+        default_temperature=temperature,
+        temperature_source=source,
+        batching=pb.BatchingSpec(max_batch_size=max(replica.batcher.max_batch_size for replica in replicas),
+                                 max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue,
+                                 wait_for_callers_ms=config.wait_for_callers_ms),
+        weights=weights.source,
+        warning=weights.warning,
+        precision=config.precision,
+    )
+
+
+async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None = None,
+                on_serving: Callable[[], object] | None = None, load_first: bool = False,
+                metrics: Metrics | None = None, engines: Sequence[EngineLink] = (), owner: int = 1) -> int:
+    """Run until SIGTERM or SIGINT (exit code 0), or until no replica has been in rotation for
+    --unhealthy-exit-after seconds (1), then drain within the grace period. ``on_bound`` and ``load_first``: see
+    App.start; ``on_serving`` hears when health says SERVING; ``metrics``: a front-end's (see App)."""
+    use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (common.threads)
+    sys.setswitchinterval(config.switch_interval_ms / 1000)
+    app = App(config, metrics, engines, owner)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, app.request_stop, f"{sig.name} received")
+    try:
+        started = await _unless_stopped(app.start(on_bound, load_first), app.stop_requested)
+    except BaseException:
+        await app.stop(0)  # close the bound port before the error ends the process
+        raise
+    if not started:  # a signal while loading (a front-end waits for its engines' warm-up): nothing was accepted
+        await app.stop(0)
+        log.info("%s before serving: stopped", app.stop_reason)
+        return app.exit_code
+    if on_serving is not None:
+        on_serving()  # before the log line: once that is out, a supervisor knows this front-end has served
+    app.log_serving()
+    await app.stop_requested.wait()
+    log.log(logging.ERROR if app.exit_code else logging.INFO, "%s: draining for up to %.1fs", app.stop_reason,
+            config.grace_period)
+    await app.stop()
+    log.info("stopped")
+    return app.exit_code
+
+
+async def _unless_stopped(work: Awaitable[object], stop: asyncio.Event) -> bool:
+    """Await ``work`` unless ``stop`` is set first, which cancels it: whether it finished (its error raised)."""
+    task, stopping = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    await asyncio.wait((task, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if task.done():
+        task.result()
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False
+
+
+def run(config: ServerConfig, on_bound: Callable[[int], object] | None = None,
+        on_serving: Callable[[], object] | None = None, load_first: bool = False,
+        metrics: Metrics | None = None, engines: Sequence[EngineLink] = (), owner: int = 1) -> int:
+    """Serve until stopped and drain; serve()'s exit code, or exit 1 at once with the error in one line if
+    start-up fails."""
+    try:
+        return event_loop.run(serve(config, on_bound, on_serving, load_first, metrics, engines, owner),
+                              config.event_loop)
+    except StartupError as exc:
+        worker = f"front-end {config.worker}: " if config.frontends > 1 else ""
+        print(f"resnet-server: error: {worker}{exc}", file=sys.stderr)
+        exit_at_once(1)
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """End the process without joining its threads: other replicas may still be loading or warming up on
+    daemon threads, and the interpreter's shutdown can abort on a thread that is inside torch."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

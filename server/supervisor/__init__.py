@@ -1,0 +1,1 @@
+"""The supervisor: the children's lives (start, replace, drain) and the one merged /metrics."""
