@@ -104,6 +104,7 @@ async def soak(args) -> dict:
     expected = [(await stub.Classify(pb.ClassifyRequest(images=[pb.Image(encoded=image)], top_k=5),
                                      timeout=60)).results[0] for image in GOOD]
     sent, answered, wrong = Counter(), Counter(), Counter()
+    messages: dict[str, Counter] = {}  # the other codes' messages: what refused or failed them
     windows: dict[int, list[float]] = defaultdict(list)
     rng = random.Random(1)
     started = time.monotonic()
@@ -124,6 +125,8 @@ async def soak(args) -> dict:
             windows[int((begin - started) // 10)].append(time.monotonic() - begin)
         except grpc.aio.AioRpcError as error:
             code = error.code().name
+            if code not in ("OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED"):
+                messages.setdefault(code, Counter())[error.details()] += 1
             if good_index is not None and code not in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"):
                 wrong[kind] += 1
         answered[(kind.split(":")[0], code)] += 1
@@ -154,6 +157,7 @@ async def soak(args) -> dict:
         "duration_s": args.duration, "rate": args.rate, "sent": dict(sent),
         "answered": {f"{kind}/{code}": count for (kind, code), count in sorted(answered.items())},
         "overloaded": any(code == "RESOURCE_EXHAUSTED" for _, code in answered),
+        "other_failures": {code: dict(counted.most_common(3)) for code, counted in messages.items()},
         "wrong_answers_among_good": sum(wrong.values()),
         **rss_report(rss_at_1min or rss_end, rss_end),
         "max_window_p99_ms": 1000 * max(p99s) if p99s else None,
