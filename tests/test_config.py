@@ -114,7 +114,9 @@ def test_the_event_loop_is_auto_uvloop_or_asyncio(monkeypatch):
                                   ["--switch-interval-ms", "0"], ["--switch-interval-ms", "inf"],
                                   ["--event-loop", "trio"], ["--port", "99999"], ["--port", "-1"],
                                   ["--metrics-port", "70000"], ["--weights", "imagnet"],
-                                  ["--weights", "/no/such/weights.pth"], ["--log-level", "LOUD"]])
+                                  ["--weights", "/no/such/weights.pth"], ["--log-level", "LOUD"],
+                                  ["--runner", "bogus"], ["--runner", "free:abc"], ["--runner", "faulty:"],
+                                  ["--runner", "model:x"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as caught:
         parse_config(argv, env={})

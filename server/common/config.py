@@ -175,9 +175,10 @@ def runner_spec(text: str) -> str:
 
 def _is_milliseconds(text: str) -> bool:
     try:
-        return non_negative_float(text) >= 0
+        non_negative_float(text)
     except argparse.ArgumentTypeError:
         return False
+    return True
 
 
 def weights_source(text: str) -> str:
