@@ -21,7 +21,9 @@ left), reconnecting once the new one is warm. A front-end that ends after it ser
 engines only see its socket close. A child that keeps ending soon after its start (a crash loop) is
 replaced after a growing pause (``restart_delay``). A child that ends before it first served (it cannot
 bind or load, and a new one would fail the same way) makes the supervisor stop the rest and exit 1.
-Children are spawned, not forked, so none inherits CUDA state.
+Children are forked from multiprocessing's fork server, a fresh process that imported torch and the engine's and
+front-end's modules once but never touched a device: none inherits CUDA state, and a child (a replacement
+above all) starts without importing torch again.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from resnet_server.engine.main import engine_main
 from resnet_server.frontend.main import frontend_main
 
 log = logging.getLogger("server.supervisor")
-_spawn = multiprocessing.get_context("spawn")
+_children = multiprocessing.get_context("forkserver")
+_children.set_forkserver_preload(["resnet_server.engine.main", "resnet_server.frontend.main"])
 STABLE_SECONDS = 60.0  # a child that ends later than this after its start was not crash-looping
 MOST_RESTART_DELAY = 30.0
 
@@ -237,9 +240,9 @@ class Supervisor:
 
     def _start_engine(self, index: int, quick_ends: int = 0) -> _Child:
         link, config = self.links[index], self.config
-        receiver, sender = _spawn.Pipe(duplex=False)
+        receiver, sender = _children.Pipe(duplex=False)
         live_owners = [child.owner for child in self.children.values() if child.owner]
-        process = _spawn.Process(target=engine_main, name=f"resnet-engine-{link.name}", args=(
+        process = _children.Process(target=engine_main, name=f"resnet-engine-{link.name}", args=(
             link, str(self.devices[index]), config, live_owners,
             SharedRow(self.statistics, self.frontends + index), bool(config.metrics_port), sender))
         return self._started(f"engine-{index}", process, receiver, sender, quick_ends)
@@ -247,9 +250,9 @@ class Supervisor:
     def _start_frontend(self, index: int, port: int, load_first: bool = False, quick_ends: int = 0) -> _Child:
         """Start front-end ``index``; it writes its statistics into row ``index`` (a replacement goes on from
         its predecessor's counts)."""
-        receiver, sender = _spawn.Pipe(duplex=False)
+        receiver, sender = _children.Pipe(duplex=False)
         owner = next(self._owners)
-        process = _spawn.Process(target=frontend_main, name=f"resnet-frontend-{index}", args=(
+        process = _children.Process(target=frontend_main, name=f"resnet-frontend-{index}", args=(
             frontend_config(self.config, index, port, self.frontends), self.links, owner,
             SharedRow(self.statistics, index), sender, load_first, bool(self.config.metrics_port)))
         child = self._started(f"frontend-{index}", process, receiver, sender, quick_ends)
