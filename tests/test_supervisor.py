@@ -25,7 +25,13 @@ from resnet_client.bench import LoadSpec, _closed_loop, scrape, server_cpu
 from resnet_server.common.config import ServerConfig
 from resnet_server.common.errors import StartupError
 from resnet_server.common.metrics import Metrics, serve_child_metrics
-from resnet_server.supervisor.launcher import MOST_RESTART_DELAY, frontend_config, frontend_count, restart_delay
+from resnet_server.supervisor.launcher import (
+    FORK_SERVER_PRELOAD,
+    MOST_RESTART_DELAY,
+    frontend_config,
+    frontend_count,
+    restart_delay,
+)
 from resnet_server.supervisor.merged_metrics import serve_merged_metrics
 from tests.helpers import (
     ServerThread,
@@ -315,6 +321,17 @@ def test_no_child_outlives_a_supervisor_killed_with_sigkill(weights_file):
         assert set(os.listdir("/dev/shm")) == shared_memory  # the slab was a memfd: nothing to clean up
     finally:
         workers.close()
+
+
+def test_what_the_fork_server_imports_touches_no_device_and_starts_no_thread():
+    """Children are forked from a process that has imported these: one with CUDA initialised, or with a thread
+    (an OpenMP team, say) running, would hand its children a state they cannot use."""
+    imports = "; ".join(f"import {name}" for name in FORK_SERVER_PRELOAD)
+    done = subprocess.run([sys.executable, "-c", f"{imports}; import threading, torch; "
+                           "print(torch.cuda.is_initialized(), threading.active_count())"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "1"]
 
 
 def test_a_crash_looping_child_is_replaced_after_a_growing_pause():

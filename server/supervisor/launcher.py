@@ -50,8 +50,10 @@ from resnet_server.engine.main import engine_main
 from resnet_server.frontend.main import frontend_main
 
 log = logging.getLogger("server.supervisor")
+# What the fork server imports before it forks any child; importing them must touch no device and start no thread.
+FORK_SERVER_PRELOAD = ["resnet_server.engine.main", "resnet_server.frontend.main"]
 _children = multiprocessing.get_context("forkserver")
-_children.set_forkserver_preload(["resnet_server.engine.main", "resnet_server.frontend.main"])
+_children.set_forkserver_preload(FORK_SERVER_PRELOAD)
 STABLE_SECONDS = 60.0  # a child that ends later than this after its start was not crash-looping
 MOST_RESTART_DELAY = 30.0
 
