@@ -94,8 +94,7 @@ class _Window:
 
     def record(self, sent: float, code: str) -> None:
         # Every call that completes inside the window counts, whenever it was sent: counting only calls sent
-        # inside it would miss those in flight as it opens, an undercount of about latency / duration
-        # (4% at 600 ms over 15 s).
+        # inside it would miss those in flight as it opens, an undercount of about latency / duration.
         done = time.monotonic()
         if self.measure_from <= done <= self.stop_at:
             self.records.append((done - sent, code))  # list.append is atomic: callers may be threads
@@ -110,10 +109,9 @@ def _classify_bytes(channel):
 def _closed_loop(spec: LoadSpec) -> list[tuple[float, str]]:
     """``spec.concurrency`` threads, each sending its next request when the last one is answered.
 
-    Blocking stubs rather than grpc.aio: against the same server at c=1, twelve alternating pairs measured a
-    p50 0.7 ms lower in the median (from 0.4 higher to 1.3 lower) and less client CPU per call (0.62-0.73
-    against 0.82-1.00 ms), the client's own overhead rather than the server's; at c=16 the two served the
-    same."""
+    Blocking stubs rather than grpc.aio: at c=1 they add less of the client's own latency and CPU a call, so
+    that what is measured is the server; at c=16 the two served the same (docs/performance.md, "Figures behind
+    the code")."""
     with contextlib.ExitStack() as stack:
         clients = [stack.enter_context(Client(spec.target, **spec.connection, own_connection=spec.connections > 1))
                    for _ in range(spec.connections)]
@@ -178,7 +176,7 @@ async def _stream_loop(spec: LoadSpec) -> list[tuple[float, str]]:
     """``spec.concurrency`` ClassifyStream calls, each sending its next request when the last one is answered.
 
     A message on an open stream skips what a call costs both ends (its HTTP/2 stream, headers and status):
-    about half the CPU a request of unary calls, for the client as for the server (2-core VM, free model)."""
+    about half the CPU a request of unary calls, for the client as for the server."""
     async with contextlib.AsyncExitStack() as stack:
         clients = await _async_clients(stack, spec)
         window = _Window(spec)

@@ -6,10 +6,10 @@
 # the frozen TorchScript graph (--torchscript); BENCH_ROUNDS
 # (default 5) alternates the ceiling (batch 1, 8, 16, 32, and JPEG decode+preprocess) with served uint8 (c=1,
 # c=16) and JPEG (c=16) that many times, so the headline figures are medians of pairs measured seconds
-# apart rather than one pair (this VM's speed drifts 10-40% over minutes), then scripts/latency_pairs.py
-# interleaves c=1 and in-process batch 1 second by second, and scripts/throughput_pairs.py c=16 and the
+# apart rather than one pair (this VM's speed drifts 10-40% over minutes), then scripts/benchmarks/latency_pairs.py
+# interleaves c=1 and in-process batch 1 second by second, and scripts/benchmarks/throughput_pairs.py c=16 and the
 # in-process forward pass at the rounds' best batch size; scripts/perf_analyzer.py runs Triton's
-# perf_analyzer at c=1 and c=16 beside `resnet-client bench --input fp32`, and scripts/perf_analyzer_pairs.py
+# perf_analyzer at c=1 and c=16 beside `resnet-client bench --input fp32`, and scripts/benchmarks/perf_analyzer_pairs.py
 # interleaves it with the in-process forward pass.
 # BENCH_DEVICE (default cpu) and BENCH_TORCH_THREADS (default 0: every core) set the replica layout of
 # both sides, e.g. BENCH_DEVICE=cpu,cpu BENCH_TORCH_THREADS=1 for two single-thread replicas;
@@ -79,25 +79,25 @@ for round in $(seq "$rounds"); do  # the server idles while the ceiling runs
 done
 # c=1 against the in-process batch-1 latency of one replica (at c=1 the others idle), interleaved window by
 # window (immune to the drift above).
-python3 scripts/latency_pairs.py --server 127.0.0.1:$port --image-size $size --device "${device%%,*}" \
+python3 scripts/benchmarks/latency_pairs.py --server 127.0.0.1:$port --image-size $size --device "${device%%,*}" \
   --torch-threads $threads --precision $precision "${graph[@]}" > "$out/latency_pairs.json"
 # c=16 against the in-process forward pass at the rounds' best batch size (the highest median of their five
 # ceilings: the first ceiling alone picked 16 or 32 on the AMD EPYC VM where every round put 8 ahead),
 # interleaved the same way.
 best=$(python3 scripts/bench_table.py --rounds-best-batch "$out")
-python3 scripts/throughput_pairs.py --server 127.0.0.1:$port --image-size $size --device $device \
+python3 scripts/benchmarks/throughput_pairs.py --server 127.0.0.1:$port --image-size $size --device $device \
   --torch-threads $threads --precision $precision --batch-size "$best" "${graph[@]}" > "$out/throughput_pairs.json"
 # Triton's own load generator (C++) beside ours, both sending what ModelMetadata declares: FP32.
 # Then perf_analyzer interleaved with the in-process forward pass, as the pairs above.
 if python3 scripts/perf_analyzer.py --server 127.0.0.1:$port --concurrency 1,16 > "$out/perf_analyzer.json"; then
   bench served_fp32 --input fp32 --sweep 1,16
-  python3 scripts/perf_analyzer_pairs.py --server 127.0.0.1:$port --device "${device%%,*}" --torch-threads $threads \
+  python3 scripts/benchmarks/perf_analyzer_pairs.py --server 127.0.0.1:$port --device "${device%%,*}" --torch-threads $threads \
     --precision $precision --batch-size "$best" "${graph[@]}" > "$out/perf_analyzer_pairs.json"
 else
   rm -f "$out/perf_analyzer.json"; echo "perf_analyzer did not run (see scripts/perf_analyzer.py); skipped" >&2
 fi
 # Where the two cores go at c=16: the server's forward team, its other threads, the client (this machine's tax).
-python3 scripts/cpu_split.py --server 127.0.0.1:$port --server-pid "$server_pid" --image-size $size \
+python3 scripts/benchmarks/cpu_split.py --server 127.0.0.1:$port --server-pid "$server_pid" --image-size $size \
   > "$out/cpu_split.json"
 stop
 serve --max-batch-size 1

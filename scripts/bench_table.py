@@ -19,12 +19,12 @@ def load(folder: Path, name: str) -> list[dict]:
 
 
 def load_interleaved(folder: Path, name: str) -> tuple[dict, str] | None:
-    """An interleaved run's result (scripts/latency_pairs.py or throughput_pairs.py) and the opening of its
+    """An interleaved run's result (scripts/benchmarks/latency_pairs.py or throughput_pairs.py) and the opening of its
     line, or None when the run did not record one."""
     if not (folder / f"{name}.json").exists():
         return None
     result = load(folder, name)[0]
-    if "pairs" in result:  # scripts/perf_analyzer_pairs.py: perf_analyzer's three windows a side
+    if "pairs" in result:  # scripts/benchmarks/perf_analyzer_pairs.py: perf_analyzer's three windows a side
         return result, f"Interleaved ({result['pairs']} pairs of 3 x {result['window_ms'] / 1000:g} s per side)"
     return result, f"Interleaved ({result['windows']} windows of {result['window_s']:g} s per side)"
 
@@ -203,7 +203,8 @@ def rate_pairs_line(what: str, served: list[dict], ceilings: list[float]) -> str
 
 
 def print_throughput_pairs(folder: Path) -> None:
-    """Served c=16 over the in-process forward pass, interleaved window by window (scripts/throughput_pairs.py)."""
+    """Served c=16 over the in-process forward pass, interleaved window by window
+    (scripts/benchmarks/throughput_pairs.py)."""
     if not (found := load_interleaved(folder, "throughput_pairs")):
         return
     pairs, opening = found
@@ -214,7 +215,7 @@ def print_throughput_pairs(folder: Path) -> None:
 
 
 def print_cpu_split(folder: Path) -> None:
-    """Where the cores went while the server answered c=16 (scripts/cpu_split.py)."""
+    """Where the cores went while the server answered c=16 (scripts/benchmarks/cpu_split.py)."""
     if not (folder / "cpu_split.json").exists():
         return
     cpu = load(folder, "cpu_split")[0]
@@ -244,7 +245,8 @@ def print_perf_analyzer(folder: Path, batch1_ms: float, ceiling: float) -> None:
 
 
 def perf_analyzer_pairs_line(pairs: dict, opening: str) -> str:
-    """perf_analyzer's c=1 and c=16 against the in-process pass, interleaved (scripts/perf_analyzer_pairs.py)."""
+    """perf_analyzer's c=1 and c=16 against the in-process pass, interleaved
+    (scripts/benchmarks/perf_analyzer_pairs.py)."""
     (low, high), (ratio_low, ratio_high) = pairs["c1_difference_range_ms"], pairs["ratio_range"]
     split = " + ".join(f"{part_label(name)} {ms:.2f}" for name, ms in pairs["c1_server_split_median_ms"].items())
     return (f"{opening}, Triton's perf_analyzer FP32 c=1 p50 / in-process batch-1 p50: "

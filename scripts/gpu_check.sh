@@ -97,8 +97,8 @@ checks() {
   # Only the modules with CUDA tests: the others import test-only packages the GPU box may not have.
   python -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_raw_batch.py tests/test_device_decode.py tests/test_slab.py \
     tests/test_replicas.py 2>&1 | tee "$out/cuda_tests.txt"
-  python scripts/precision_check.py --device cuda:0 --json "$out/precision.json" | tee "$out/precision.txt"
-  python scripts/decode_check.py --device cuda:0 --json "$out/decode.json" | tee "$out/decode.txt"
+  python scripts/benchmarks/precision_check.py --device cuda:0 --json "$out/precision.json" | tee "$out/precision.txt"
+  python scripts/benchmarks/decode_check.py --device cuda:0 --json "$out/decode.json" | tee "$out/decode.txt"
   echo '{}' > "$out/cuda_tests.json"  # done: a rerun skips the checks
 }
 model_bench() {  # model_bench NAME BATCH_SIZES [bench-model FLAGS...]: the forward ceiling, unless already measured
@@ -202,9 +202,9 @@ served() {
       bench served_jpeg_decode_on_device_$where --input jpeg --image-size 640x480 --concurrency 256 --connections 4; stop
     fi
   done
-  if owed frontend_cost; then python scripts/frontend_cost.py --processes 8 --duration 6 --json > "$out/frontend_cost.json"; fi
+  if owed frontend_cost; then python scripts/benchmarks/frontend_cost.py --processes 8 --duration 6 --json > "$out/frontend_cost.json"; fi
   if owed engine_ceiling; then  # what one engine process passes on, whatever the device computes
-    python scripts/engine_ceiling.py --feeders 4 --in-flight 96 --compute-ms 5 --duration 6 --json \
+    python scripts/benchmarks/engine_ceiling.py --feeders 4 --in-flight 96 --compute-ms 5 --duration 6 --json \
       > "$out/engine_ceiling.json"
   fi
   if owed served_one_frontend && serve one_frontend 1 --max-batch-size $fp32_batch --cuda-graphs false; then

@@ -35,14 +35,15 @@ def faults(tmp_path) -> Faults:
 
 @pytest.fixture()
 def make_server(weights_file):
-    """Start servers with custom settings; each is stopped at the end of the test."""
-    started: list[ServerThread] = []
+    """Start servers with custom settings, each with engine processes of its own and its merged /metrics (on
+    ``metrics_port``, a free port unless given); each is stopped at the end of the test."""
+    started: list[EngineSet] = []
 
     def start(**overrides) -> ServerThread:
-        running = ServerThread(base_config(str(weights_file[0]), **overrides)).start()
-        started.append(running)
-        return running
+        engines = EngineSet(base_config(str(weights_file[0]), **{"metrics_port": free_port(), **overrides}))
+        started.append(engines)
+        return engines.frontend()
 
     yield start
-    for running in started:
-        running.stop(grace=1.0)
+    for engines in started:
+        engines.stop()

@@ -1,4 +1,5 @@
-"""Shared test helpers: an in-process server on its own event loop, images, and a torchvision reference."""
+"""Shared test helpers: engine processes with front-ends on their own event loops, images, and a torchvision
+reference."""
 
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ from torchvision.transforms import v2
 from resnet_client import ClassifierError, Client
 from resnet_server.common.config import ServerConfig
 from resnet_server.common.event_loop import new_event_loop
-from resnet_server.common.metrics import Metrics
+from resnet_server.common.metrics import Metrics, serve_child_metrics
+from resnet_server.common.statistics import SharedRow
 from resnet_server.frontend.server import App
+from resnet_server.supervisor.merged_metrics import serve_merged_metrics
 
 TEST_SEED = 1234
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,14 +64,18 @@ def base_config(weights: str, **overrides) -> ServerConfig:
 
 
 class ServerThread:
-    """An App running on its own asyncio loop in a daemon thread; tests talk to it over real gRPC. With
-    ``engines`` it is a front-end of those engine processes (as owner ``owner`` in their slabs); without, its
-    replicas load in this process."""
+    """A front-end (an App) of the engine processes ``engines``, as owner ``owner`` in their slabs, on its own
+    asyncio loop in a daemon thread: tests talk to it over real gRPC and read its series. Where its engines serve
+    their own /metrics (``engine_metrics_ports``), it serves its own too on a loopback port, as a front-end process
+    does for the supervisor; ``metrics_port`` is then the server's merged /metrics (EngineSet)."""
 
-    def __init__(self, config: ServerConfig, engines=(), owner: int = 1, engine_metrics_ports=()) -> None:
-        self.metrics = Metrics(config.largest_batch)
+    def __init__(self, config: ServerConfig, engines, owner: int, engine_metrics_ports=(),
+                 statistics: SharedRow | None = None) -> None:
+        self.metrics = Metrics(config.largest_batch, statistics)  # its row of the server's statistics
         self.app = App(config, self.metrics, engines, owner)
-        self.engine_metrics_ports = list(engine_metrics_ports)  # where its engines serve their own /metrics
+        self.engine_metrics_ports = list(engine_metrics_ports)
+        self.metrics_http = serve_child_metrics(self.metrics.registry) if self.engine_metrics_ports else None
+        self.metrics_port = 0
         self.loop = new_event_loop(config.event_loop)  # uvloop where installed, as the server's own processes run
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -91,29 +98,53 @@ class ServerThread:
         return value + sum(engine_sample(port, name, labels) for port in self.engine_metrics_ports)
 
     def stop(self, grace: float = 5.0) -> None:
+        if not self._thread.is_alive():  # stopped already (by the test)
+            return
         self.run(self.app.stop(grace))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
+
+
+FRONTEND_ROWS = 6  # front-ends an EngineSet has statistics rows for: processes from row 0, threads from the last
 
 
 class EngineSet:
     """The engine processes of ``config`` (one per device), started and stopped as the server's supervisor does,
-    with front-ends run here (``frontend``: a ServerThread) or as processes of their own (``start_frontend``).
-    The test holds the slabs too, so it can see which slots are taken."""
+    with front-ends run here (``frontend``: a ServerThread) or as processes of their own (``start_frontend``),
+    and with a ``--metrics-port`` the merged /metrics of them all, as resnet-server serves it. The test holds the
+    slabs too, so it can see which slots are taken."""
 
     def __init__(self, config: ServerConfig) -> None:
         from resnet_server.common.devices import resolve_devices
         from resnet_server.supervisor.launcher import Supervisor
 
         self.config = config
-        self.supervisor = Supervisor(config, resolve_devices(config.devices))
+        # Statistics rows (and owner numbers, below) for front-ends run here beside any the supervisor starts.
+        self.supervisor = Supervisor(replace(config, frontends=FRONTEND_ROWS), resolve_devices(config.devices))
         self._owners = iter(range(1000, 2000))  # in-process front-ends' numbers, apart from the supervisor's
         self._frontends: list[ServerThread] = []
+        self.metrics_http = None
         try:
-            assert self.supervisor.start_engines() is None, "an engine ended before it was ready"
+            assert self.supervisor.start_engines() is None, f"an engine ended before it was ready: {self.failure}"
+            self.metrics_http = serve_merged_metrics(config.metrics_host, config.metrics_port, self.metric_endpoints)
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def failure(self) -> str:
+        return self.supervisor.failure
+
+    def metric_endpoints(self) -> list[tuple[str, int]]:
+        """The supervisor's children's, then the front-ends run here, labelled after them."""
+        children = [(worker, port) for worker, port in self.supervisor.metric_endpoints()
+                    if port or worker.startswith("engine-")]
+        here = [(str(len(children) - len(self.links) + index), running.metrics_http.server_port)
+                for index, running in enumerate(self._frontends)]
+        return [*here, *children]
 
     @property
     def links(self):
@@ -126,13 +157,17 @@ class EngineSet:
         """Where engine ``index`` serves its own /metrics (a loopback port it reported when it started)."""
         return self.supervisor.children[f"engine-{index}"].metrics_port
 
-    def frontend(self, **overrides) -> ServerThread:
+    def frontend(self, start: bool = True, **overrides) -> ServerThread:
+        """A front-end of these engines run here: started (bound and connected to them, SERVING), or, with
+        ``start`` False, for the test to bind and load."""
         config = replace(self.config, **{"metrics_port": 0, **overrides})  # the engines have the ports
         ports = [self.engine_metrics_port(index) for index in range(len(self.links))] if self.config.metrics_port \
             else []
-        running = ServerThread(config, self.links, next(self._owners), ports).start()
+        row = SharedRow(self.supervisor.statistics, FRONTEND_ROWS - 1 - len(self._frontends))
+        running = ServerThread(config, self.links, next(self._owners), ports, row)
+        running.metrics_port = self.config.metrics_port
         self._frontends.append(running)
-        return running
+        return running.start() if start else running
 
     def start_frontend(self, index: int) -> int:
         """Front-end process ``index`` on a port of its own; once it serves, that port."""
@@ -161,6 +196,9 @@ class EngineSet:
             running.stop(grace=1.0)
         self.supervisor.stop()
         self.supervisor.close()
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
 
 
 def engine_sample(port: int, name: str, labels: dict[str, str]) -> float:

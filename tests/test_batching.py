@@ -4,14 +4,11 @@ CUDA the next batch is launched while one computes."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import numpy as np
 
 from resnet_client import AsyncClient, Client
-from resnet_server.engine.batcher import CUDA_BATCHES_IN_FLIGHT
-from resnet_server.engine.runner import PendingScores
 from tests.helpers import encode, random_rgb, wait_for
 
 IMAGES = [encode(random_rgb(900 + i)) for i in range(4)]
@@ -115,11 +112,11 @@ def test_a_lone_caller_waits_for_no_one(make_server):
 
 def test_work_after_an_idle_spell_does_not_count_as_callers_that_never_came_back(make_server):
     running = make_server(max_batch_size=4, wait_for_callers_ms=1000.0)
-    batcher = running.app.core.router.replicas[0].batcher
     with Client(running.target, timeout=60) as client:
         client.classify(IMAGES)
+        answered_by = time.monotonic()
         # Idle past the limit: the next call finds the wait over before it began, and held nothing back.
-        wait_for(lambda: time.monotonic() > batcher._answered_at + 1.0, timeout=10)
+        wait_for(lambda: time.monotonic() > answered_by + 1.0, timeout=10)
         client.classify([IMAGES[0]])
         assert waits(running) == (0, 0)
         client.classify(IMAGES)
@@ -129,46 +126,28 @@ def test_work_after_an_idle_spell_does_not_count_as_callers_that_never_came_back
         assert waits(running) == (0, 1)
 
 
-class _HeldCopyBack:
-    """Stands in for a batch's CUDA event: its scores 'land' only once the test lets them."""
+def test_the_next_batch_is_launched_while_one_computes_and_no_more(make_server, faults, reference):
+    """The CUDA pipeline, driven on the CPU by the faulty runner (``pipeline``: batches launched while others
+    compute; ``hold``: their scores kept from landing): two batches are launched while the first one's scores
+    have not landed, the third waits in the queue for room, and every answer is still the image's own."""
+    faults.set("pipeline")
+    running = make_server(max_batch_size=1, runner=faults.runner)
+    faults.set("hold")
 
-    def __init__(self, released: threading.Event) -> None:
-        self._released = released
-
-    def synchronize(self) -> None:
-        assert self._released.wait(60)
-
-
-def test_the_next_batch_is_launched_while_one_computes_and_no_more(make_server, reference):
-    """The CUDA pipeline, driven on the CPU: with two batches in flight the worker launches a second batch while
-    the first one's scores have not landed, holds a third in the queue, and every answer is still the image's own."""
-    running = make_server(max_batch_size=1)
-    batcher = running.app.core.router.replicas[0].batcher
-    batcher._most_in_flight = CUDA_BATCHES_IN_FLIGHT
-    real_launch, released, launched = batcher._compute, threading.Event(), []
-
-    def launch_held(inputs, temperatures):
-        probabilities, logits = real_launch(inputs, temperatures).wait()
-        launched.append(len(inputs))
-        return PendingScores(probabilities, logits, _HeldCopyBack(released))
-
-    batcher._compute = launch_held
+    def launched_and_queued() -> tuple[float, float]:
+        return (running.sample("resnet_batches_in_flight", device="cpu"),
+                running.sample("resnet_queue_depth", device="cpu"))
 
     async def calls():
         async with AsyncClient(running.target, timeout=60) as aclient:
-            pending = []
-            for image in IMAGES[:3]:  # one at a time, so each is its own batch
-                pending.append(asyncio.ensure_future(aclient.classify([image], full=True)))
-                await asyncio.get_running_loop().run_in_executor(
-                    None, wait_for, lambda: len(launched) + running.sample("resnet_queue_depth", device="cpu")
-                    == len(pending))
-            assert launched == [1, 1]  # the second batch went while the first one's scores were held...
-            assert running.sample("resnet_queue_depth", device="cpu") == 1  # ...and the third waits for room
-            released.set()
+            pending = [asyncio.ensure_future(aclient.classify([image], full=True)) for image in IMAGES[:3]]
+            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: launched_and_queued() == (2, 1))
+            assert batches(running) == (0, 0)  # none has been answered while its scores are held
+            faults.clear()
             return await asyncio.gather(*pending)
 
     results = asyncio.run(calls())
-    assert launched == [1, 1, 1]
+    assert batches(running) == (3, 3) and launched_and_queued() == (0, 0)
     for image, (result,) in zip(IMAGES[:3], results, strict=True):
         expected = reference.probabilities(reference.input_from_bytes(image))
         np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)

@@ -26,8 +26,6 @@ from resnet_server.cli import main as server_main
 from resnet_server.engine.bench_model import Replicas, add_model_arguments
 from tests.helpers import (
     ROOT,
-    ServerThread,
-    base_config,
     free_port,
     load_script,
     needs_perf_analyzer,
@@ -49,7 +47,7 @@ def test_bench_closed_loop_reports_throughput_latency_and_the_server_view(make_s
     capsys.readouterr()
     code = client_main(["bench", "--server", running.target, "--sweep", "1,4", "--duration", "2", "--warmup", "0.5",
                         "--input", "uint8", "--image-size", "64x48", "--json", "--plot", str(plot),
-                        "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"])
+                        "--metrics", f"http://127.0.0.1:{running.metrics_port}/metrics"])
     assert code == 0
     captured = capsys.readouterr()
     assert captured.err == ""  # no progress bar when stderr is not a terminal, even without --quiet; no note
@@ -74,7 +72,7 @@ def test_bench_reports_the_waits_for_callers(make_server, capsys):
     running = make_server(max_batch_size=4, wait_for_callers_ms=1000.0, metrics_port=free_port())
     code = client_main(["bench", "--server", running.target, "--concurrency", "4", "--duration", "2", "--warmup",
                         "0.5", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet",
-                        "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"])
+                        "--metrics", f"http://127.0.0.1:{running.metrics_port}/metrics"])
     assert code == 0
     point = json.loads(capsys.readouterr().out)
     view = point["server"]["cpu"]
@@ -90,7 +88,7 @@ def test_bench_table_gives_the_server_view_of_every_device(make_server, capsys):
     running = make_server(devices=("cpu", "cpu"), torch_threads=1, metrics_port=free_port())
     code = client_main(["bench", "--server", running.target, "--concurrency", "4", "--duration", "2", "--warmup",
                         "0.5", "--input", "uint8", "--image-size", "64x48",
-                        "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"])
+                        "--metrics", f"http://127.0.0.1:{running.metrics_port}/metrics"])
     assert code == 0
     header, first, second = (line.split() for line in capsys.readouterr().out.splitlines())
     assert header == ["load", "req/s", "img/s", "p50", "ms", "p90", "ms", "p99", "ms", "max", "ms", "cli-cores",
@@ -126,7 +124,7 @@ def test_bench_stream_sends_every_request_as_a_message_on_a_stream_per_caller(ma
     running = make_server(metrics_port=free_port())
     code = client_main(["bench", "--server", running.target, "--stream", "--concurrency", "3", "--duration", "1.5",
                         "--warmup", "0.5", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet",
-                        "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"])
+                        "--metrics", f"http://127.0.0.1:{running.metrics_port}/metrics"])
     assert code == 0
     point = json.loads(capsys.readouterr().out)
     assert point["stream"] is True and point["concurrency"] == 3
@@ -306,12 +304,18 @@ def test_a_replica_failing_in_the_ceiling_raises_its_error_and_stops_the_others(
             replicas.rate(torch.zeros(3, 224, 224), 1, 0.2)
 
 
+def run_benchmark(name: str, *argv: str) -> dict:
+    """A probe of scripts/benchmarks/ run as its drivers run it, a command; the JSON it prints."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmarks" / f"{name}.py"), *argv],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 def test_latency_pairs_interleaves_in_process_and_served_windows(make_server):
-    latency_pairs = load_script("latency_pairs")
     running = make_server()
-    args = model_arguments()
-    vars(args).update(server=running.target, image_size=(64, 48), windows=3, window=0.3)
-    result = latency_pairs.measure(args)
+    result = run_benchmark("latency_pairs", "--server", running.target, "--image-size", "64x48", "--windows", "3",
+                           "--window", "0.3")
     assert len(result["pairs_ms"]) == 3 and all(local > 0 and served > 0 for local, served in result["pairs_ms"])
     differences = sorted(served - local for local, served in result["pairs_ms"])
     assert result["difference_median_ms"] == differences[1]
@@ -322,13 +326,10 @@ def test_latency_pairs_interleaves_in_process_and_served_windows(make_server):
 
 
 def test_throughput_pairs_interleaves_in_process_and_served_windows(make_server):
-    throughput_pairs = load_script("throughput_pairs")
     running = make_server()
-    args = model_arguments()
-    vars(args).update(server=running.target, image_size=(64, 48), windows=2, window=0.8, ramp=0.4, concurrency=4,
-                      batch_size=2)
     batches_before = running.sample("resnet_batch_size_count", device="cpu")
-    result = asyncio.run(throughput_pairs.measure(args))
+    result = run_benchmark("throughput_pairs", "--server", running.target, "--image-size", "64x48", "--windows", "2",
+                           "--window", "0.8", "--ramp", "0.4", "--concurrency", "4", "--batch-size", "2")
     assert len(result["pairs_images_per_s"]) == 2
     assert all(local > 0 and served > 0 for local, served in result["pairs_images_per_s"])
     ratios = sorted(served / local for local, served in result["pairs_images_per_s"])
@@ -338,12 +339,10 @@ def test_throughput_pairs_interleaves_in_process_and_served_windows(make_server)
 
 
 @needs_perf_analyzer
-def test_perf_analyzer_pairs_interleave_it_with_the_in_process_pass(make_server, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # it imports scripts/perf_analyzer.py
+def test_perf_analyzer_pairs_interleave_it_with_the_in_process_pass(make_server):
     running = make_server()
-    args = model_arguments()
-    vars(args).update(server=running.target, pairs=2, window_ms=300, concurrency=4, batch_size=2)
-    result = load_script("perf_analyzer_pairs").measure(args)
+    result = run_benchmark("perf_analyzer_pairs", "--server", running.target, "--pairs", "2", "--window-ms", "300",
+                           "--concurrency", "4", "--batch-size", "2")
     assert len(result["pairs_ms"]) == 2 and all(local > 0 and served > 0 for local, served in result["pairs_ms"])
     differences = sorted(served - local for local, served in result["pairs_ms"])
     assert result["c1_difference_range_ms"] == differences
@@ -360,7 +359,7 @@ def test_perf_analyzer_pairs_interleave_it_with_the_in_process_pass(make_server,
 
 
 def test_grpc_floor_times_both_minimal_servers():
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "grpc_floor.py"), "--calls", "5"],
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmarks" / "grpc_floor.py"), "--calls", "5"],
                           capture_output=True, text=True, timeout=120, check=True)
     lines = done.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["grpc.aio server", "thread-pool server"]
@@ -370,13 +369,11 @@ def test_grpc_floor_times_both_minimal_servers():
 
 
 def test_frontend_cost_measures_both_servers_in_rounds_and_each_process_cpu_a_call():
-    """scripts/frontend_cost.py end to end, briefly: both servers answered in each of two rounds, the ratio is the
-    median of the rounds' ratios, and the CPU time a call of the bare server, the front-end and its engine, each
-    found by the supervisor's log line."""
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "frontend_cost.py"), "--processes", "1",
-                           "--concurrency", "4", "--duration", "1", "--rounds", "2", "--json"],
-                          capture_output=True, text=True, timeout=240, check=True)
-    result = json.loads(done.stdout)
+    """scripts/benchmarks/frontend_cost.py end to end, briefly: both servers answered in each of two rounds, the
+    ratio is the median of the rounds' ratios, and the CPU time a call of the bare server, the front-end and its
+    engine, each found by the supervisor's log line."""
+    result = run_benchmark("frontend_cost", "--processes", "1", "--concurrency", "4", "--duration", "1", "--rounds",
+                           "2", "--json")
     assert result["bare_calls_per_s"] > 0 and result["frontend_calls_per_s"] > 0
     assert len(result["ratios"]) == result["rounds"] == 2 and all(ratio > 0 for ratio in result["ratios"])
     assert result["ratio"] == pytest.approx(sum(result["ratios"]) / 2)  # the median of two
@@ -406,12 +403,10 @@ def test_the_free_runner_answers_ready_made_scores_through_every_front_end(weigh
 
 
 def test_engine_ceiling_feeds_one_engine_and_reports_its_cpu_an_image():
-    """scripts/engine_ceiling.py end to end, briefly: two feeders' images through one engine whose batches take
-    50 ms, so at most the images in flight (2 x 4) pass every 50 ms, in batches of more than one."""
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_ceiling.py"), "--feeders", "2",
-                           "--in-flight", "4", "--compute-ms", "50", "--duration", "2", "--metrics-port",
-                           str(free_port()), "--json"], capture_output=True, text=True, timeout=240, check=True)
-    result = json.loads(done.stdout)
+    """scripts/benchmarks/engine_ceiling.py end to end, briefly: two feeders' images through one engine whose
+    batches take 50 ms, so at most the images in flight (2 x 4) pass every 50 ms, in batches of more than one."""
+    result = run_benchmark("engine_ceiling", "--feeders", "2", "--in-flight", "4", "--compute-ms", "50", "--duration",
+                           "2", "--metrics-port", str(free_port()), "--json")
     assert 0 < result["images_per_s"] <= 8 / 0.050 * 1.05
     assert 1 < result["mean_batch"] <= 8
     assert result["engine_cpu_us_per_image"] > 0
@@ -441,7 +436,7 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     for name, concurrency in (("served_batched", "1,4"), ("served_nobatch", "4")):
         assert client_main(["bench", "--server", running.target, "--sweep", concurrency, "--duration", "1.5",
                             "--warmup", "0", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet",
-                            "--metrics", f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"]) == 0
+                            "--metrics", f"http://127.0.0.1:{running.metrics_port}/metrics"]) == 0
         (tmp_path / f"{name}.json").write_text(capsys.readouterr().out)
     # The one-front-end run's JSON has the same shape (the bench sums the server's processes): a copy stands in.
     (tmp_path / "served_one_frontend.json").write_text((tmp_path / "served_batched.json").read_text())
@@ -470,8 +465,11 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     last = json.loads((tmp_path / "served_batched.json").read_text().splitlines()[-1])
     view = last["server"]["cpu"]
     split = f"{view['mean_input_ms']:.1f} / {view['mean_infer_ms']:.1f}"  # where the batches' time went
-    assert last["server_cpu_cores"] == {}  # an in-process server: no process series by worker (test_supervisor's)
-    assert f"| {batched:.0f} |" in table and f"| {split} | {last['client_cpu_cores']:.1f} |  |  |" in table
+    cores = last["server_cpu_cores"]  # from the process series of the merged /metrics, by worker
+    assert set(cores) == {"frontends", "engines", "supervisor"} and cores["engines"] > 0
+    assert f"| {batched:.0f} |" in table
+    server_cores = f"{cores['frontends']:.1f} / {cores['engines']:.1f}"
+    assert f"| {split} | {last['client_cpu_cores']:.1f} | {server_cores} |  |" in table
     assert f"- served_batched c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
     assert "| served one frontend, c=4 |" in table
     assert f"- served_one_frontend c=4: {batched:.0f} images/s = {batched / ceiling:.2f} x the in-process fp32" in table
@@ -504,7 +502,7 @@ def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsy
     same commands: the JPEG ratio is over the JPEG run's own ceiling (the best forward pass in series with
     decode), and the alternating rounds give the JPEG point its own line."""
     running = make_server(max_batch_size=2, metrics_port=free_port())
-    metrics = f"http://127.0.0.1:{running.app.config.metrics_port}/metrics"  # the mean batch size served
+    metrics = f"http://127.0.0.1:{running.metrics_port}/metrics"  # the mean batch size served
 
     def ceiling(name: str, kind: str, sizes: str) -> dict:
         assert server_main(["bench-model", "--batch-sizes", sizes, "--duration", "0.2", "--image-size", "64x48",
@@ -610,15 +608,15 @@ def test_cpu_split_reads_the_server_threads_and_this_process(weights_file, capsy
     try:
         with Client(f"127.0.0.1:{port}", timeout=5) as client:
             wait_for(lambda: serving(client), timeout=120)
-        args = argparse.Namespace(server=f"127.0.0.1:{port}", server_pid=process.pid, concurrency=2,
-                                  image_size=(64, 48), ramp=0.5, window=1.5, team=2)
-        result = asyncio.run(load_script("cpu_split").measure(args))
+        result = run_benchmark("cpu_split", "--server", f"127.0.0.1:{port}", "--server-pid", str(process.pid),
+                               "--concurrency", "2", "--image-size", "64x48", "--ramp", "0.5", "--window", "1.5",
+                               "--team", "2")
     finally:
         process.terminate()
         process.wait(timeout=30)
     assert result["images"] > 0 and result["images_per_s"] == pytest.approx(result["images"] / result["window_s"])
     per_image = result["cpu_ms_per_image"]
-    # The forward pass (ResNet18 at 224x224) dwarfs the event loop's share of a request; the client is this process.
+    # The forward pass (ResNet18 at 224x224) dwarfs the event loop's share of a request; the client is the probe.
     assert per_image["forward_team"] > 5 * per_image["event_loop"] > 0 and per_image["client"] > 0
     assert sum(result["share_of_cores"].values()) == pytest.approx(1.0)
     # The table's line on it: the forward team's share bounds what serving can reach of the in-process ceiling.
@@ -631,10 +629,10 @@ def test_cpu_split_reads_the_server_threads_and_this_process(weights_file, capsy
             "(the forward team's share") in capsys.readouterr().out
 
 
-def test_bench_fails_when_its_server_stops_answering_mid_run(weights_file, capsys):
+def test_bench_fails_when_its_server_stops_answering_mid_run(make_server, capsys):
     """The server goes away once the bench's calls are being answered: the calls after fail UNAVAILABLE, and the
     bench says so and exits 1 instead of reporting a run."""
-    running = ServerThread(base_config(str(weights_file[0]))).start()
+    running = make_server()
     with ThreadPoolExecutor(1) as pool:
         bench = pool.submit(client_main, ["bench", "--server", running.target, "--concurrency", "2", "--duration",
                                           "4", "--warmup", "0", "--input", "uint8", "--image-size", "64x48",

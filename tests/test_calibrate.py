@@ -10,7 +10,7 @@ import pytest
 from resnet_client import Client
 from resnet_client.calibrate import brier, expected_calibration_error, fit_temperature, nll
 from resnet_client.cli import main
-from tests.helpers import ServerThread, base_config, encode, random_rgb
+from tests.helpers import encode, random_rgb
 
 
 @pytest.mark.parametrize("true_temperature", [0.5, 2.0, 3.5])
@@ -36,7 +36,7 @@ def test_ece_and_brier_on_a_hand_checked_example():
     assert brier(probabilities, labels) == pytest.approx(expected_brier)
 
 
-def test_calibrate_end_to_end_and_serve_the_fitted_temperature(server, weights_file, tmp_path, capsys):
+def test_calibrate_end_to_end_and_serve_the_fitted_temperature(server, make_server, tmp_path, capsys):
     data = tmp_path / "data"
     for folder, seeds in (("0", (1, 2, 3)), ("goldfish", (4, 5)), ("2", (6,))):
         (data / folder).mkdir(parents=True)
@@ -54,16 +54,13 @@ def test_calibrate_end_to_end_and_serve_the_fitted_temperature(server, weights_f
     assert saved["after"]["nll"] <= saved["before"]["nll"] + 1e-9
     assert plot.stat().st_size > 0
 
-    served = ServerThread(base_config(str(weights_file[0]), temperature_file=str(output))).start()
-    try:
-        with Client(served.target) as client:
-            info = client.model_info()
-            assert info.default_temperature == pytest.approx(saved["temperature"])
-            assert info.temperature_source == f"file:{output}"
-            (result,) = client.classify([encode(random_rgb(1))])
-            assert result.temperature == pytest.approx(saved["temperature"])
-    finally:
-        served.stop()
+    served = make_server(temperature_file=str(output))
+    with Client(served.target) as client:
+        info = client.model_info()
+        assert info.default_temperature == pytest.approx(saved["temperature"])
+        assert info.temperature_source == f"file:{output}"
+        (result,) = client.classify([encode(random_rgb(1))])
+        assert result.temperature == pytest.approx(saved["temperature"])
 
 
 def test_csv_data_and_unknown_label(server, tmp_path, capsys):

@@ -144,8 +144,9 @@ def test_torchscript_on_cuda_matches_the_cpu_reference(make_server, reference, p
     with Client(running.target) as client:
         batched = client.classify(PIXELS, full=True, logits=True)  # a batch of 3: no warm-up size (1, 2, 4)
         alone = client.classify(PIXELS[:1], full=True, logits=True)
-    runner = running.app.core.router.replicas[0].runner
-    assert runner.sizes_run == {1, 4}  # the batch of 3 ran padded to the warmed 4
+    runs = running.app.core.router.replicas[0].info.runs
+    assert runs == f"cuda:0 runs {precision} as a TorchScript graph at batch sizes 1, 2, 4"
+    assert running.sample("resnet_padded_images_total", device="cuda:0") == 1  # the batch of 3 ran as the warmed 4
     for result, pixels in zip([*batched, *alone], [*PIXELS, PIXELS[0]], strict=True):
         want = reference.logits(reference.input_from_array(pixels).unsqueeze(0))[0].numpy()
         assert result.device == "cuda:0"
@@ -155,13 +156,14 @@ def test_torchscript_on_cuda_matches_the_cpu_reference(make_server, reference, p
 @pytest.mark.parametrize("precision, tolerance", [("fp32", 0.02), ("fp16", 0.05)])  # as the eager test's
 def test_cuda_graphs_replay_padded_batches_as_the_cpu_reference(make_server, reference, precision, tolerance):
     running = make_server(devices=("cuda:0",), cuda_graphs="true", precision=precision, max_batch_size=4)
-    runner = running.app.core.router.replicas[0].runner
-    assert sorted(runner._graphs) == runner.buckets == [1, 2, 4]
+    # The served engine captured a graph at every warmed size (the sizes named are those of its graphs).
+    runs = running.app.core.router.replicas[0].info.runs
+    assert runs == f"cuda:0 runs {precision} as CUDA graphs at batch sizes 1, 2, 4"
     with Client(running.target) as client:
         first = client.classify(PIXELS, full=True, logits=True, temperature=2.0)  # padded to the graph of 4
         alone = client.classify(PIXELS[:1], full=True, logits=True)  # the graph of 1, sharing the pool with 4's
         again = client.classify(PIXELS[1:], full=True, logits=True)  # 2: the graph of 4's rows left behind
-    assert runner.sizes_run == {1, 2, 4}
+    assert running.sample("resnet_padded_images_total", device="cuda:0") == 1  # only the 3 ran padded (to 4)
     for result, pixels, temperature in zip([*first, *alone, *again], [*PIXELS, PIXELS[0], *PIXELS[1:]],
                                            [2.0, 2.0, 2.0, 1.0, 1.0, 1.0], strict=True):
         want = reference.logits(reference.input_from_array(pixels).unsqueeze(0))[0].numpy()
@@ -189,7 +191,8 @@ def test_cuda_graph_replays_launch_without_a_sync_and_two_in_flight_answer_alike
 @pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])
 def test_compiled_cuda_batches_are_padded_and_match_the_cpu_reference(make_server, reference, compile_mode):
     running = make_server(devices=("cuda:0",), compile=True, compile_mode=compile_mode, max_batch_size=4)
-    assert running.app.core.router.replicas[0].runner.buckets == [1, 2, 4]
+    assert running.app.core.router.replicas[0].info.runs == \
+        f"cuda:0 runs fp32 compiled by inductor ({compile_mode}) at batch sizes 1, 2, 4"
     with Client(running.target) as client:
         first = client.classify(PIXELS, full=True, logits=True)  # one batch of 3, padded up to the graph of 4
         second = client.classify(PIXELS[:1], full=True, logits=True)  # the graph of 1 (CUDA graphs reuse their memory)

@@ -75,7 +75,7 @@ def test_alert_rules_are_valid_and_pass_their_unit_tests():
 @pytest.mark.slow
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(make_server, faults, tmp_path):
     running = make_server(metrics_port=free_port(), runner=faults.runner)
-    with Prometheus(f"127.0.0.1:{running.app.config.metrics_port}", tmp_path) as prometheus:
+    with Prometheus(f"127.0.0.1:{running.metrics_port}", tmp_path) as prometheus:
         image = encode(random_rgb(3))
         with Client(running.target) as client:
             deadline = time.monotonic() + 60

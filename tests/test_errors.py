@@ -116,7 +116,7 @@ def test_full_queue_is_resource_exhausted(make_server):
         with pytest.raises(ClassifierError) as caught:
             client.classify([GOOD] * 3)
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "limit 2" in caught.value.message
+        assert "--max-queue of 2 images" in caught.value.message
         assert len(client.classify([GOOD] * 2)) == 2
     assert tight.sample("resnet_requests_total", device="cpu", code="RESOURCE_EXHAUSTED") == 1
 

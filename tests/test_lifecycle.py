@@ -20,10 +20,12 @@ from resnet_client import AsyncClient, ClassifierError, Client
 from resnet_client.api import classifier_pb2 as pb
 from resnet_client.api import classifier_pb2_grpc as pb_grpc
 from resnet_client.channel import ChannelConfig
+from resnet_server.common.metrics import Metrics
 from resnet_server.engine.replicas import FAILURES_BEFORE_EVICTION
 from resnet_server.frontend import server as frontend_server
 from tests.helpers import (
     DEVICE_FELL_OFF,
+    EngineSet,
     ServerThread,
     base_config,
     encode,
@@ -38,7 +40,8 @@ IMAGE = encode(random_rgb(21))
 
 
 def test_health_not_serving_until_loaded_and_while_draining(weights_file):
-    running = ServerThread(base_config(str(weights_file[0])))
+    engines = EngineSet(base_config(str(weights_file[0])))
+    running = engines.frontend(start=False)
     running.run(running.app.bind())
     with Client(running.target, timeout=30) as client:
         assert client.health() == "NOT_SERVING"
@@ -51,7 +54,7 @@ def test_health_not_serving_until_loaded_and_while_draining(weights_file):
         running.run(running.app.begin_drain())
         assert client.health() == "NOT_SERVING"
         assert client.health("resnet.v1.Classifier") == "NOT_SERVING"
-    running.stop()
+    engines.stop()
 
 
 @pytest.mark.slow
@@ -110,9 +113,13 @@ def test_the_server_drains_and_exits_1_when_no_replica_comes_back_in_time(weight
         if not returned.wait(30):  # bounded: a server that does not stop by itself is stopped (and returns 0)
             os.kill(os.getpid(), signal.SIGTERM)
 
+    engines = EngineSet(config)
     caller = threading.Thread(target=call_until_unavailable, daemon=True)
     caller.start()
-    code = frontend_server.run(config, on_bound=ports.put)  # serve() on this (the main) thread, signals and all
+    try:  # a front-end's serve() on this (the main) thread, signals and all
+        code = frontend_server.run(config, engines.links, 999, Metrics(config.largest_batch), on_bound=ports.put)
+    finally:
+        engines.stop()
     returned.set()
     caller.join(30)
     assert code == 1
@@ -153,19 +160,21 @@ def test_a_connection_past_max_connection_age_is_closed_once_its_call_is_answere
 
 def test_a_client_gets_through_again_once_a_stopped_server_is_back_on_its_port(weights_file):
     port = free_port()
-    first = ServerThread(base_config(str(weights_file[0]), port=port)).start()
+    first = EngineSet(base_config(str(weights_file[0]), port=port))
+    first.frontend()
     with Client(f"127.0.0.1:{port}", timeout=10, attempts=1) as client:
         assert client.classify([IMAGE])[0].top_k
-        first.stop(grace=1.0)
+        first.stop()
         with pytest.raises(ClassifierError) as caught:
             client.classify([IMAGE])
         assert caught.value.code == grpc.StatusCode.UNAVAILABLE
-        second = ServerThread(base_config(str(weights_file[0]), port=port)).start()
+        second = EngineSet(base_config(str(weights_file[0]), port=port))
         try:
+            second.frontend()
             wait_for(lambda: serving(client), timeout=30)  # the same channel: its reconnect backoff (0.1 s to 5 s)
             assert client.classify([IMAGE])[0].top_k
         finally:
-            second.stop(grace=1.0)
+            second.stop()
     assert ("grpc.max_reconnect_backoff_ms", 5000) in ChannelConfig().options()
 
 
@@ -181,7 +190,7 @@ def _port_from_log(process: subprocess.Popen) -> tuple[int, str]:
 
 def test_unavailable_is_retried_on_the_next_server(make_server, weights_file):
     serving = make_server()
-    loading = ServerThread(base_config(str(weights_file[0])))
+    loading = ServerThread(base_config(str(weights_file[0])), serving.app.engines, owner=999)
     loading.run(loading.app.bind())  # answers UNAVAILABLE: its model is "still loading"
     tried_loading = []
     real_ready_core = loading.app.classifier._ready_core

@@ -7,7 +7,6 @@ import shutil
 import subprocess
 
 import pytest
-from prometheus_client import generate_latest
 
 from resnet_client import Client
 from tests.helpers import encode, free_port, random_rgb, scrape
@@ -42,9 +41,9 @@ def test_samples_count_requests_images_and_timings(make_server):
     assert sample("resnet_request_duration_seconds_bucket", device="cpu", le="0.0005") == 0
     assert sample("resnet_request_duration_seconds_bucket", device="cpu", le="10.0") == 2
 
-    text = scrape(running.app.config.metrics_port)
-    assert 'resnet_requests_total{code="OK",device="cpu"} 2.0' in text
-    assert 'resnet_batch_size_bucket{device="cpu",le="1.0"}' in text
+    text = scrape(running.metrics_port)  # the server's one /metrics: each process's series, labelled by worker
+    assert 'resnet_requests_total{code="OK",device="cpu",worker="0"} 2.0' in text
+    assert 'resnet_batch_size_bucket{device="cpu",le="1.0",worker="engine-cpu"}' in text
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None and not os.environ.get("CI"),
@@ -52,6 +51,6 @@ def test_samples_count_requests_images_and_timings(make_server):
 def test_promtool_accepts_the_exposition(server):
     with Client(server.target, timeout=60) as client:
         client.classify([IMAGE])
-    exposition = generate_latest(server.metrics.registry)
+    exposition = scrape(server.metrics_port).encode()  # the merged /metrics of the front-end and the engine
     checked = subprocess.run(["promtool", "check", "metrics"], input=exposition, capture_output=True, timeout=60)
     assert checked.returncode == 0, checked.stdout.decode() + checked.stderr.decode()

@@ -55,26 +55,6 @@ def test_two_replicas_on_one_device_share_the_load_with_their_own_labels(make_se
         np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
 
 
-def test_replicas_load_at_the_same_time(make_server, monkeypatch):
-    from resnet_server.engine import replicas
-
-    # Each load waits at the barrier until the other has begun too: loaded one after the other, the
-    # first would wait alone, the barrier would break, and the server would not start.
-    both_loading = threading.Barrier(2, timeout=60)
-    real_load = replicas.load_replica
-
-    def load_alongside(*args):
-        both_loading.wait()
-        return real_load(*args)
-
-    monkeypatch.setattr(replicas, "load_replica", load_alongside)
-    running = make_server(devices=("cpu", "cpu"))
-    with Client(running.target) as client:
-        assert list(client.model_info().devices) == ["cpu#0", "cpu#1"]
-        (result,) = client.classify([IMAGE])
-    assert result.top_k
-
-
 def test_max_batch_size_zero_picks_by_device():
     assert max_batch_size(ServerConfig(max_batch_size=0), torch.device("cpu")) == 8
     assert max_batch_size(ServerConfig(max_batch_size=0), torch.device("cuda", 1)) == 128
@@ -200,12 +180,10 @@ def test_a_replica_back_in_rotation_in_time_keeps_the_server_running(make_server
 
 def test_without_probes_an_evicted_replica_stays_out(make_server, faults):
     running = make_server(devices=("cpu", "cpu"), replica_probe_interval=0, runner=faults.runner)
-    broken = running.app.core.router.replicas[0]
     break_until_evicted(running, faults, "cpu#0")
     faults.clear()
     with Client(running.target) as client:
         assert {client.classify([IMAGE])[0].device for _ in range(4)} == {"cpu#1"}
-    assert broken.batcher._time_to_probe() is None  # its worker waits for work alone, with no timeout
     assert running.sample("resnet_replica_probes_total", device="cpu#0", result="failed") == 0
 
 
@@ -284,8 +262,8 @@ def test_a_captured_bucket_input_is_zeros_in_the_network_layout(precision, dtype
 @pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])  # on the CPU: no CUDA graphs, same answers
 def test_compiled_model_runs_a_warmed_graph_and_matches_torchvision(make_server, reference, compile_mode):
     running = make_server(compile=True, compile_mode=compile_mode, max_batch_size=4)
-    runner = running.app.core.router.replicas[0].runner
-    assert runner.buckets == [1, 2, 3, 4] and runner.compile_mode == compile_mode
+    assert running.app.core.router.replicas[0].info.runs == \
+        f"cpu runs fp32 compiled by inductor ({compile_mode}) at batch sizes 1, 2, 3, 4"
     images = [encode(random_rgb(seed)) for seed in (1, 2, 3)]
     with Client(running.target) as client:
         results = client.classify(images, full=True)
@@ -301,10 +279,11 @@ def test_torchscript_replicas_trace_at_once_and_answer_any_batch_size_as_torchvi
     # Two replicas load at once, each tracing its own model: tracing shares process-wide state (a lock).
     running = make_server(devices=("cpu", "cpu"), torch_threads=1, torchscript=True, max_batch_size=4)
     replicas = running.app.core.router.replicas
-    assert all(isinstance(replica.runner._network, torch.jit.ScriptModule) for replica in replicas)
+    assert [replica.info.runs for replica in replicas] == \
+        [f"{name} runs fp32 as a TorchScript graph at batch sizes 1, 2, 3, 4" for name in ("cpu", "cpu")]
     images = [encode(random_rgb(seed)) for seed in (1, 2, 3)]
     with Client(running.target) as client:
-        batched = client.classify(images, full=True)  # one batch of 3: a size warm-up never ran (1 and 4)
+        batched = client.classify(images, full=True)  # one batch of 3
         alone = client.classify(images[:1], full=True)  # the other replica (ties go in turn)
     assert sorted(running.sample("resnet_batch_size_sum", device=replica.name) for replica in replicas) == [1, 3]
     for image, result in zip([*images, images[0]], [*batched, *alone], strict=True):
@@ -314,8 +293,8 @@ def test_torchscript_replicas_trace_at_once_and_answer_any_batch_size_as_torchvi
 
 def test_cuda_graphs_change_nothing_on_the_cpu(make_server, reference):
     running = make_server(cuda_graphs="true", max_batch_size=4)
-    runner = running.app.core.router.replicas[0].runner
-    assert runner.cuda_graphs is False and not runner._graphs  # the eager network runs, split into buckets
+    # The eager network runs, split into the warmed sizes.
+    assert running.app.core.router.replicas[0].info.runs == "cpu runs fp32 eagerly at batch sizes 1, 2, 3, 4"
     image = encode(random_rgb(5))
     with Client(running.target) as client:
         [result] = client.classify([image], full=True)

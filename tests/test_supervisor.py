@@ -381,7 +381,7 @@ def test_auto_front_ends_take_half_the_cores_left_after_the_engines():
 
 
 def test_a_lone_server_refuses_a_port_that_is_already_taken(server, weights_file):
-    taken = ServerThread(base_config(str(weights_file[0]), port=server.app.port))
+    taken = ServerThread(base_config(str(weights_file[0]), port=server.app.port), server.app.engines, owner=999)
     with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{server.app.port}: the port is in use"):
         taken.run(taken.app.bind())
     taken.stop(grace=0)

@@ -72,6 +72,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     in_rotation: bool
     switch_interval_ms: float
     torch_threads: int
+    runs: str  # how its batches run: 'cuda:0 runs fp16 as CUDA graphs at batch sizes 1, 2, ...'
 
 
 class Answer(msgspec.Struct, array_like=True, frozen=True):

@@ -115,6 +115,10 @@ class Slab:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1)
         return free
 
+    def free_count(self) -> int:
+        """Slots free now, read without the lock: what take() would find a moment ago."""
+        return int(np.count_nonzero(self.owners == FREE))
+
     def _recently_freed(self, count: int) -> list[int] | None:
         """``count`` of the slots this process gave back last that are still free, or None. Those another
         front-end took meanwhile leave the list (a scan finds them once they are free again); the free ones found

@@ -65,6 +65,9 @@ class Metrics:
             labelnames=["device", "outcome"], registry=self.registry)
         self.queue_depth = Gauge(PREFIX + "queue_depth", "Images waiting in the device queue", **by_device)
         self.in_flight = Gauge(PREFIX + "requests_in_flight", "Requests being served", **by_device)
+        self.batches_in_flight = Gauge(PREFIX + "batches_in_flight", "Batches launched on the device and not yet "
+                                       "answered (up to 2 on CUDA, where one is launched while another computes)",
+                                       **by_device)
         self.healthy = Gauge(PREFIX + "replica_healthy", "1 while the replica is in rotation, else 0", **by_device)
         self.probes = Counter(
             PREFIX + "replica_probes", "Test batches (one blank image) run on a replica out of rotation, by result "

@@ -3,16 +3,15 @@
 The transform is torchvision's ImageNet eval preset for ResNet18 (``ResNet18_Weights.IMAGENET1K_V1
 .transforms()``: resize 256 bilinear with antialias, centre crop 224, scale to [0, 1], normalise),
 built from torchvision's ``transforms.v2`` functions with the preset's own numbers. v2 resizes uint8 images in
-uint8 (torch's vectorised path) where the v1 preset converts to float first: measured on one core,
-0.65 ms instead of 1.45 ms for a 224x224 image, 1.3 instead of 3.1 ms for 640x480, 1.8 instead of
-12.8 ms for 1920x1080 (raw HWC input), at the price of pixels that may differ from v1's by one grey
+uint8 (torch's vectorised path) where the v1 preset converts to float first: two to seven times faster
+(docs/performance.md, "Figures behind the code"), at the price of pixels that may differ from v1's by one grey
 level. Decoding blocks: callers run it in worker threads, never on the event loop.
 
 Raw tensors need no decoding. :func:`check_raw` validates one on arrival (of the pixels it reads only a
 float32 tensor's, one vectorised pass: cheap enough for the event loop), and :func:`raw_batch` converts a
-whole batch of them later, on the replica's own thread and device: one copy per batch, the resize batched (measured at
-concurrency 1 on 2 cores: about 1 ms less per request than a round trip through a preprocessing
-thread), and on CUDA a uint8 upload 4x smaller than the float input it becomes there.
+whole batch of them later, on the replica's own thread and device: one copy per batch, the resize batched (cheaper
+than a round trip through a preprocessing thread), and on CUDA a uint8 upload 4x smaller than the float input it
+becomes there.
 """
 
 from __future__ import annotations
@@ -213,8 +212,7 @@ def stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ..
     GPU).
 
     Bytes go through a memoryview: a plain copy that keeps the GIL. A NumPy copy of each image gives the GIL up
-    and must win it back, up to a switch interval per image (measured with scripts/gil_probe.py, a probe in git
-    at e500ba4)."""
+    and must win it back, up to a switch interval per image (docs/performance.md, "Figures behind the code")."""
     size, torch_dtype = (len(datas), *shape), getattr(torch, dtype)
     if all(isinstance(data, SlotBytes) for data in datas):
         rows = datas[0].rows
@@ -233,10 +231,10 @@ def stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ..
 
 def gather_slots(slots: list[SlotBytes], batch: torch.Tensor) -> torch.Tensor:
     """The slots' bytes into ``batch`` with one index_select, on the device the rows are on. On the CPU that is
-    one copy that gives the GIL up once, so the engine's socket readers and finisher run while it copies (a batch
-    of 82 images is 12 MB, 1.8 ms on the 2-core VM, which the memoryview copy holds the GIL for). On a GPU it is
-    one kernel reading the registered slab over the bus (``server.engine.registered_slab``), where a copy an image
-    cost the engine's one host thread about 37 us an image (H100). Read as the widest word that divides the
+    one copy that gives the GIL up once, so the engine's socket readers and finisher run while it copies (the
+    memoryview copy holds the GIL for the whole batch). On a GPU it is one kernel reading the registered slab over
+    the bus (``server.engine.registered_slab``), instead of a copy an image on the engine's one host thread. Read
+    as the widest word that divides the
     image and the slot: fewer, larger reads, which the bus to host memory moves far better than single bytes."""
     first = slots[0]
     word = _widest_word(first.rows, first.nbytes)

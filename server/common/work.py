@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,15 +32,23 @@ class ImageOutput:
     device: str
 
 
+class Caller(Protocol):
+    """Whoever awaits an item's answer: on a front-end, its call's asyncio future; in an engine, the Ticket of a
+    front-end's slot."""
+
+    def done(self) -> bool:
+        """True once the caller has gone (cancelled): the item is then dropped before compute."""
+
+
 @dataclass(eq=False)
 class WorkItem:
-    """One queued image and the future its caller awaits."""
+    """One queued image and whoever awaits it."""
 
     model_input: ModelInput  # a preprocessed image, or one the replica converts with its batch
     temperature: float
     top_k: int
     deadline: float | None  # time.monotonic() value, or None for no deadline
-    future: asyncio.Future | Ticket  # done() once the caller has gone (cancelled)
+    future: Caller
     request_id: str = ""
     enqueued: float = field(default_factory=time.monotonic)
 

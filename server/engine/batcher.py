@@ -1,22 +1,20 @@
 """Dynamic batching for one device: a bounded queue of images and the worker thread that drains it.
 
-The event loop calls :meth:`Batcher.submit` (never blocks, refuses at once when full) and awaits
-each item's future. The worker thread takes whatever is waiting, up to ``max_batch_size``, and
-runs it at once: a lone request pays no batching delay, and under load batches grow by
-themselves while the previous batch computes. ``max_batch_delay_ms`` lets the worker wait for a
-fuller batch, but never past that long after the oldest waiting image arrived.
-``wait_for_callers_ms`` lets it wait, after answering a batch, for as many new images as that batch
-held: a closed loop's callers send again one round trip after their answers, and without the wait
-they split into two batches that take turns (sixteen callers: two batches of eight, each computing
-while the other's callers are away). A wait that runs out says the callers are not such a loop, and
-the next batches start at once. Cancelled and expired images are dropped before compute.
-Results go back to the loop with one ``call_soon_threadsafe`` per batch; an engine process
-(``server.engine.core``) passes hooks of its own that write them to shared memory instead.
+The engine's reader calls :meth:`Batcher.submit` (never blocks, refuses at once when full). The worker thread takes
+whatever is waiting, up to ``max_batch_size``, and runs it at once: a lone request pays no batching delay, and under
+load batches grow by themselves while the previous batch computes. ``max_batch_delay_ms`` lets the worker wait for a
+fuller batch, but never past that long after the oldest waiting image arrived. ``wait_for_callers_ms`` lets it wait,
+after answering a batch, for as many new images as that batch held: a closed loop's callers send again one round
+trip after their answers, and without the wait they split into two batches that take turns (sixteen callers: two
+batches of eight, each computing while the other's callers are away). A wait that runs out says the callers are not
+such a loop, and the next batches start at once. Cancelled and expired images are dropped before compute. Results go
+where its ``Answers`` say: in an engine process (``server.engine.core``), to shared memory and the front-end that
+sent each image.
 
-A batcher whose batches fail ``failures_before_eviction`` times in a row is out of rotation (the
-router sends it nothing). Every ``probe_interval`` seconds its worker then runs one blank image
-through the forward pass, and the first probe that passes brings it back: a transient fault costs
-no user request after the eviction, and a device that stays broken stays out.
+A batcher whose batches fail ``failures_before_eviction`` times in a row is out of rotation (the router sends it
+nothing). Every ``probe_interval`` seconds its worker then runs one blank image through the forward pass, and the
+first probe that passes brings it back: a transient fault costs no user request after the eviction, and a device
+that stays broken stays out.
 """
 
 from __future__ import annotations
@@ -40,17 +38,13 @@ from resnet_server.common.postprocess import top_k
 from resnet_server.common.preprocess import FLOAT_SHAPE
 from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.threads import use_torch_threads
-from resnet_server.common.work import ImageOutput, WorkItem
+from resnet_server.common.work import WorkItem
 from resnet_server.engine.runner import PendingScores
 
 if TYPE_CHECKING:
     from resnet_server.engine.runner import ModelRunner
 
 log = logging.getLogger("server.batcher")
-
-# Batches a CUDA batcher keeps launched and unanswered: one computing on the device, the next queued behind it.
-CUDA_BATCHES_IN_FLIGHT = 2
-
 
 @dataclass(frozen=True)
 class BatchOutput:
@@ -62,14 +56,16 @@ class BatchOutput:
     queue_seconds: list[float]
     timing: BatchTiming  # the batch's compute, in parts
 
-    def images(self, items: list[WorkItem], device: str) -> list[ImageOutput]:
-        return [ImageOutput(self.probabilities[i], self.logits[i], self.top_k[i], item.temperature,
-                            self.queue_seconds[i], self.timing, device) for i, item in enumerate(items)]
 
+@dataclass(frozen=True)
+class Answers:
+    """Where a batcher's answers go (an engine's: its front-ends' slots and sockets, server.engine.core), called on
+    the batcher's threads: ``deliver(items, their outputs)``, ``fail(items, the error that fails them)``, and
+    ``dropped(items)`` for cancelled items left out of a batch."""
 
-# Where a batch's answers go: (items, their outputs), and (items, the error that fails them).
-Deliver = Callable[[list[WorkItem], BatchOutput], None]
-Fail = Callable[[list[WorkItem], BaseException], None]
+    deliver: Callable[[list[WorkItem], BatchOutput], None]
+    fail: Callable[[list[WorkItem], BaseException], None]
+    dropped: Callable[[list[WorkItem]], None]
 
 
 # (inputs [B, 3, 224, 224] on the CPU or the device, temperatures [B]) -> (probabilities, logits), [B, 1000] on the
@@ -95,23 +91,19 @@ class Batcher:
 
     The worker forms, prepares and launches batches; on CUDA a finisher thread waits for each one's scores,
     takes its top-k and hands the answers back. A launch there returns while the device still computes, so the
-    worker gathers and uploads the next batch meanwhile (the host work ran in series with the GPU before:
-    measured on an H100, about 18 ms a batch of 120 against 6-7 ms of forward pass). At most
-    ``CUDA_BATCHES_IN_FLIGHT`` batches are launched and unanswered, and the next batch is formed only when
+    worker gathers and uploads the next batch meanwhile (in series, the host work took longer than the forward
+    pass it waited on: docs/performance.md, "Figures behind the code"). At most
+    the runner's ``batches_in_flight`` batches are launched and unanswered, and the next batch is formed only when
     there is room for it, so it still takes everything that arrived in the meantime. On the CPU, where the
     forward pass itself occupies the cores, the worker answers each batch itself before it takes the next."""
 
     def __init__(self, name: str, setup: Callable[[], ModelRunner], metrics: Metrics, *, max_batch_size: int,
-                 max_batch_delay_ms: float, max_queue: int, failures_before_eviction: int, probe_interval: float,
-                 on_rejoin: Callable[[], None], wait_for_callers_ms: float = 0.0, deliver: Deliver | None = None,
-                 fail: Fail | None = None, on_dropped: Callable[[list[WorkItem]], None] | None = None) -> None:
+                 max_batch_delay_ms: float, failures_before_eviction: int, probe_interval: float,
+                 on_rejoin: Callable[[], None], answers: Answers, wait_for_callers_ms: float = 0.0) -> None:
         self.name = name
-        # By default answers settle asyncio futures on their loop; an engine process passes its own.
-        self._deliver = deliver or self._resolve
-        self._fail = fail or _fail
-        self._on_dropped = on_dropped or (lambda items: None)  # cancelled items left out of a batch
+        self._deliver, self._fail, self._on_dropped = answers.deliver, answers.fail, answers.dropped
         self._setup = setup
-        self._compute: ComputeFn | None = None  # the runner's forward pass; tests swap it to inject faults
+        self._compute: ComputeFn | None = None  # the runner's forward pass (its launch)
         self._runner: ModelRunner | None = None
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
@@ -122,7 +114,6 @@ class Batcher:
         self._answered_at = 0.0  # time.monotonic() just before they were handed back
         self._waits_to_skip = 0
         self._skip_after_ran_out = 1  # waits to skip once the next wait runs out (see MOST_WAITS_SKIPPED)
-        self._max_queue = max_queue
         self._queue: collections.deque[WorkItem] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -138,6 +129,7 @@ class Batcher:
         self._on_rejoin = on_rejoin  # called on the worker thread when a probe brings it back
         self._probes = metrics.probes
         self._queue_depth = metrics.queue_depth.labels(name)
+        self._batches_in_flight = metrics.batches_in_flight.labels(name)
         self._queue_wait = metrics.queue_wait.labels(name)
         self._compute_time = metrics.compute.labels(name)
         self._part_seconds = tuple(metrics.batch_part.labels(name, part) for part in BatchTiming._fields)
@@ -168,15 +160,10 @@ class Batcher:
             self._thread.join(timeout)
 
     def submit(self, items: Sequence[WorkItem]) -> None:
-        """Queue all items or none: a full queue refuses at once with Overloaded."""
+        """Queue items; the queue needs no bound of its own, as each item holds one of the slab's --max-queue slots."""
         with self._cond:
             if self._stopping:
                 raise Unavailable("server is shutting down")
-            if len(self._queue) + len(items) > self._max_queue:
-                raise Overloaded(
-                    f"queue of {self.name} is full ({len(self._queue)} of {self._max_queue} images waiting); "
-                    "retry later"
-                )
             self._queue.extend(items)
             self._queue_depth.set(len(self._queue))
             self._cond.notify()
@@ -196,7 +183,7 @@ class Batcher:
         try:
             self._runner = self._setup()
             self._compute = self._runner.launch
-            self._most_in_flight = CUDA_BATCHES_IN_FLIGHT if self._runner.cuda else 1
+            self._most_in_flight = self._runner.batches_in_flight
         except BaseException as exc:  # handed to start(), which re-raises it in the caller
             self._setup_error = exc
             return
@@ -349,6 +336,7 @@ class Batcher:
             launched.error = exc
         with self._cond:
             self._in_flight += 1
+            self._batches_in_flight.set(self._in_flight)
         if self._most_in_flight == 1:  # nothing to overlap (the CPU): answered here, with no hand-off
             self._settle(launched)
         else:
@@ -364,6 +352,7 @@ class Batcher:
         self._finish(launched)
         with self._cond:
             self._in_flight -= 1
+            self._batches_in_flight.set(self._in_flight)
             self._cond.notify_all()
 
     def _finish(self, launched: _Launched) -> None:
@@ -431,26 +420,3 @@ class Batcher:
         self._statistics.record_batch(len(batch), timing)
         for item in batch:
             self._queue_wait.observe(started - item.enqueued)
-
-    def _resolve(self, items: list[WorkItem], output: BatchOutput) -> None:
-        if items:
-            loop = items[0].future.get_loop()
-            loop.call_soon_threadsafe(_set_results, items, output.images(items, self.name))
-
-
-def _fail(items: list[WorkItem], exc: BaseException) -> None:
-    if items:
-        loop = items[0].future.get_loop()
-        loop.call_soon_threadsafe(_set_exceptions, items, exc)
-
-
-def _set_results(items: list[WorkItem], outputs: list[ImageOutput]) -> None:
-    for item, output in zip(items, outputs, strict=True):
-        if not item.future.done():
-            item.future.set_result(output)
-
-
-def _set_exceptions(items: list[WorkItem], exc: BaseException) -> None:
-    for item in items:
-        if not item.future.done():
-            item.future.set_exception(exc)

@@ -50,7 +50,7 @@ from resnet_server.common.errors import ServingError
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.preprocess import FLOAT_SHAPE, CroppedImage, RawImage, SlotBytes
 from resnet_server.common.work import Ticket, WorkItem
-from resnet_server.engine.batcher import BatchOutput
+from resnet_server.engine.batcher import Answers, BatchOutput
 from resnet_server.engine.registered_slab import device_rows, register_slab
 from resnet_server.engine.replicas import Replica, load_replica
 
@@ -90,7 +90,7 @@ class Engine:
     def start(self, live_owners: Iterable[int]) -> None:
         """Load and warm the model, free the slots of front-ends that ended while no engine ran, then listen."""
         self.replica = load_replica(self.link.name, self.device, self.config, self.metrics, self._rejoined,
-                                    deliver=self._deliver, fail=self._fail, on_dropped=self._released)
+                                    Answers(self._deliver, self._fail, self._released))
         freed = self.slab.free_all_but(set(live_owners))
         if freed:
             log.info("freed %d slots of front-ends that have ended", freed)
@@ -106,7 +106,7 @@ class Engine:
         replica = self.replica
         return EngineInfo(replica.name, str(replica.device), replica.weights.source, replica.weights.warning,
                           replica.batcher.max_batch_size, replica.decode_on_device, replica.healthy,
-                          sys.getswitchinterval() * 1000, replica.torch_threads)
+                          sys.getswitchinterval() * 1000, replica.torch_threads, replica.runner.describe())
 
     def stop(self, grace: float) -> None:
         """Take no new front-end, finish what is queued, and answer it."""

@@ -19,7 +19,7 @@ from resnet_server.common.errors import StartupError
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.model import LoadedWeights, build_model, load_weights
 from resnet_server.common.threads import use_torch_threads
-from resnet_server.engine.batcher import Batcher
+from resnet_server.engine.batcher import Answers, Batcher
 from resnet_server.engine.runner import ModelRunner, bucket_sizes
 from resnet_server.engine.runners import build_runner
 
@@ -41,9 +41,6 @@ class Replica:
     weights: LoadedWeights
     decode_on_device: bool = False  # JPEGs go to the batcher undecoded, decoded there in one batch
     torch_threads: int = 1  # the OpenMP team of its worker thread (replica_torch_threads)
-    inline_bytes: int | None = None  # the most bytes an image goes as it came; None: any (an engine's slab sets one)
-    takes_crops: bool = False  # images preprocessed for it go as uint8 crops (EngineClient's; in process: floats)
-    pending: int = 0  # images routed here and not yet answered; touched on the event loop only
 
     @property
     def healthy(self) -> bool:
@@ -90,18 +87,18 @@ class _ReplicaSetup:
 
 
 def load_replica(name: str, device: torch.device, config: ServerConfig, metrics: Metrics,
-                 on_rejoin: Callable[[], None], **hooks: Callable) -> Replica:
+                 on_rejoin: Callable[[], None], answers: Answers) -> Replica:
     """Start the replica's worker thread, which loads and warms the model before taking work.
-    ``on_rejoin`` is called on that thread whenever the replica comes back into rotation; ``hooks`` (deliver,
-    fail, on_dropped) say where answers go when not to asyncio futures (see Batcher)."""
+    ``on_rejoin`` is called on that thread whenever the replica comes back into rotation; ``answers``: where
+    the batches' answers go (see Batcher)."""
     started = time.monotonic()
     batch_limit = max_batch_size(config, device)
     setup = _ReplicaSetup(name, device, config, batch_limit)
     batcher = Batcher(name, setup, metrics, max_batch_size=batch_limit,
-                      max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue,
+                      max_batch_delay_ms=config.max_batch_delay_ms,
                       failures_before_eviction=FAILURES_BEFORE_EVICTION,
                       probe_interval=config.replica_probe_interval, on_rejoin=on_rejoin,
-                      wait_for_callers_ms=config.wait_for_callers_ms, **hooks)
+                      answers=answers, wait_for_callers_ms=config.wait_for_callers_ms)
     try:
         batcher.start()
     except StartupError:

@@ -40,6 +40,8 @@ from resnet_server.common.postprocess import temperature_softmax
 from resnet_server.common.preprocess import FLOAT_SHAPE, CroppedImage, RawImage, cropped_batch, raw_batch, whole_batch
 from resnet_server.common.work import ModelInput
 
+# Batches a CUDA batcher keeps launched and unanswered: one computing on the device, the next queued behind it.
+CUDA_BATCHES_IN_FLIGHT = 2
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -51,8 +53,9 @@ class ModelRunner:
         self.precision = precision
         self.dtype = PRECISIONS[precision]
         self.cuda = device.type == "cuda"
-        # channels_last speeds up convolutions on CUDA (tensor cores) and on the CPU too (oneDNN, eager: +20-30%
-        # at batch 1-16 on the 2-core CI machine; compiled: the same speed, inductor picks its own layouts).
+        self.batches_in_flight = CUDA_BATCHES_IN_FLIGHT if self.cuda else 1  # see server.engine.batcher
+        # channels_last speeds up convolutions on CUDA (tensor cores) and on the CPU too (oneDNN, eager; compiled,
+        # inductor picks its own layouts): docs/performance.md, "Figures behind the code".
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         model = _fold_batch_norms(model) if fold_batch_norms else model.eval()  # off only to measure what it saves
         self.model = model.to(device=device, dtype=self.dtype, memory_format=self.memory_format)
@@ -75,7 +78,8 @@ class ModelRunner:
             how = f"compiled by inductor ({self.compile_mode})"
         else:
             how = "as a TorchScript graph" if self.torchscript else "eagerly"
-        sizes = ", ".join(map(str, self.buckets)) or "any size (not warmed)"
+        sizes = ", ".join(map(str, sorted(self._graphs) if self.cuda_graphs else self.buckets)) or \
+            "any size (not warmed)"
         return f"{self.device} runs {self.precision} {how} at batch sizes {sizes}"
 
     def _graph(self) -> torch.nn.Module:
@@ -325,10 +329,9 @@ class _Scored(torch.nn.Module):
 
 def _fold_batch_norms(model: torch.nn.Module) -> torch.nn.Module:
     """The model in eval mode with every batch norm folded into the convolution it follows: the same function
-    (logits within 1e-5), one pass less over each activation and 20 fewer kernels per forward pass. On the
-    2-core CPU, in eager channels_last, it is worth little (batch 8: +1.6% in the median of six alternating
-    pairs); it is there for small GPU batches, where kernel launches dominate. Done in fp32, before any cast
-    to reduced precision.
+    (logits within 1e-5), one pass less over each activation and 20 fewer kernels per forward pass. On the CPU
+    it is worth little; it is there for small GPU batches, where kernel launches dominate. Done in fp32, before
+    any cast to reduced precision.
 
     Pairs are found by name, as torchvision's ResNets lay them out: ``bnN`` follows ``convN`` and a
     ``downsample`` is ``Sequential(conv, bn)``. (torch.fx would find them by tracing, but its tracer patches
@@ -371,8 +374,8 @@ def _fresh_batch(inputs: torch.Tensor, size: int, memory_format: torch.memory_fo
 
 def _compile(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     # Freezing folds the weights into the graph as constants (conv+batch-norm folding, prepacked
-    # weights on the CPU): measured ~40% faster than eager on 2 CPU cores. It needs inference mode,
-    # which every call here runs under.
+    # weights on the CPU), the most of compiling's gain there. It needs inference mode, which every call here
+    # runs under.
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = True

@@ -8,7 +8,9 @@
   one replica's batches only (``@cpu#1 fail ...``), then one of:
   ``fail MESSAGE`` (the launch raises RuntimeError), ``fail-late MESSAGE`` (the forward pass runs, then
   waiting for its scores raises), ``oom`` or ``oom-above N`` (out of memory, for every batch or for batches
-  of more than N images); empty or missing: no fault.
+  of more than N images), ``hold`` (the batch's scores land only once the file no longer says so); empty or
+  missing: no fault. A line ``pipeline`` in the file when the engine starts makes it launch batches while
+  others compute, as on CUDA (the pipeline's order then shows on the CPU).
 
 The instruments keep the model's loading and warm-up (the same start-up, the same log), and are named in
 the engine's ready line.
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from resnet_server.engine.runner import ModelRunner, PendingScores
+from resnet_server.engine.runner import CUDA_BATCHES_IN_FLIGHT, ModelRunner, PendingScores
 
 
 def build_runner(spec: str, replica: str, *args, **kwargs) -> ModelRunner:
@@ -81,12 +83,27 @@ class _FailingLate(PendingScores):
         raise RuntimeError(self._message)
 
 
+class _Held(PendingScores):
+    """Scores that land once ``held()`` is false (asked every few milliseconds)."""
+
+    def __init__(self, scores: PendingScores, held) -> None:
+        super().__init__(*scores.wait())
+        self._held = held
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        while self._held():
+            time.sleep(0.005)
+        return super().wait()
+
+
 class FaultyRunner(ModelRunner):
     """The model, failing as the file at ``path`` says when a batch is launched (see the module's docstring)."""
 
     def __init__(self, path: Path, replica: str, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.path, self.replica = path, replica
+        if self._fault()[0] == "pipeline":
+            self.batches_in_flight = CUDA_BATCHES_IN_FLIGHT
 
     def describe(self) -> str:
         return f"{super().describe()}, failing as {self.path} says (--runner faulty)"
@@ -116,4 +133,6 @@ class FaultyRunner(ModelRunner):
         if kind == "fail-late":
             super().launch(inputs, temperatures).wait()
             return _FailingLate(argument or "injected fault after the forward pass")
+        if kind == "hold":
+            return _Held(super().launch(inputs, temperatures), lambda: self._fault()[0] == "hold")
         return super().launch(inputs, temperatures)

@@ -19,7 +19,6 @@ from resnet_server.common.errors import (
     DeadlineExpired,
     InvalidImages,
     InvalidInput,
-    Overloaded,
     Unavailable,
     status_for,
 )
@@ -37,9 +36,6 @@ DEFAULT_TOP_K = 5
 class Limits:
     max_images_per_request: int
     max_pixels: int
-    # Images accepted per replica and not yet answered (decoding, queued or computing). Checked when a
-    # request arrives, so overload is refused before any decoding work, and accepted latency stays bounded.
-    max_queue: int
 
 
 @dataclass(frozen=True)
@@ -62,7 +58,7 @@ class InferenceCore:
         self._metrics = metrics
         self._children: dict[tuple, object] = {}  # by (metric, *labels): see _series
         # Preprocessing threads run torch ops one-threaded: an OpenMP team per thread would compete with
-        # the replicas' forward passes for the same cores (measured: ~30% slower forward on 2 cores).
+        # the engines' forward passes for the same cores.
         self._executor = ThreadPoolExecutor(preprocess_threads, thread_name_prefix="preprocess",
                                             initializer=use_torch_threads, initargs=(1,))
 
@@ -99,9 +95,7 @@ class InferenceCore:
 
     async def _classify_on(self, replica: EngineHandle, call: ClassifyCall, started: float) -> list[ImageOutput]:
         temperature, k = self._validate(call)
-        if replica.pending > self.limits.max_queue:  # pending already counts this call's images
-            raise Overloaded(f"{replica.name} has {replica.pending - len(call.images)} images in flight "
-                             f"(limit {self.limits.max_queue}); retry later")
+        replica.check_room(len(call.images))
         deadline = None if call.timeout is None else started + call.timeout
         model_inputs = await self._admit(call.images, replica)
         loop = asyncio.get_running_loop()
@@ -109,13 +103,13 @@ class InferenceCore:
             raise DeadlineExpired("deadline passed while the images were decoded")
         items = [WorkItem(model_input, temperature, k, deadline, loop.create_future(), call.request_id)
                  for model_input in model_inputs]
-        replica.batcher.submit(items)
+        replica.submit(items)
         try:
             if len(items) == 1:  # most calls: no gathering future and its callbacks
                 return [await items[0].future]
             return list(await asyncio.gather(*(item.future for item in items)))
         except BaseException:
-            replica.batcher.withdraw(items)  # a cancelled call frees its queue slots at once
+            replica.withdraw(items)  # a cancelled call frees its queue slots at once
             for item in items:
                 item.future.cancel()
             raise
@@ -160,7 +154,7 @@ class InferenceCore:
         loop = asyncio.get_running_loop()
 
         def decoder(image: ImageInput) -> Callable | None:
-            fits = inline is None or len(image.data) <= inline
+            fits = len(image.data) <= inline
             if isinstance(image, RawImage):
                 return None if fits else preprocess
             return defer_or_preprocess if replica.decode_on_device and fits else preprocess

@@ -52,7 +52,7 @@ _ERRORS = {cls.__name__: cls for cls in vars(errors).values()
 
 
 class EngineClient:
-    """The replica interface (name, healthy, pending, batcher.submit/withdraw/stop) over an engine process."""
+    """The front-end's handle on one engine process (server.frontend.router.EngineHandle)."""
 
     def __init__(self, link: EngineLink, owner: int, on_lost: Callable[[], None],
                  on_back: Callable[[], None]) -> None:
@@ -62,7 +62,6 @@ class EngineClient:
         self.slab = Slab(link.slab_fd, link.layout)
         self.inline_bytes = link.layout.inline_bytes  # larger images are preprocessed here, not sent as they came
         self.pending = 0  # images routed here and not yet answered (InferenceCore keeps it)
-        self.batcher = self
         self.info: EngineInfo | None = None
         self._on_lost, self._on_back = on_lost, on_back
         self._connection: Connection | None = None
@@ -134,14 +133,24 @@ class EngineClient:
         self._connection, self.info, self._in_rotation = connection, info, info.in_rotation
         asyncio.get_running_loop().add_reader(connection.fileno(), self._read)
 
+    def check_room(self, count: int) -> None:
+        """Overloaded now if the engine's slab has fewer than ``count`` free slots, so that a call that would be
+        refused is refused before its images are decoded (submit() decides, taking them)."""
+        if self.slab.free_count() < count:
+            raise self._full()
+
+    def _full(self) -> Overloaded:
+        # --max-queue is the slab's slot count: the engine-wide limit, across every front-end, held in one place.
+        return Overloaded(f"{self.name} has its --max-queue of {self.link.layout.slots} images accepted and not "
+                          "yet answered; retry later")
+
     def submit(self, items: Sequence[WorkItem]) -> None:
         """Send all items or none; Overloaded when the engine's slab has too few free slots."""
         if self._connection is None:
             raise Unavailable(f"the engine of {self.name} is restarting; retry")
         slots = self.slab.take(len(items), self.owner)
         if slots is None:
-            raise Overloaded(f"{self.name} has its --max-queue of {self.link.layout.slots} images accepted and "
-                             "not yet answered; retry later")
+            raise self._full()
         for slot, item in zip(slots, items, strict=True):
             self._unsent.append(self._write(slot, item))
             self._waiting[slot], self._slot_of[item] = item, slot

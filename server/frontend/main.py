@@ -23,6 +23,5 @@ def frontend_main(config: ServerConfig, engines: list[EngineLink], owner: int, s
     metrics = Metrics(config.largest_batch, statistics)
     if with_metrics:
         reports.send(("metrics", serve_child_metrics(metrics.registry).server_port))
-    raise SystemExit(run(config, on_bound=lambda port: reports.send(("bound", port)),
-                         on_serving=lambda: reports.send(("serving", 0)), load_first=load_first,
-                         metrics=metrics, engines=engines, owner=owner))
+    raise SystemExit(run(config, engines, owner, metrics, on_bound=lambda port: reports.send(("bound", port)),
+                         on_serving=lambda: reports.send(("serving", 0)), load_first=load_first))

@@ -9,18 +9,6 @@ from resnet_server.common.errors import Unavailable
 from resnet_server.common.work import WorkItem
 
 
-class Batches(Protocol):
-    """Where a call's images are queued: an engine's batcher, as its handle presents it."""
-
-    max_batch_size: int
-
-    def submit(self, items: Sequence[WorkItem]) -> None: ...
-
-    def withdraw(self, items: Sequence[WorkItem]) -> None: ...
-
-    def stop(self, timeout: float | None = None) -> None: ...
-
-
 class Weights(Protocol):
     source: str  # what GetModelInfo reports, e.g. "imagenet:IMAGENET1K_V1" or the file's path
     warning: str
@@ -31,8 +19,21 @@ class EngineHandle(Protocol):
 
     name: str
     pending: int  # images routed here and not yet answered; kept by the core, on the event loop
-    inline_bytes: int | None  # the most bytes an image goes as it came; larger ones are preprocessed first
-    batcher: Batches
+    inline_bytes: int  # the most bytes an image goes as it came; larger ones are preprocessed first
+
+    def check_room(self, count: int) -> None:
+        """Overloaded if the engine has no room for ``count`` more images (its --max-queue)."""
+
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        """Queue ``items`` on the engine, all or none (Overloaded); each item's future is settled with its answer."""
+
+    def withdraw(self, items: Sequence[WorkItem]) -> None:
+        """Take back items whose call was cancelled, freeing their queue places at once."""
+
+    def stop(self, timeout: float | None = None) -> None: ...
+
+    @property
+    def max_batch_size(self) -> int: ...
 
     @property
     def healthy(self) -> bool: ...
@@ -68,4 +69,4 @@ class Router:
 
     def stop(self, timeout: float | None = None) -> None:
         for replica in self.replicas:
-            replica.batcher.stop(timeout)
+            replica.stop(timeout)

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import signal
 import sys
-import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import NoReturn, TypeVar
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,9 +23,9 @@ from resnet_server import __version__
 from resnet_server.boundary.protocol import EngineLink
 from resnet_server.common import event_loop
 from resnet_server.common.config import ServerConfig
-from resnet_server.common.devices import cpu_bf16_unit, replica_names, resolve_devices
+from resnet_server.common.devices import cpu_bf16_unit, resolve_devices
 from resnet_server.common.errors import StartupError
-from resnet_server.common.metrics import Metrics, serve_metrics
+from resnet_server.common.metrics import Metrics
 from resnet_server.common.model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION
 from resnet_server.common.preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
 from resnet_server.common.threads import use_torch_threads
@@ -41,22 +39,20 @@ from resnet_server.frontend.security import TokenAuthInterceptor, load_tokens, s
 from resnet_server.frontend.temperature import default_temperature
 
 log = logging.getLogger("server")
-T = TypeVar("T")
 LABELS = list(IMAGENET_WEIGHTS.meta["categories"])
 SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name,)
 OIP_SERVICE_NAME = oip_pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
 
 class App:
-    """One server process: gRPC (classifier, health, reflection) and the metrics endpoint. ``metrics``: its
-    series and statistics, when made by the caller (a test reading them, a front-end sharing the server's totals)."""
+    """One front-end process's gRPC server (classifier, OIP, health, reflection) over the engines. ``metrics``: its
+    series and statistics, when made by the caller (a test reading them, a front-end sharing the server's totals);
+    they are served by the caller too (server.frontend.main)."""
 
-    def __init__(self, config: ServerConfig, metrics: Metrics | None = None, engines: Sequence[EngineLink] = (),
-                 owner: int = 1) -> None:
+    def __init__(self, config: ServerConfig, metrics: Metrics | None, engines: Sequence[EngineLink],
+                 owner: int) -> None:
         self.config = config
-        # A front-end's engine processes (one per device) and its number in their slabs; none: the replicas
-        # load in this process (tests of the layers above the engine).
-        self.engines, self.owner = list(engines), owner
+        self.engines, self.owner = list(engines), owner  # one engine process per device; its number in their slabs
         self.metrics = metrics or Metrics(config.largest_batch)
         # Checked before binding, so a bad --device, --temperature-file or TLS file fails at once.
         self.devices = resolve_devices(config.devices)
@@ -69,7 +65,6 @@ class App:
         self.classifier = ClassifierService()
         self.inference = InferenceService(self.metrics.statistics)
         self._server: grpc.aio.Server | None = None
-        self._metrics_http = None
         self._no_replica = False  # every replica out of rotation: health went NOT_SERVING
         self._give_up: asyncio.TimerHandle | None = None  # runs out --unhealthy-exit-after seconds after that
         self._draining = False
@@ -134,15 +129,13 @@ class App:
             raise StartupError(f"cannot listen on {address}: the port is in use, or the address is not "
                                "this machine's") from None
         await self._server.start()
-        self._metrics_http = serve_metrics(self.metrics, config.metrics_host, config.metrics_port)
         return self.port
 
     async def load(self) -> None:
-        """Load and warm every replica off the loop, all at the same time (start-up on several GPUs then
-        lasts as long as the slowest one, not their sum), then report SERVING."""
+        """Connect to every engine and wait until each has warmed up, then report SERVING."""
         config = self.config
-        replicas = await (self._connect_engines() if self.engines else self._load_replicas())
-        limits = Limits(config.max_images_per_request, config.max_pixels, config.max_queue)
+        replicas = await self._connect_engines()
+        limits = Limits(config.max_images_per_request, config.max_pixels)
         self.core = InferenceCore(Router(replicas), self.metrics, limits, self.temperature,
                                   config.preprocess_threads, self._no_replica_left)
         info = model_info(config, replicas, self.temperature, self.temperature_source)
@@ -151,17 +144,6 @@ class App:
         self.inference.attach(self.core, LABELS, info)
         self._suggest_bf16()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-
-    async def _load_replicas(self) -> list[EngineHandle]:
-        # The in-process topology (tests of the layers above the engine; never resnet-server), imported here so
-        # that a front-end process loads none of the engine's modules (the import contract lists this one edge).
-        from resnet_server.engine.replicas import load_replica
-
-        loop = asyncio.get_running_loop()
-        rejoined = functools.partial(loop.call_soon_threadsafe, self._replica_rejoined)
-        return list(await asyncio.gather(*(
-            in_own_thread(f"load-{name}", load_replica, name, device, self.config, self.metrics, rejoined)
-            for name, device in zip(replica_names(self.devices), self.devices, strict=True))))
 
     async def _connect_engines(self) -> list[EngineClient]:
         clients = [EngineClient(link, self.owner, self._engine_lost, self._replica_rejoined) for link in self.engines]
@@ -250,9 +232,6 @@ class App:
         if self.core is not None:
             self.core.router.stop(timeout=grace)
             self.core.close()
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
 
 
 class _Handlers:
@@ -287,34 +266,6 @@ def _connection_age_options(config: ServerConfig) -> list[tuple[str, int]]:
             ("grpc.max_connection_age_grace_ms", round(config.grace_period * 1000))]
 
 
-def in_own_thread(name: str, function: Callable[..., T], *args: object) -> asyncio.Future[T]:
-    """``function(*args)`` on a daemon thread of its own, as a future of the running loop. Unlike the loop's
-    default executor, whose threads are joined when the loop closes, nothing waits for it: a replica that fails
-    to load ends start-up at once instead of after the other replicas' loads and warm-ups."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def run() -> None:
-        try:
-            result, error = function(*args), None
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            result, error = None, exc
-        with contextlib.suppress(RuntimeError):  # the loop has closed: start-up failed and no one waits
-            loop.call_soon_threadsafe(_settle, future, result, error)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
-
-
-def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
 def model_info(config: ServerConfig, replicas: Sequence[EngineHandle], temperature: float, source: str
                ) -> pb.ModelInfo:
     weights = replicas[0].weights
@@ -328,7 +279,7 @@ def model_info(config: ServerConfig, replicas: Sequence[EngineHandle], temperatu
         devices=[replica.name for replica in replicas],
         default_temperature=temperature,
         temperature_source=source,
-        batching=pb.BatchingSpec(max_batch_size=max(replica.batcher.max_batch_size for replica in replicas),
+        batching=pb.BatchingSpec(max_batch_size=max(replica.max_batch_size for replica in replicas),
                                  max_batch_delay_ms=config.max_batch_delay_ms, max_queue=config.max_queue,
                                  wait_for_callers_ms=config.wait_for_callers_ms),
         weights=weights.source,
@@ -337,9 +288,9 @@ def model_info(config: ServerConfig, replicas: Sequence[EngineHandle], temperatu
     )
 
 
-async def serve(config: ServerConfig, on_bound: Callable[[int], object] | None = None,
-                on_serving: Callable[[], object] | None = None, load_first: bool = False,
-                metrics: Metrics | None = None, engines: Sequence[EngineLink] = (), owner: int = 1) -> int:
+async def serve(config: ServerConfig, engines: Sequence[EngineLink], owner: int, metrics: Metrics,
+                on_bound: Callable[[int], object] | None = None, on_serving: Callable[[], object] | None = None,
+                load_first: bool = False) -> int:
     """Run until SIGTERM or SIGINT (exit code 0), or until no replica has been in rotation for
     --unhealthy-exit-after seconds (1), then drain within the grace period. ``on_bound`` and ``load_first``: see
     App.start; ``on_serving`` hears when health says SERVING; ``metrics``: a front-end's (see App)."""
@@ -383,13 +334,13 @@ async def _unless_stopped(work: Awaitable[object], stop: asyncio.Event) -> bool:
     return False
 
 
-def run(config: ServerConfig, on_bound: Callable[[int], object] | None = None,
-        on_serving: Callable[[], object] | None = None, load_first: bool = False,
-        metrics: Metrics | None = None, engines: Sequence[EngineLink] = (), owner: int = 1) -> int:
+def run(config: ServerConfig, engines: Sequence[EngineLink], owner: int, metrics: Metrics,
+        on_bound: Callable[[int], object] | None = None, on_serving: Callable[[], object] | None = None,
+        load_first: bool = False) -> int:
     """Serve until stopped and drain; serve()'s exit code, or exit 1 at once with the error in one line if
     start-up fails."""
     try:
-        return event_loop.run(serve(config, on_bound, on_serving, load_first, metrics, engines, owner),
+        return event_loop.run(serve(config, engines, owner, metrics, on_bound, on_serving, load_first),
                               config.event_loop)
     except StartupError as exc:
         worker = f"front-end {config.worker}: " if config.frontends > 1 else ""

@@ -1,8 +1,8 @@
 """The server's processes: one engine per device, several gRPC front-ends, and this supervisor.
 
-One asyncio process cannot feed a GPU (measured on an H100: one process's serving path answered about
-1,600 calls a second, the GPU computes 14,000-23,000 images a second), and several whole servers each
-with its own replica split the batches. So the network and the devices get processes of their own:
+One asyncio process cannot feed a GPU (its serving path answers a fraction of the calls a GPU computes:
+docs/performance.md, "Figures behind the code"), and several whole servers each with its own replica split the
+batches. So the network and the devices get processes of their own:
 
 - an **engine** per device (``server.engine.core``): the model, warmed at every batch size it will run, and the
   one dynamic batcher of that device, across all front-ends; no asyncio, no gRPC;
@@ -147,9 +147,9 @@ class Supervisor:
         """Start everything and keep it running; False when a signal comes, True when a child ended before it
         first served (the set then stops)."""
         self._start_engines()
-        # The front-ends start beside the engines: a front-end's own start (imports, gRPC, the port) took 6 of the
-        # 23 s to SERVING on the 2-core VM when it waited for them. An engine or front-end that ends before it
-        # is ready ends the set, as before.
+        # The front-ends start beside the engines: waiting for the engines first adds a front-end's own start
+        # (imports, gRPC, the port) to the time to SERVING. An engine or front-end that ends before it is ready
+        # ends the set, as before.
         first = self._start_frontend(0, self.config.port)
         if (failed := self._wait_until(lambda: bool(first.port))) is not None:
             return failed

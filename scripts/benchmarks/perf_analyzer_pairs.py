@@ -1,6 +1,6 @@
 """Triton's perf_analyzer against the in-process forward pass, interleaved window by window.
 
-The benchmark issue's targets with an independent C++ client, measured as scripts/latency_pairs.py and
+The benchmark issue's targets with an independent C++ client, measured as scripts/benchmarks/latency_pairs.py and
 throughput_pairs.py measure them with ours (this VM's speed drifts 10-40% over minutes, so only sides
 seconds apart compare). Each pair: in-process batch-1 passes, then perf_analyzer at c=1 (three windows);
 the in-process forward pass at --batch-size, then perf_analyzer at c=16. Each side idles while the other
@@ -12,7 +12,7 @@ the c=1 pairs also keep the means of both sides: the served mean less the server
 round trip outside the server, and the server's forward pass less the in-process one what serving costs
 the pass itself.
 
-Usage: python scripts/perf_analyzer_pairs.py --server 127.0.0.1:50151 [--pairs 8] [--batch-size 8]
+Usage: python scripts/benchmarks/perf_analyzer_pairs.py --server 127.0.0.1:50151 [--pairs 8] [--batch-size 8]
        [--window-ms 1500] [--device cpu] [--torch-threads 0] [--compile] (the server's own model flags)
 """
 
@@ -21,9 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
-import perf_analyzer
 import torch
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # the perf_analyzer driver is a tool of scripts/
+import perf_analyzer  # noqa: E402
 
 from resnet_server.common.preprocess import FLOAT_SHAPE
 from resnet_server.engine.bench_model import Replicas, add_model_arguments, parse_model_arguments

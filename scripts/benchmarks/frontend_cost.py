@@ -15,7 +15,7 @@ its engine costs what. The bare server runs on asyncio's own event loop, the iss
 front-end on uvloop where installed (server.common.event_loop), so ``--bare-loop uvloop`` gives the front-end's own
 cost alone. Both servers listen on 127.0.0.1 and are stopped when done.
 
-Usage: python scripts/frontend_cost.py [--processes 4] [--concurrency 16] [--duration 10] [--rounds 3]
+Usage: python scripts/benchmarks/frontend_cost.py [--processes 4] [--concurrency 16] [--duration 10] [--rounds 3]
        [--server-flags "..."] [--bare-loop asyncio|uvloop] [--json]
 """
 
@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import grpc
 from cpu_split import thread_cpu_seconds
-from grpc_floor import serve_aio  # scripts/ is this script's first path entry, and its spawned children's
+from grpc_floor import serve_aio  # its folder is the first path entry, and its spawned children's
 
 from resnet_client.api import classifier_pb2 as pb
 

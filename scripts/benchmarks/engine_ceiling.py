@@ -10,7 +10,7 @@ read back), ``--in-flight`` images each, one image a call. No gRPC and no client
 hand-off. It prints images a second, the engine's CPU microseconds an image (every thread of the process, over the
 measured window) and the mean batch.
 
-Usage: python scripts/engine_ceiling.py [--feeders 2] [--in-flight 64] [--compute-ms 4] [--duration 10]
+Usage: python scripts/benchmarks/engine_ceiling.py [--feeders 2] [--in-flight 64] [--compute-ms 4] [--duration 10]
        [--rounds 1] [--json]
 """
 
@@ -24,7 +24,7 @@ import statistics
 import time
 from dataclasses import replace
 
-from frontend_cost import cpu_seconds  # scripts/ is this script's first path entry, and its spawned children's
+from frontend_cost import cpu_seconds  # its folder is the first path entry, and its spawned children's
 
 RAW_BYTES = 224 * 224 * 3
 

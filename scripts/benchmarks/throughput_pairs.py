@@ -11,7 +11,7 @@ has filled and the last one before the window closes: in a closed loop the answe
 per batch, and ending both counts on a burst keeps a part-burst from moving the rate by up to a
 batch's worth.
 
-Usage: python scripts/throughput_pairs.py --server 127.0.0.1:50151 [--concurrency 16] [--batch-size 8]
+Usage: python scripts/benchmarks/throughput_pairs.py --server 127.0.0.1:50151 [--concurrency 16] [--batch-size 8]
        [--image-size 224x224] [--windows 15] [--window 4] [--device cpu] [--torch-threads 0] [--compile]
 """
 

@@ -2,7 +2,7 @@
 
 nvjpeg's IDCT and the GPU resize round differently from libjpeg-turbo and the CPU resize, so the
 model inputs differ slightly; this reports by how much, and how often top-1 changes.
-Usage: python scripts/decode_check.py --device cuda:0 [--weights imagenet|PATH|random] [--images 256]
+Usage: python scripts/benchmarks/decode_check.py --device cuda:0 [--weights imagenet|PATH|random] [--images 256]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ answers 4,000 bytes, about a ClassifyResponse; a blocking client times 400 calls
 on a free port of 127.0.0.1 and is stopped when its calls are done. What the served c=1 latency cannot go
 below, whatever the serving path does.
 
-Usage: python scripts/grpc_floor.py [--calls 400]
+Usage: python scripts/benchmarks/grpc_floor.py [--calls 400]
 """
 
 from __future__ import annotations

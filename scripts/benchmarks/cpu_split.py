@@ -1,7 +1,7 @@
 """Where the cores go while a server answers a closed loop: CPU seconds per answered image, by part.
 
 Runs a closed loop of one-image uint8 requests from this process and, over a window after a ramp, reads the
-CPU time of every thread of the server's processes (the supervisor and its children: /proc/PID/task/*/stat,
+CPU time of every thread of the server's processes (the supervisor and its descendants: /proc/PID/task/*/stat,
 Linux) and of this process. The parts: the forward team (the busiest threads of the busiest process, the
 engine: the replica's worker and its OpenMP helpers, which also convert the raw images), the event loops (the
 main threads of the other children, the front-ends), the server's other threads (gRPC, preprocessing, metrics,
@@ -9,7 +9,7 @@ the engine's sockets, the supervisor), and the client. Each is given in millisec
 a share of what the machine had: cores x wall time. Whatever the client and the server's other threads take is
 not there for the forward pass when they share the cores, which is how it is measured here.
 
-Usage: python scripts/cpu_split.py --server 127.0.0.1:50151 --server-pid PID [--concurrency 16]
+Usage: python scripts/benchmarks/cpu_split.py --server 127.0.0.1:50151 --server-pid PID [--concurrency 16]
        [--image-size 224x224] [--ramp 3] [--window 15] [--team 2]
 """
 
@@ -31,10 +31,10 @@ TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu_seconds(pid: int) -> dict[tuple[int, int], float]:
-    """CPU seconds (user + system) of each live thread of ``pid`` and of its children, by (process, thread)."""
+    """CPU seconds (user + system) of each live thread of ``pid`` and of its descendants (the server's children
+    are the fork server's), by (process, thread)."""
     seconds = {}
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    for process in [pid, *map(int, children.read_text().split() if children.exists() else [])]:
+    for process in _descendants(pid):
         for task in Path(f"/proc/{process}/task").iterdir():
             try:
                 stat = (task / "stat").read_text()
@@ -43,6 +43,16 @@ def thread_cpu_seconds(pid: int) -> dict[tuple[int, int], float]:
             fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
             seconds[(process, int(task.name))] = (int(fields[11]) + int(fields[12])) / TICKS_PER_SECOND
     return seconds
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every live process below it."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        below = [int(child) for child in children.read_text().split()]
+    except FileNotFoundError:  # it ended since its parent listed it
+        return []
+    return [pid, *(process for child in below for process in _descendants(child))]
 
 
 def split(pid: int, before: dict[tuple[int, int], float], after: dict[tuple[int, int], float],

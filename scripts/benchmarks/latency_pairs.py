@@ -12,7 +12,7 @@ pass, and how much the request spends outside it (gRPC and the client both ways,
 event loop and the replica's thread). For scale, it also times an empty call (GetModelInfo): the
 round trip of gRPC itself between these two processes.
 
-Usage: python scripts/latency_pairs.py --server 127.0.0.1:50151 [--image-size 224x224] [--windows 20]
+Usage: python scripts/benchmarks/latency_pairs.py --server 127.0.0.1:50151 [--image-size 224x224] [--windows 20]
        [--device cpu] [--torch-threads 0] [--compile] (and bench-model's other model flags: the server's own)
 """
 

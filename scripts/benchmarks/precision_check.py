@@ -1,6 +1,6 @@
 """fp16/bf16 against fp32 on a fixed set of images: top-1 agreement and the largest probability difference.
 
-Usage: python scripts/precision_check.py --device cuda:0 [--weights imagenet|PATH|random] [--images 512]
+Usage: python scripts/benchmarks/precision_check.py --device cuda:0 [--weights imagenet|PATH|random] [--images 512]
 """
 
 from __future__ import annotations

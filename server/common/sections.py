@@ -1,0 +1,103 @@
+"""What each process takes of the server's configuration: the flags (``ServerConfig``) split by the process that
+acts on them. The supervisor builds a section for each child from the configuration it checked, so a child sees
+the settings it uses and no other, and nothing of its own identity (a front-end's index comes beside it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from resnet_server.common.config import ServerConfig
+
+
+@dataclass(frozen=True)
+class Observability:
+    """Every process's logs."""
+
+    log_level: str
+    log_format: str
+
+
+@dataclass(frozen=True)
+class Network:
+    """A front-end's gRPC listener: where, how large, how long, and who may call."""
+
+    host: str
+    port: int
+    max_message_mb: int
+    max_concurrent_streams: int
+    max_connection_age: float
+    tls_cert: str | None
+    tls_key: str | None
+    tls_client_ca: str | None
+    auth_token_file: str | None
+    auth_health: bool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """An engine process's: its model, and how batches form and run on its device."""
+
+    weights: str
+    precision: str
+    max_batch_size: int
+    max_batch_delay_ms: float
+    wait_for_callers_ms: float
+    torch_threads: int
+    switch_interval_ms: float
+    replica_probe_interval: float
+    channels_last: bool
+    cudnn_benchmark: bool
+    compile: bool
+    compile_mode: str
+    torchscript: bool
+    decode_on_device: str
+    runner: str
+    grace_period: float
+    uses_cuda_graphs: bool  # --cuda-graphs resolved (ServerConfig.uses_cuda_graphs)
+    largest_batch: int  # the histograms' and statistics' widest batch
+    observability: Observability
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """A front-end process's: its listener, how it admits, decodes and answers calls, and what GetModelInfo
+    reports of the engines' batching."""
+
+    network: Network
+    frontends: int  # how many front-ends share the port (resolved from --frontends)
+    temperature: float
+    temperature_file: str | None
+    max_images_per_request: int
+    max_pixels: int
+    preprocess_threads: int
+    event_loop: str
+    switch_interval_ms: float
+    grace_period: float
+    unhealthy_exit_after: float
+    precision: str
+    max_batch_delay_ms: float
+    wait_for_callers_ms: float
+    max_queue: int
+    largest_batch: int
+    observability: Observability
+
+
+def _section(kind: type, config: ServerConfig, **given: object):
+    """``kind`` with each field taken from ``config`` by name, but those ``given``."""
+    return kind(**{field.name: given[field.name] if field.name in given else getattr(config, field.name)
+                   for field in fields(kind)})
+
+
+def observability(config: ServerConfig) -> Observability:
+    return _section(Observability, config)
+
+
+def engine_config(config: ServerConfig) -> EngineConfig:
+    return _section(EngineConfig, config, observability=observability(config))
+
+
+def frontend_config(config: ServerConfig, port: int, frontends: int) -> FrontendConfig:
+    """A front-end's section, on ``port`` (the one the supervisor bound first, shared by all) as one of
+    ``frontends``."""
+    return _section(FrontendConfig, config, network=_section(Network, config, port=port), frontends=frontends,
+                    observability=observability(config))
