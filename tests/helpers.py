@@ -31,6 +31,7 @@ from resnet_client import ClassifierError, Client
 from resnet_server.common.config import ServerConfig
 from resnet_server.common.event_loop import new_event_loop
 from resnet_server.common.metrics import Metrics, serve_child_metrics
+from resnet_server.common.sections import frontend_config
 from resnet_server.common.statistics import SharedRow
 from resnet_server.frontend.server import App
 from resnet_server.supervisor.merged_metrics import serve_merged_metrics
@@ -72,7 +73,7 @@ class ServerThread:
     def __init__(self, config: ServerConfig, engines, owner: int, engine_metrics_ports=(),
                  statistics: SharedRow | None = None) -> None:
         self.metrics = Metrics(config.largest_batch, statistics)  # its row of the server's statistics
-        self.app = App(config, self.metrics, engines, owner)
+        self.app = App(frontend_config(config, config.port, config.frontends or 1), self.metrics, engines, owner)
         self.engine_metrics_ports = list(engine_metrics_ports)
         self.metrics_http = serve_child_metrics(self.metrics.registry) if self.engine_metrics_ports else None
         self.metrics_port = 0

@@ -21,6 +21,7 @@ from resnet_client.api import classifier_pb2 as pb
 from resnet_client.api import classifier_pb2_grpc as pb_grpc
 from resnet_client.channel import ChannelConfig
 from resnet_server.common.metrics import Metrics
+from resnet_server.common.sections import frontend_config
 from resnet_server.engine.replicas import FAILURES_BEFORE_EVICTION
 from resnet_server.frontend import server as frontend_server
 from tests.helpers import (
@@ -117,7 +118,8 @@ def test_the_server_drains_and_exits_1_when_no_replica_comes_back_in_time(weight
     caller = threading.Thread(target=call_until_unavailable, daemon=True)
     caller.start()
     try:  # a front-end's serve() on this (the main) thread, signals and all
-        code = frontend_server.run(config, engines.links, 999, Metrics(config.largest_batch), on_bound=ports.put)
+        code = frontend_server.run(frontend_config(config, 0, 1), 0, engines.links, 999,
+                                   Metrics(config.largest_batch), on_bound=ports.put)
     finally:
         engines.stop()
     returned.set()

@@ -14,7 +14,7 @@ from tests.helpers import encode, free_port, random_rgb, scrape
 IMAGE = encode(random_rgb(9))
 
 
-def test_samples_count_requests_images_and_timings(make_server):
+def test_samples_count_requests_images_and_timings(make_server, weights_file):
     running = make_server(metrics_port=free_port())
     with Client(running.target, timeout=60) as client:
         client.classify([IMAGE, IMAGE, IMAGE])
@@ -36,7 +36,7 @@ def test_samples_count_requests_images_and_timings(make_server):
     assert sample("resnet_replica_healthy", device="cpu") == 1
     assert sample("resnet_model_load_seconds", device="cpu") > 0
     assert sample("resnet_model_info", device="cpu", model="resnet18", version="1",
-                  weights=running.app.config.weights, server_version="0.1.0") == 1
+                  weights=str(weights_file[0]), server_version="0.1.0") == 1
     # Buckets run from 0.5 ms to 10 s.
     assert sample("resnet_request_duration_seconds_bucket", device="cpu", le="0.0005") == 0
     assert sample("resnet_request_duration_seconds_bucket", device="cpu", le="10.0") == 2

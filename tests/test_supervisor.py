@@ -25,10 +25,10 @@ from resnet_client.bench import LoadSpec, _closed_loop, scrape, server_cpu
 from resnet_server.common.config import ServerConfig
 from resnet_server.common.errors import StartupError
 from resnet_server.common.metrics import Metrics, serve_child_metrics
+from resnet_server.common.sections import engine_config, frontend_config
 from resnet_server.supervisor.launcher import (
     FORK_SERVER_PRELOAD,
     MOST_RESTART_DELAY,
-    frontend_config,
     frontend_count,
     restart_delay,
 )
@@ -367,10 +367,18 @@ def test_an_engine_that_cannot_start_ends_the_server_with_its_error_and_no_front
         assert "ERROR server.supervisor: stopped: resnet-engine-cpu (pid" in done.stderr.splitlines()[-1]
 
 
-def test_each_front_end_gets_the_shared_port_and_no_metrics_port_of_the_users():
-    config = ServerConfig(frontends=2, metrics_port=9000)
-    assert [(c.port, c.worker, c.frontends, c.metrics_port)
-            for c in (frontend_config(config, i, 6000, 2) for i in range(2))] == [(6000, 0, 2, 0), (6000, 1, 2, 0)]
+def test_each_process_gets_its_section_of_the_configuration():
+    """A front-end: the shared port and how many share it, and no /metrics port (the supervisor's alone) or
+    engine setting; an engine: its model and batching, and nothing of the network."""
+    config = ServerConfig(frontends=0, metrics_port=9000, port=0, max_batch_size=4, cuda_graphs="false",
+                          temperature=1.5)
+    frontend = frontend_config(config, 6000, 2)
+    assert (frontend.network.port, frontend.frontends, frontend.temperature) == (6000, 2, 1.5)
+    engine = engine_config(config)
+    assert (engine.max_batch_size, engine.uses_cuda_graphs, engine.largest_batch) == (4, False, 4)
+    for field in ("metrics_port", "metrics_host", "devices"):
+        assert not hasattr(frontend, field) and not hasattr(engine, field)
+    assert not hasattr(engine, "network") and not hasattr(frontend, "weights") and not hasattr(frontend, "worker")
 
 
 def test_auto_front_ends_take_half_the_cores_left_after_the_engines():

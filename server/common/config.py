@@ -87,7 +87,6 @@ class ServerConfig:
     frontends: int = 0  # 0: auto (server.supervisor.launcher.frontend_count)
     event_loop: str = "auto"  # the front-ends' (server.common.event_loop)
     runner: str = "model"  # what runs the engines' batches (server.engine.runners)
-    worker: int = 0  # a front-end process's index (set by server.supervisor.launcher, not a flag)
 
     def __post_init__(self) -> None:
         """Each field of the type it is declared with, and each choice one of its values: a configuration built in

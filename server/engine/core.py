@@ -44,11 +44,11 @@ from resnet_server.boundary.protocol import (
     send,
 )
 from resnet_server.boundary.slab import Slab
-from resnet_server.common.config import ServerConfig
 from resnet_server.common.device_decode import DeferredJpeg
 from resnet_server.common.errors import ServingError
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.preprocess import FLOAT_SHAPE, CroppedImage, RawImage, SlotBytes
+from resnet_server.common.sections import EngineConfig
 from resnet_server.common.work import Ticket, WorkItem
 from resnet_server.engine.batcher import Answers, BatchOutput
 from resnet_server.engine.registered_slab import device_rows, register_slab
@@ -75,7 +75,7 @@ class _FrontEnd:
 
 
 class Engine:
-    def __init__(self, link: EngineLink, device: torch.device, config: ServerConfig, metrics: Metrics) -> None:
+    def __init__(self, link: EngineLink, device: torch.device, config: EngineConfig, metrics: Metrics) -> None:
         self.link = link
         self.device = device
         self.config = config

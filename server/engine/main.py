@@ -11,11 +11,11 @@ from multiprocessing.connection import Connection
 import torch
 
 from resnet_server.boundary.protocol import EngineLink
-from resnet_server.common.config import ServerConfig
 from resnet_server.common.errors import StartupError
 from resnet_server.common.lifetime import die_with_supervisor
 from resnet_server.common.logs import configure_logging
 from resnet_server.common.metrics import Metrics, serve_child_metrics
+from resnet_server.common.sections import EngineConfig
 from resnet_server.common.statistics import SharedRow
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.engine.core import Engine
@@ -23,12 +23,12 @@ from resnet_server.engine.core import Engine
 log = logging.getLogger("server.engine")
 
 
-def engine_main(link: EngineLink, device: str, config: ServerConfig, live_owners: list[int],
+def engine_main(link: EngineLink, device: str, config: EngineConfig, live_owners: list[int],
                 statistics: SharedRow | None, with_metrics: bool, reports: Connection) -> None:
     """An engine process: report where its /metrics listens (``with_metrics``), load, report ("ready", info) to
     the supervisor, serve until SIGTERM, then drain."""
     die_with_supervisor()
-    configure_logging(config.log_level, config.log_format)
+    configure_logging(config.observability.log_level, config.observability.log_format)
     # Ctrl-C reaches every process of the group; the supervisor stops the engines last, with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     use_torch_threads(1)  # the replica's own thread sets its team; the socket threads compute nothing

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from resnet_server.common.config import DEFAULT_MAX_BATCH_SIZE, ServerConfig
+from resnet_server.common.config import DEFAULT_MAX_BATCH_SIZE
 from resnet_server.common.errors import StartupError
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.model import LoadedWeights, build_model, load_weights
+from resnet_server.common.sections import EngineConfig
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.engine.batcher import Answers, Batcher
 from resnet_server.engine.runner import ModelRunner, bucket_sizes
@@ -28,7 +29,7 @@ log = logging.getLogger("server.replicas")
 # A replica whose batches fail this many times in a row leaves the rotation.
 FAILURES_BEFORE_EVICTION = 3
 
-def max_batch_size(config: ServerConfig, device: torch.device) -> int:
+def max_batch_size(config: EngineConfig, device: torch.device) -> int:
     return config.max_batch_size or DEFAULT_MAX_BATCH_SIZE.get(device.type, DEFAULT_MAX_BATCH_SIZE["cpu"])
 
 
@@ -50,7 +51,7 @@ class Replica:
 class _ReplicaSetup:
     """Runs on the replica's worker thread: load weights, build, place and warm up the model."""
 
-    def __init__(self, name: str, device: torch.device, config: ServerConfig, batch_limit: int) -> None:
+    def __init__(self, name: str, device: torch.device, config: EngineConfig, batch_limit: int) -> None:
         self.name = name
         self.device = device
         self.config = config
@@ -86,7 +87,7 @@ class _ReplicaSetup:
         return self.runner
 
 
-def load_replica(name: str, device: torch.device, config: ServerConfig, metrics: Metrics,
+def load_replica(name: str, device: torch.device, config: EngineConfig, metrics: Metrics,
                  on_rejoin: Callable[[], None], answers: Answers) -> Replica:
     """Start the replica's worker thread, which loads and warms the model before taking work.
     ``on_rejoin`` is called on that thread whenever the replica comes back into rotation; ``answers``: where
@@ -122,7 +123,7 @@ def load_replica(name: str, device: torch.device, config: ServerConfig, metrics:
     return Replica(name, device, runner, batcher, weights, decode_on_device, setup.torch_threads)
 
 
-def replica_torch_threads(config: ServerConfig, device: torch.device) -> int:
+def replica_torch_threads(config: EngineConfig, device: torch.device) -> int:
     """--torch-threads, or by default every core for a CPU replica (its forward pass runs there) and one for a
     GPU's, whose host work is copying a batch's bytes: an OpenMP team there shares the cores with the front-ends,
     spins, and every copy waits for its slowest member (docs/operations.md; the H100 run in performance.md)."""

@@ -94,6 +94,11 @@ class EngineClient:
         return self.info.device.startswith("cuda")
 
     @property
+    def device(self) -> str:
+        """The engine's device, e.g. cuda:0 or cpu."""
+        return self.info.device
+
+    @property
     def decode_on_device(self) -> bool:
         return self.info.decode_on_device
 

@@ -5,23 +5,23 @@ from __future__ import annotations
 from multiprocessing.connection import Connection
 
 from resnet_server.boundary.protocol import EngineLink
-from resnet_server.common.config import ServerConfig
 from resnet_server.common.lifetime import die_with_supervisor
 from resnet_server.common.logs import configure_logging
 from resnet_server.common.metrics import Metrics, serve_child_metrics
+from resnet_server.common.sections import FrontendConfig
 from resnet_server.common.statistics import SharedRow
 from resnet_server.frontend.server import run
 
 
-def frontend_main(config: ServerConfig, engines: list[EngineLink], owner: int, statistics: SharedRow,
+def frontend_main(config: FrontendConfig, index: int, engines: list[EngineLink], owner: int, statistics: SharedRow,
                    reports: Connection, load_first: bool, with_metrics: bool) -> None:
     """A front-end process: a gRPC server (server.frontend.server.run) over the engines, reporting where its /metrics
     listens (``with_metrics``), its port once bound, then that it serves. A replacement connects before it binds
     (``load_first``): until then its siblings take every new connection."""
     die_with_supervisor()
-    configure_logging(config.log_level, config.log_format)
+    configure_logging(config.observability.log_level, config.observability.log_format)
     metrics = Metrics(config.largest_batch, statistics)
     if with_metrics:
         reports.send(("metrics", serve_child_metrics(metrics.registry).server_port))
-    raise SystemExit(run(config, engines, owner, metrics, on_bound=lambda port: reports.send(("bound", port)),
+    raise SystemExit(run(config, index, engines, owner, metrics, on_bound=lambda port: reports.send(("bound", port)),
                          on_serving=lambda: reports.send(("serving", 0)), load_first=load_first))

@@ -47,6 +47,9 @@ class EngineHandle(Protocol):
     @property
     def decode_on_device(self) -> bool: ...
 
+    @property
+    def device(self) -> str: ...
+
 
 class Router:
     """Sends each request to the healthy replica with the least queued work, ties in turn."""

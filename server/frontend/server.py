@@ -22,12 +22,12 @@ from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 from resnet_server import __version__
 from resnet_server.boundary.protocol import EngineLink
 from resnet_server.common import event_loop
-from resnet_server.common.config import ServerConfig
-from resnet_server.common.devices import cpu_bf16_unit, resolve_devices
+from resnet_server.common.devices import cpu_bf16_unit
 from resnet_server.common.errors import StartupError
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION
 from resnet_server.common.preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
+from resnet_server.common.sections import FrontendConfig
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.frontend.classifier_service import ClassifierService
 from resnet_server.frontend.classify_request import read_classify_request
@@ -49,15 +49,15 @@ class App:
     series and statistics, when made by the caller (a test reading them, a front-end sharing the server's totals);
     they are served by the caller too (server.frontend.main)."""
 
-    def __init__(self, config: ServerConfig, metrics: Metrics | None, engines: Sequence[EngineLink],
-                 owner: int) -> None:
-        self.config = config
+    def __init__(self, config: FrontendConfig, metrics: Metrics | None, engines: Sequence[EngineLink],
+                 owner: int, index: int = 0) -> None:
+        self.config, self.index = config, index  # this front-end's index among config.frontends
         self.engines, self.owner = list(engines), owner  # one engine process per device; its number in their slabs
         self.metrics = metrics or Metrics(config.largest_batch)
-        # Checked before binding, so a bad --device, --temperature-file or TLS file fails at once.
-        self.devices = resolve_devices(config.devices)
-        self.credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-        self.tokens = load_tokens(config.auth_token_file)
+        # Checked before binding, so a bad --temperature-file or TLS file fails at once.
+        network = config.network
+        self.credentials = server_credentials(network.tls_cert, network.tls_key, network.tls_client_ca)
+        self.tokens = load_tokens(network.auth_token_file)
         self.temperature, self.temperature_source = default_temperature(config)
         self.health = health.aio.HealthServicer()
         self.port = 0
@@ -91,23 +91,23 @@ class App:
     def log_serving(self) -> None:
         """The line that says the server is up (scripts and tests wait for it)."""
         config = self.config
-        worker = f"; front-end {config.worker} of {config.frontends}" if config.frontends > 1 else ""
-        log.info("serving %s on %s:%d (devices %s; event loop %s%s)", MODEL_NAME, config.host, self.port,
+        worker = f"; front-end {self.index} of {config.frontends}" if config.frontends > 1 else ""
+        log.info("serving %s on %s:%d (devices %s; event loop %s%s)", MODEL_NAME, config.network.host, self.port,
                  ", ".join(replica.name for replica in self.core.router.replicas),
                  event_loop.resolved(config.event_loop), worker)
 
     async def bind(self) -> int:
         """Start gRPC, with health NOT_SERVING unless the model is loaded already; until load() is done,
         classification answers UNAVAILABLE."""
-        config = self.config
+        config, network = self.config, self.config.network
         if self.core is None:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        limit = config.max_message_mb * 1024 * 1024
-        interceptors = [TokenAuthInterceptor(self.tokens, config.auth_health)] if self.tokens else []
+        limit = network.max_message_mb * 1024 * 1024
+        interceptors = [TokenAuthInterceptor(self.tokens, network.auth_health)] if self.tokens else []
         self._server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
-            ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+            ("grpc.max_concurrent_streams", network.max_concurrent_streams),
             # The port is shared only among this server's own front-ends. gRPC allows SO_REUSEPORT by default, so
             # a second server started on a port already in use would otherwise take half its connections.
             ("grpc.so_reuseport", int(config.frontends > 1)),
@@ -121,7 +121,7 @@ class App:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-        address = f"{config.host}:{config.port}"
+        address = f"{network.host}:{network.port}"
         try:
             self.port = (self._server.add_secure_port(address, self.credentials) if self.credentials
                          else self._server.add_insecure_port(address))
@@ -142,7 +142,7 @@ class App:
         self._record_model_info(replicas)
         self.classifier.attach(self.core, info)
         self.inference.attach(self.core, LABELS, info)
-        self._suggest_bf16()
+        self._suggest_bf16(replicas)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def _connect_engines(self) -> list[EngineClient]:
@@ -154,9 +154,9 @@ class App:
         if self.core is not None and not self.core.router.any_healthy():
             self._no_replica_left()
 
-    def _suggest_bf16(self) -> None:
+    def _suggest_bf16(self, replicas: Sequence[EngineHandle]) -> None:
         """One line per process (not per replica) where fp32 runs on a CPU that computes bf16 much faster."""
-        if self.config.precision == "fp32" and any(device.type == "cpu" for device in self.devices) \
+        if self.config.precision == "fp32" and any(replica.device == "cpu" for replica in replicas) \
                 and (unit := cpu_bf16_unit()):
             log.info("this CPU has %s here, with logits within about 0.5%% of fp32's range "
                      "(docs/performance.md, bf16 on the CPU)",
@@ -189,6 +189,12 @@ class App:
             self._give_up = asyncio.get_running_loop().call_later(
                 seconds, self.request_stop, f"no replica back in rotation within {seconds:g}s "
                 "(--unhealthy-exit-after)", 1)
+
+    @property
+    def gives_up_at(self) -> float | None:
+        """The event loop's time at which this process drains and exits for want of a replica in rotation
+        (--unhealthy-exit-after), or None while none is due."""
+        return None if self._give_up is None else self._give_up.when()
 
     def _replica_rejoined(self) -> None:
         """A replica is back in rotation: if health had gone NOT_SERVING for want of one, it is SERVING again."""
@@ -256,17 +262,17 @@ def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Ser
     server.add_registered_method_handlers(generated.service, handlers)
 
 
-def _connection_age_options(config: ServerConfig) -> list[tuple[str, int]]:
+def _connection_age_options(config: FrontendConfig) -> list[tuple[str, int]]:
     """GOAWAY after --max-connection-age (gRPC adds +-10% jitter, so clients do not reconnect in step), calls in
     flight then having --grace-period to finish. A client's connection otherwise stays on the process (or, with
     several front-ends, the front-end) it first reached, however many have been added since."""
-    if not config.max_connection_age:
+    if not config.network.max_connection_age:
         return []
-    return [("grpc.max_connection_age_ms", round(config.max_connection_age * 1000)),
+    return [("grpc.max_connection_age_ms", round(config.network.max_connection_age * 1000)),
             ("grpc.max_connection_age_grace_ms", round(config.grace_period * 1000))]
 
 
-def model_info(config: ServerConfig, replicas: Sequence[EngineHandle], temperature: float, source: str
+def model_info(config: FrontendConfig, replicas: Sequence[EngineHandle], temperature: float, source: str
                ) -> pb.ModelInfo:
     weights = replicas[0].weights
     return pb.ModelInfo(
@@ -288,7 +294,7 @@ def model_info(config: ServerConfig, replicas: Sequence[EngineHandle], temperatu
     )
 
 
-async def serve(config: ServerConfig, engines: Sequence[EngineLink], owner: int, metrics: Metrics,
+async def serve(config: FrontendConfig, index: int, engines: Sequence[EngineLink], owner: int, metrics: Metrics,
                 on_bound: Callable[[int], object] | None = None, on_serving: Callable[[], object] | None = None,
                 load_first: bool = False) -> int:
     """Run until SIGTERM or SIGINT (exit code 0), or until no replica has been in rotation for
@@ -296,7 +302,7 @@ async def serve(config: ServerConfig, engines: Sequence[EngineLink], owner: int,
     App.start; ``on_serving`` hears when health says SERVING; ``metrics``: a front-end's (see App)."""
     use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (common.threads)
     sys.setswitchinterval(config.switch_interval_ms / 1000)
-    app = App(config, metrics, engines, owner)
+    app = App(config, metrics, engines, owner, index)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, app.request_stop, f"{sig.name} received")
@@ -334,16 +340,16 @@ async def _unless_stopped(work: Awaitable[object], stop: asyncio.Event) -> bool:
     return False
 
 
-def run(config: ServerConfig, engines: Sequence[EngineLink], owner: int, metrics: Metrics,
+def run(config: FrontendConfig, index: int, engines: Sequence[EngineLink], owner: int, metrics: Metrics,
         on_bound: Callable[[int], object] | None = None, on_serving: Callable[[], object] | None = None,
         load_first: bool = False) -> int:
     """Serve until stopped and drain; serve()'s exit code, or exit 1 at once with the error in one line if
     start-up fails."""
     try:
-        return event_loop.run(serve(config, engines, owner, metrics, on_bound, on_serving, load_first),
+        return event_loop.run(serve(config, index, engines, owner, metrics, on_bound, on_serving, load_first),
                               config.event_loop)
     except StartupError as exc:
-        worker = f"front-end {config.worker}: " if config.frontends > 1 else ""
+        worker = f"front-end {index}: " if config.frontends > 1 else ""
         print(f"resnet-server: error: {worker}{exc}", file=sys.stderr)
         exit_at_once(1)
 

@@ -6,11 +6,11 @@ import json
 import math
 from pathlib import Path
 
-from resnet_server.common.config import ServerConfig
 from resnet_server.common.errors import StartupError
+from resnet_server.common.sections import FrontendConfig
 
 
-def default_temperature(config: ServerConfig) -> tuple[float, str]:
+def default_temperature(config: FrontendConfig) -> tuple[float, str]:
     """(T, where it came from). A file written by ``resnet-client calibrate`` wins over the flag."""
     if not config.temperature_file:
         return config.temperature, "flag"

@@ -45,6 +45,7 @@ from resnet_server.boundary.protocol import EngineLink
 from resnet_server.boundary.slab import SLOT_INPUT_BYTES, SlabLayout, create_slab_memory
 from resnet_server.common.config import ServerConfig
 from resnet_server.common.devices import replica_names
+from resnet_server.common.sections import engine_config, frontend_config
 from resnet_server.common.statistics import SharedRow, shared_rows
 from resnet_server.engine.main import engine_main
 from resnet_server.frontend.main import frontend_main
@@ -71,12 +72,6 @@ def restart_delay(quick_ends: int) -> float:
     """Seconds before replacing a child that has ended ``quick_ends`` times in a row, each within
     STABLE_SECONDS of its start: none the first time, then 1, 2, 4 ... up to MOST_RESTART_DELAY."""
     return 0.0 if quick_ends <= 1 else min(2.0 ** (quick_ends - 2), MOST_RESTART_DELAY)
-
-
-def frontend_config(config: ServerConfig, index: int, port: int, frontends: int) -> ServerConfig:
-    """Front-end ``index``'s configuration: the shared port, and no /metrics port of its own (it serves its series
-    on a loopback port the system picks, for the supervisor's endpoint)."""
-    return dataclasses.replace(config, port=port, worker=index, frontends=frontends, metrics_port=0)
 
 
 @dataclasses.dataclass
@@ -245,7 +240,7 @@ class Supervisor:
         receiver, sender = _children.Pipe(duplex=False)
         live_owners = [child.owner for child in self.children.values() if child.owner]
         process = _children.Process(target=engine_main, name=f"resnet-engine-{link.name}", args=(
-            link, str(self.devices[index]), config, live_owners,
+            link, str(self.devices[index]), engine_config(config), live_owners,
             SharedRow(self.statistics, self.frontends + index), bool(config.metrics_port), sender))
         return self._started(f"engine-{index}", process, receiver, sender, quick_ends)
 
@@ -255,7 +250,7 @@ class Supervisor:
         receiver, sender = _children.Pipe(duplex=False)
         owner = next(self._owners)
         process = _children.Process(target=frontend_main, name=f"resnet-frontend-{index}", args=(
-            frontend_config(self.config, index, port, self.frontends), self.links, owner,
+            frontend_config(self.config, port, self.frontends), index, self.links, owner,
             SharedRow(self.statistics, index), sender, load_first, bool(self.config.metrics_port)))
         child = self._started(f"frontend-{index}", process, receiver, sender, quick_ends)
         child.owner = owner
