@@ -98,6 +98,11 @@ def rss_report(at_1min: dict[str, float], at_end: dict[str, float]) -> dict:
             "rss_total_end_mb": round(last / 2**20, 1), "rss_growth_pct": 100 * (last - first) / first}
 
 
+# HTTP/2's REFUSED_STREAM, which gRPC reports as UNAVAILABLE: the connection had --max-concurrent-streams calls
+# open, and the server refused this one before reading it (a refusal, as RESOURCE_EXHAUSTED is, not a failure).
+REFUSED_STREAM = "RST_STREAM with error code 7"
+
+
 async def soak(args) -> dict:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{PORT}")
     stub = pb_grpc.ClassifierStub(channel)
@@ -125,9 +130,11 @@ async def soak(args) -> dict:
             windows[int((begin - started) // 10)].append(time.monotonic() - begin)
         except grpc.aio.AioRpcError as error:
             code = error.code().name
-            if code not in ("OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED"):
+            if code == "UNAVAILABLE" and REFUSED_STREAM in (error.details() or ""):
+                code = "REFUSED_STREAM"
+            if code not in ("OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "REFUSED_STREAM"):
                 messages.setdefault(code, Counter())[error.details()] += 1
-            if good_index is not None and code not in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"):
+            if good_index is not None and code not in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "REFUSED_STREAM"):
                 wrong[kind] += 1
         answered[(kind.split(":")[0], code)] += 1
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from resnet_client import AsyncClient, ClassifierError, Client
-from resnet_client.messages import build_request
-from tests.helpers import encode, random_rgb
+from resnet_client.api import classifier_pb2_grpc as pb_grpc
+from resnet_client.messages import build_request, parse_response
+from tests.helpers import encode, random_rgb, wait_for
 
 TOLERANCE = 1e-5
 
@@ -121,6 +122,46 @@ def test_stream_answers_in_order(client, reference):
         assert result.temperature == pytest.approx(1.0 + i)
         expected = reference.probabilities(reference.input_from_bytes(image), 1.0 + i)
         np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
+
+
+STREAMED = [encode(random_rgb(700 + i)) for i in range(48)]  # more than any fixed depth a stream once had (32)
+
+
+def held_stream(running, faults, count: int):
+    """``count`` requests sent at once on one ClassifyStream while the engine holds its batches' scores; once all
+    are in the server (or one was refused), the hold is lifted. The answers, and the status that ended the stream
+    (None if it ended OK)."""
+    faults.set("hold")
+    requests = [build_request([image], full=True) for image in STREAMED[:count]]
+    with grpc.insecure_channel(running.target) as channel:
+        responses = pb_grpc.ClassifierStub(channel).ClassifyStream(iter(requests), timeout=60)  # sent at once
+        wait_for(lambda: running.sample("resnet_requests_in_flight", device="cpu") == count
+                 or running.sample("resnet_requests_total", device="cpu", code="RESOURCE_EXHAUSTED") > 0)
+        faults.clear()
+        answers = []
+        try:
+            answers.extend(parse_response(response) for response in responses)
+        except grpc.RpcError as error:
+            return answers, error
+    return answers, None
+
+
+def test_one_stream_holds_any_number_of_requests_in_flight_and_answers_them_in_order(make_server, faults,
+                                                                                    reference):
+    running = make_server(runner=faults.runner)
+    answers, ended = held_stream(running, faults, len(STREAMED))
+    assert ended is None and len(answers) == len(STREAMED)  # all in flight at once, then all answered
+    for image, (result,) in zip(STREAMED, answers, strict=True):
+        expected = reference.probabilities(reference.input_from_bytes(image))
+        np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
+
+
+def test_a_stream_past_the_servers_queue_is_refused_as_calls_are(make_server, faults):
+    running = make_server(runner=faults.runner, max_queue=20)
+    answers, ended = held_stream(running, faults, 24)
+    assert ended is not None and ended.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-queue of 20 images" in ended.details()
+    assert len(answers) == 20  # the accepted requests before the first refused one, answered in order
 
 
 def test_stream_ends_with_the_first_error_code(client):

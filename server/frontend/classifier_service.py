@@ -26,8 +26,6 @@ from resnet_server.frontend.core import ClassifyCall, InferenceCore
 log = logging.getLogger("server.service")
 T = TypeVar("T")
 R = TypeVar("R")
-# Requests of one stream computed ahead of the one being answered.
-STREAM_PIPELINE_DEPTH = 32
 # Fresh request ids: this process's random prefix and a count, unique across processes and restarts (as a
 # uuid4 is) at a fifth of its cost, which every call without an x-request-id pays.
 _ID_PREFIX = os.urandom(4).hex()
@@ -71,10 +69,11 @@ async def abort_with(context: grpc.aio.ServicerContext, rid: str, exc: Exception
     await context.abort(*caller_status(rid, exc))
 
 
-async def in_order(requests: AsyncIterator[R], handle: Callable[[R], Awaitable[T]],
-                   depth: int = STREAM_PIPELINE_DEPTH) -> AsyncIterator[T]:
-    """Start handle(request) for up to ``depth`` requests ahead and yield the results in request order."""
-    pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue(depth)
+async def in_order(requests: AsyncIterator[R], handle: Callable[[R], Awaitable[T]]) -> AsyncIterator[T]:
+    """Start handle(request) for each request as it arrives and yield the results in request order. A stream
+    holds as many requests in flight as its client sends: what bounds them is the server's queue (--max-queue),
+    which refuses the excess at once, as it refuses unary calls, however the client lays its requests out."""
+    pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
 
     async def read_requests() -> None:
         try:
