@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Every GPU check, for a machine with CUDA, in three parts, most wanted first:
-#   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement (first: they gate code
+# Every GPU check, for a machine with CUDA, in four parts, most wanted first:
+#   first     what fits one short call on a lent machine (under 8 minutes on an H100): the CUDA-marked tests, the
+#             default runner's fp16 ceiling, and its server at c=256 as unary calls, stream messages, sixteen
+#             images a call, and perf_analyzer both ways (where carried)
+#   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement (they gate code
 #             changed since the last lent GPU, and take a minute or two)
 #   served    the served sweeps (one engine process, --frontends auto unless named): uint8 fp32 and fp16, sixteen
 #             images a call, the fp16 ceilings (eager and --cuda-graphs) and fp16 --cuda-graphs served (unary calls,
@@ -16,13 +19,15 @@
 # issue's targets. A step whose output is already in OUT_DIR is skipped, so a run cut short resumes where it
 # stopped. GPU_CHECK_BUDGET_S=N starts no step after N seconds (then tables what it has): a lent machine's one
 # call can then end on time, and the next call on the same machine resumes.
-# Usage: scripts/gpu_check.sh [OUT_DIR [PART...]]   (all three parts by default; about 14 minutes on one H200)
+# Usage: scripts/gpu_check.sh [OUT_DIR [PART...]]   (all four parts by default; about 15 minutes on one H200)
 set -uo pipefail
 out=${1:-results/gpu}
 parts=("${@:2}")
-[ ${#parts[@]} -eq 0 ] && parts=(checks served ceilings)
+[ ${#parts[@]} -eq 0 ] && parts=(first checks served ceilings)
 for part in "${parts[@]}"; do
-  case $part in checks|ceilings|served) ;; *) echo "unknown part $part (checks, ceilings or served)" >&2; exit 2 ;; esac
+  case $part in first|checks|ceilings|served) ;;
+    *) echo "unknown part $part (first, checks, ceilings or served)" >&2; exit 2 ;;
+  esac
 done
 mkdir -p "$out"
 port=50161 metrics=8161
@@ -92,14 +97,44 @@ bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise; skip
   resnet-client bench --server 127.0.0.1:$port --metrics "http://127.0.0.1:$metrics/metrics" --input uint8 \
     --image-size 224x224 --duration "$duration" --warmup 3 --processes 8 --quiet --json "${@:2}" > "$out/$1.json"
 }
-checks() {
+cuda_tests() {
   owed cuda_tests || return 0
   # Only the modules with CUDA tests: the others import test-only packages the GPU box may not have.
-  python -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_raw_batch.py tests/test_device_decode.py tests/test_slab.py \
-    tests/test_replicas.py 2>&1 | tee "$out/cuda_tests.txt"
-  python scripts/benchmarks/precision_check.py --device cuda:0 --json "$out/precision.json" | tee "$out/precision.txt"
-  python scripts/benchmarks/decode_check.py --device cuda:0 --json "$out/decode.json" | tee "$out/decode.txt"
-  echo '{}' > "$out/cuda_tests.json"  # done: a rerun skips the checks
+  python -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_raw_batch.py \
+    tests/test_device_decode.py tests/test_slab.py tests/test_replicas.py 2>&1 \
+    | tee "$out/cuda_tests.txt"
+  echo '{}' > "$out/cuda_tests.json"  # done: a rerun skips them
+}
+checks() {
+  cuda_tests
+  [ "$device" = cpu ] && return 0
+  owed precision && python scripts/benchmarks/precision_check.py --device cuda:0 --json "$out/precision.json" \
+    | tee "$out/precision.txt"
+  owed decode && python scripts/benchmarks/decode_check.py --device cuda:0 --json "$out/decode.json" \
+    | tee "$out/decode.txt"
+}
+perf_analyzer_both_ways() {  # Triton's C++ client, where carried: ModelInfer calls and ModelStreamInfer messages
+  command -v perf_analyzer >/dev/null || return 0
+  local mode
+  for mode in "" _streaming; do
+    owed served_fp16_cuda_graphs_perf_analyzer$mode || continue
+    LD_LIBRARY_PATH="$PWD/.whl/gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" python scripts/perf_analyzer.py \
+      --server 127.0.0.1:$port --concurrency 256 --input uint8 --window-ms 3000 ${mode:+--streaming} \
+      > "$out/served_fp16_cuda_graphs_perf_analyzer$mode.json"
+  done
+}
+first() {
+  cuda_tests
+  [ "$device" != cpu ] && model_bench ceiling_fp16_cuda_graphs 1,8,32,64,128 --precision fp16 --cuda-graphs
+  local steps=(served_fp16_cuda_graphs served_fp16_cuda_graphs_stream served_fp16_cuda_graphs_16_per_request
+               served_fp16_cuda_graphs_perf_analyzer served_fp16_cuda_graphs_perf_analyzer_streaming)
+  if owed "${steps[@]}" && serve graphs $frontends --max-batch-size $fp16_batch --precision fp16 --cuda-graphs; then
+    bench served_fp16_cuda_graphs --sweep 16,64,256 --connections 4
+    bench served_fp16_cuda_graphs_stream --concurrency 256 --connections 4 --stream
+    bench served_fp16_cuda_graphs_16_per_request --concurrency 16 --images-per-request 16 --connections 4
+    perf_analyzer_both_ways
+    stop
+  fi
 }
 model_bench() {  # model_bench NAME BATCH_SIZES [bench-model FLAGS...]: the forward ceiling, unless already measured
   owed "$1" || return 0
@@ -159,16 +194,8 @@ served() {
     # The same load as messages on ClassifyStream calls: half the CPU a request of unary calls on the VM, for
     # the front-ends as for the client, which share this box's cores.
     bench served_fp16_cuda_graphs_stream --concurrency 256 --connections 4 --stream
-    # Triton's C++ client, where carried, sending the same 150 KB uint8 images (model resnet18_uint8), as
-    # ModelInfer calls and as ModelStreamInfer messages.
-    if command -v perf_analyzer >/dev/null; then
-      for mode in "" _streaming; do
-        owed served_fp16_cuda_graphs_perf_analyzer$mode || continue
-        LD_LIBRARY_PATH="$PWD/.whl/gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" python scripts/perf_analyzer.py \
-          --server 127.0.0.1:$port --concurrency 256 --input uint8 --window-ms 3000 ${mode:+--streaming} \
-          > "$out/served_fp16_cuda_graphs_perf_analyzer$mode.json"
-      done
-    fi
+    # Triton's C++ client sending the same 150 KB uint8 images (model resnet18_uint8).
+    perf_analyzer_both_ways
     if owed served_fp16_cuda_graphs_connections16; then  # profiled, as served_fp16_connections16 is
       profile_engine graphs 5
       bench served_fp16_cuda_graphs_connections16 --concurrency 256 --connections 16

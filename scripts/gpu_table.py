@@ -47,7 +47,8 @@ def served_rows(folder: Path) -> list[str]:
     rows = []
     for name in ("served_batched", "served_16_per_request", "served_fp16", "served_fp16_connections16",
                  "served_fp16_frontends12", "served_fp16_torchscript", "served_fp16_cuda_graphs",
-                 "served_fp16_cuda_graphs_stream", "served_fp16_cuda_graphs_connections16",
+                 "served_fp16_cuda_graphs_stream", "served_fp16_cuda_graphs_16_per_request",
+                 "served_fp16_cuda_graphs_connections16",
                  "served_fp16_cuda_graphs_frontends12",
                  "served_one_frontend", "served_nobatch",
                  "served_jpeg_decode_on_device_true", "served_jpeg_decode_on_device_false"):
@@ -88,6 +89,8 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
                                              ("served_fp16_torchscript", "ceiling_fp16_torchscript", fp16_batch),
                                              ("served_fp16_cuda_graphs", "ceiling_fp16_cuda_graphs", fp16_batch),
                                              ("served_fp16_cuda_graphs_stream", "ceiling_fp16_cuda_graphs",
+                                              fp16_batch),
+                                             ("served_fp16_cuda_graphs_16_per_request", "ceiling_fp16_cuda_graphs",
                                               fp16_batch)):
         if not (points := results(folder, served_name)):
             continue

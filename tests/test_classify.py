@@ -127,12 +127,13 @@ def test_stream_answers_in_order(client, reference):
 STREAMED = [encode(random_rgb(700 + i)) for i in range(48)]  # more than any fixed depth a stream once had (32)
 
 
-def held_stream(running, faults, count: int):
-    """``count`` requests sent at once on one ClassifyStream while the engine holds its batches' scores; once all
-    are in the server (or one was refused), the hold is lifted. The answers, and the status that ended the stream
-    (None if it ended OK)."""
+def held_stream(running, faults, images: list):
+    """A request for each image, sent at once on one ClassifyStream while the engine holds its batches' scores;
+    once all are in the server (or one was refused), the hold is lifted. The answers, and the status that ended
+    the stream (None if it ended OK)."""
     faults.set("hold")
-    requests = [build_request([image], full=True) for image in STREAMED[:count]]
+    count = len(images)
+    requests = [build_request([image], full=True) for image in images]
     with grpc.insecure_channel(running.target) as channel:
         responses = pb_grpc.ClassifierStub(channel).ClassifyStream(iter(requests), timeout=60)  # sent at once
         wait_for(lambda: running.sample("resnet_requests_in_flight", device="cpu") == count
@@ -149,7 +150,7 @@ def held_stream(running, faults, count: int):
 def test_one_stream_holds_any_number_of_requests_in_flight_and_answers_them_in_order(make_server, faults,
                                                                                     reference):
     running = make_server(runner=faults.runner)
-    answers, ended = held_stream(running, faults, len(STREAMED))
+    answers, ended = held_stream(running, faults, STREAMED)
     assert ended is None and len(answers) == len(STREAMED)  # all in flight at once, then all answered
     for image, (result,) in zip(STREAMED, answers, strict=True):
         expected = reference.probabilities(reference.input_from_bytes(image))
@@ -158,7 +159,9 @@ def test_one_stream_holds_any_number_of_requests_in_flight_and_answers_them_in_o
 
 def test_a_stream_past_the_servers_queue_is_refused_as_calls_are(make_server, faults):
     running = make_server(runner=faults.runner, max_queue=20)
-    answers, ended = held_stream(running, faults, 24)
+    # Raw pixels that fit a slot need no decoding: each request takes its slots as it arrives, so the first 20
+    # are the ones accepted (JPEGs take them as their decoding ends, in any order).
+    answers, ended = held_stream(running, faults, [random_rgb(800 + i, 48, 64) for i in range(24)])
     assert ended is not None and ended.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "--max-queue of 20 images" in ended.details()
     assert len(answers) == 20  # the accepted requests before the first refused one, answered in order
