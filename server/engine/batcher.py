@@ -1,15 +1,15 @@
 """Dynamic batching for one device: a bounded queue of images and the worker thread that drains it.
 
-The engine's reader calls :meth:`Batcher.submit` (never blocks, refuses at once when full). The worker thread takes
-whatever is waiting, up to ``max_batch_size``, and runs it at once: a lone request pays no batching delay, and under
-load batches grow by themselves while the previous batch computes. ``max_batch_delay_ms`` lets the worker wait for a
-fuller batch, but never past that long after the oldest waiting image arrived. ``wait_for_callers_ms`` lets it wait,
-after answering a batch, for as many new images as that batch held: a closed loop's callers send again one round
-trip after their answers, and without the wait they split into two batches that take turns (sixteen callers: two
-batches of eight, each computing while the other's callers are away). A wait that runs out says the callers are not
-such a loop, and the next batches start at once. Cancelled and expired images are dropped before compute. Results go
-where its ``Answers`` say: in an engine process (``server.engine.core``), to shared memory and the front-end that
-sent each image.
+The engine's reader calls :meth:`Batcher.submit` (never blocks; the slab's slots bound the queue). The worker thread
+takes whatever is waiting, up to ``max_batch_size``, and runs it at once: a lone request pays no batching delay, and
+under load batches grow by themselves while the previous batch computes. ``max_batch_delay_ms`` lets the worker wait
+for a fuller batch, but never past that long after the oldest waiting image arrived. ``wait_for_callers_ms`` lets it
+wait, after answering a batch, for as many new images as that batch held: a closed loop's callers send again one
+round trip after their answers, and without the wait they split into two batches that take turns (sixteen callers:
+two batches of eight, each computing while the other's callers are away). A wait that runs out says the callers are
+not such a loop, and the next batches start at once. Cancelled and expired images are dropped before compute.
+Results go where its ``Answers`` say: in an engine process (``server.engine.core``), to shared memory and the front-
+end that sent each image.
 
 A batcher whose batches fail ``failures_before_eviction`` times in a row is out of rotation (the router sends it
 nothing). Every ``probe_interval`` seconds its worker then runs one blank image through the forward pass, and the

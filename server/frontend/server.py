@@ -46,14 +46,13 @@ OIP_SERVICE_NAME = oip_pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].fu
 
 class App:
     """One front-end process's gRPC server (classifier, OIP, health, reflection) over the engines. ``metrics``: its
-    series and statistics, when made by the caller (a test reading them, a front-end sharing the server's totals);
-    they are served by the caller too (server.frontend.main)."""
+    series and statistics, made and served by the caller (server.frontend.main, or a test reading them)."""
 
-    def __init__(self, config: FrontendConfig, metrics: Metrics | None, engines: Sequence[EngineLink],
+    def __init__(self, config: FrontendConfig, metrics: Metrics, engines: Sequence[EngineLink],
                  owner: int, index: int = 0) -> None:
         self.config, self.index = config, index  # this front-end's index among config.frontends
         self.engines, self.owner = list(engines), owner  # one engine process per device; its number in their slabs
-        self.metrics = metrics or Metrics(config.largest_batch)
+        self.metrics = metrics
         # Checked before binding, so a bad --temperature-file or TLS file fails at once.
         network = config.network
         self.credentials = server_credentials(network.tls_cert, network.tls_key, network.tls_client_ca)
