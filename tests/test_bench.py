@@ -159,12 +159,12 @@ def test_bench_stream_keeps_a_stream_open_per_caller_and_reopens_one_a_failure_e
     spec = LoadSpec(running.target, request, 3, None, 0.0, 1.5, {}, stream=True)
     records = asyncio.run(_stream_loop(spec))
     codes = Counter(code for _, code in records)
-    assert set(opened) == {"/resnet.v1.Classifier/ClassifyStream"} and codes["OK"] > 3
-    if overloaded:
+    assert set(opened) == {"/resnet.v1.Classifier/ClassifyStream"}
+    if overloaded:  # how many get through a queue of one depends on the machine's speed; that some do, not
         assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}
         assert len(opened) >= 3 + codes["RESOURCE_EXHAUSTED"]  # those in the window, and any ended as it closed
-    else:
-        assert set(codes) == {"OK"} and len(opened) == 3
+    else:  # more answers than streams: a stream carries one request after another
+        assert set(codes) == {"OK"} and codes["OK"] > 3 and len(opened) == 3
 
 
 def test_bench_refuses_a_stream_at_a_rate(capsys):
@@ -329,7 +329,7 @@ def test_throughput_pairs_interleaves_in_process_and_served_windows(make_server)
     running = make_server()
     batches_before = running.sample("resnet_batch_size_count", device="cpu")
     result = run_benchmark("throughput_pairs", "--server", running.target, "--image-size", "64x48", "--windows", "2",
-                           "--window", "0.8", "--ramp", "0.4", "--concurrency", "4", "--batch-size", "2")
+                           "--window", "1.5", "--ramp", "0.4", "--concurrency", "4", "--batch-size", "2")
     assert len(result["pairs_images_per_s"]) == 2
     assert all(local > 0 and served > 0 for local, served in result["pairs_images_per_s"])
     ratios = sorted(served / local for local, served in result["pairs_images_per_s"])

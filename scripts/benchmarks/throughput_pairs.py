@@ -47,10 +47,12 @@ async def served_window(stub, request: pb.ClassifyRequest, concurrency: int, ram
 
     await asyncio.gather(*(caller() for _ in range(concurrency)))
     answered.sort()
-    first = bisect.bisect_left(answered, count_from) - 1  # the last answer before counting starts
+    # The last answer before counting starts, or the first answer when the ramp ended before any came (a slow
+    # first batch): either way the count starts on a burst.
+    first = max(bisect.bisect_left(answered, count_from) - 1, 0)
     last = bisect.bisect_left(answered, stop_at) - 1  # the last answer before the window closes
-    if first < 0 or last <= first:
-        raise RuntimeError(f"window too short: {len(answered)} answers, none before {ramp} s or after it")
+    if last <= first:
+        raise RuntimeError(f"window too short: {len(answered)} answers, too few of them inside {ramp + seconds} s")
     return (last - first) / (answered[last] - answered[first])
 
 
