@@ -5,6 +5,7 @@ can reach each one on its own port, or as processes of their own where one is ki
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -14,8 +15,7 @@ import numpy as np
 import pytest
 
 from resnet_client import ClassifierError, Client
-from resnet_server.boundary.protocol import ImageKind
-from resnet_server.frontend.engine_client import EngineClient
+from resnet_server.boundary.protocol import Cancel, Hello, ImageKind, Submit
 from tests.helpers import EngineSet, base_config, encode, free_port, random_rgb, scraped_value, serving, wait_for
 
 JPEG = encode(random_rgb(41))
@@ -43,28 +43,26 @@ def engine_sample(engine_set: EngineSet, sample: str) -> float:
     return scraped_value(engine_set.engine_metrics_port(), sample)
 
 
+def sent_to_engines(caplog, kind: type) -> list:
+    """The messages of ``kind`` the front-ends run in this process sent (the protocol's DEBUG trace)."""
+    return [record.engine_message for record in caplog.records
+            if record.name == "server.protocol" and isinstance(record.engine_message, kind)]
+
+
 @pytest.mark.parametrize("crops", [False, True], ids=["floats", "crops"])
-def test_a_front_end_in_another_process_answers_as_the_shared_server(engines, server, monkeypatch, crops):
+def test_a_front_end_in_another_process_answers_as_the_shared_server(engines, server, faults, caplog, crops):
     """Images the front-end preprocesses (the JPEG: a CPU engine decodes none; the one too large for its slot) go
-    as the float input to a CPU engine, and as uint8 crops to a GPU one: here forced onto the CPU engine, whose
-    answers are the same."""
+    as the float input to a CPU engine, and as uint8 crops to a GPU one: here a CPU engine whose runner takes
+    crops, as a GPU's does (``--runner faulty`` with ``crops``), whose answers are the same."""
     if crops:
-        monkeypatch.setattr(EngineClient, "takes_crops", True)
-    engine_set = engines()
+        faults.set("crops")
+    engine_set = engines(runner=faults.runner)
     frontend = engine_set.frontend()
     images = [JPEG, PIXELS, LARGE, FLOATS]
-    sent = []  # how each image went to the engine (the front-end runs in this process: its writes are seen)
-    write = EngineClient._write
-
-    def recorded(client: EngineClient, slot: int, item):
-        entry = write(client, slot, item)
-        if client.link in engine_set.links:  # not the shared server's own engine
-            sent.append(entry)
-        return entry
-
-    monkeypatch.setattr(EngineClient, "_write", recorded)
+    caplog.set_level(logging.DEBUG, logger="server.protocol")
     with Client(frontend.target, timeout=60) as remote, Client(server.target, timeout=60) as local:
         got = remote.classify(images, full=True, logits=True, temperature=1.7)
+        sent = [entry for submit in sent_to_engines(caplog, Submit) for entry in submit.entries]  # how each went
         want = local.classify(images, full=True, logits=True, temperature=1.7)
     preprocessed = (ImageKind.CROP, (224, 224, 3), 224 * 224 * 3) if crops else \
         (ImageKind.FLOAT, FLOATS.shape, FLOATS.nbytes)
@@ -81,6 +79,7 @@ def test_a_front_end_in_another_process_answers_as_the_shared_server(engines, se
     engine_info = frontend.app.core.router.replicas[0].info
     assert engine_info.switch_interval_ms == pytest.approx(engine_set.config.switch_interval_ms) != 5.0
     assert engine_info.torch_threads == len(os.sched_getaffinity(0))  # a CPU engine's forward uses every core
+    assert engine_info.takes_crops is crops  # the runner's choice, told to the front-end in Ready
 
 
 def test_one_batch_holds_calls_from_two_front_ends(engines):
@@ -136,7 +135,7 @@ def test_deadline_and_cancel_free_their_slots_before_compute(engines):
 
 
 def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_one_is_not_answered(engines,
-                                                                                                  monkeypatch):
+                                                                                                  caplog):
     from resnet_server.common.preprocess import RawImage
     from resnet_server.common.work import WorkItem
     from resnet_server.frontend import engine_client
@@ -144,14 +143,10 @@ def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_
     engine_set = engines(max_batch_size=8)
     with Client(engine_set.frontend().target, timeout=60) as client:
         want = client.classify([PIXELS], full=True, temperature=1.3)[0].probabilities
-    sent = []
-    real_send = engine_client.send
+    caplog.set_level(logging.DEBUG, logger="server.protocol")
 
-    def send_and_note(connection, message):  # the real send, and the kind of each message sent
-        sent.append(type(message).__name__)
-        real_send(connection, message)
-
-    monkeypatch.setattr(engine_client, "send", send_and_note)
+    def sent() -> list[str]:
+        return [type(message).__name__ for message in sent_to_engines(caplog, (Hello, Submit, Cancel))]
 
     async def three_calls_and_one_withdrawn():
         handle = engine_client.EngineClient(engine_set.links[0], 3000, on_lost=lambda: None, on_back=lambda: None)
@@ -161,7 +156,7 @@ def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_
                  for _ in range(3)]
         for item in items:  # three calls' submits in one turn of the loop: nothing sent yet but the greeting
             handle.submit([item])
-        assert sent == ["Hello"]
+        assert sent() == ["Hello"]
         handle.withdraw(items[2:])  # sends what waits first: the engine must know the slot it is asked to drop
         items[2].future.cancel()
         answers = await asyncio.wait_for(asyncio.gather(items[0].future, items[1].future), 60)
@@ -169,7 +164,7 @@ def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_
         return answers
 
     answers = asyncio.run(three_calls_and_one_withdrawn())
-    assert sent == ["Hello", "Submit", "Cancel"]
+    assert sent() == ["Hello", "Submit", "Cancel"]
     for answer in answers:
         np.testing.assert_allclose(answer.probabilities, want, atol=1e-6, rtol=0)
     wait_for(lambda: engine_set.taken_slots() == 0)  # the withdrawn one's slot too, whether dropped or computed

@@ -10,11 +10,15 @@ messages are typed (msgspec Structs, encoded as MessagePack arrays whose first e
 
 msgspec rather than pickle: its validated decode costs no more than pickle's round trip for these messages
 (the measure is in docs/performance.md, "The engine protocol").
+
+At ``--log-level DEBUG`` the logger ``server.protocol`` notes every message as it is sent (each side logs
+what it sends), the message itself in the record's ``engine_message``.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -73,6 +77,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     switch_interval_ms: float
     torch_threads: int
     runs: str  # how its batches run: 'cuda:0 runs fp16 as CUDA graphs at batch sizes 1, 2, ...'
+    takes_crops: bool  # images a front-end preprocesses come as uint8 crops (else as the float input)
 
 
 class Answer(msgspec.Struct, array_like=True, frozen=True):
@@ -123,6 +128,7 @@ class Health(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.HEALTH))
 ToEngine = Hello | Submit | Cancel
 ToFrontEnd = Ready | Done | Failed | Released | Health
 
+trace = logging.getLogger("server.protocol")
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)
 _to_frontend = msgspec.msgpack.Decoder(ToFrontEnd)
@@ -130,6 +136,8 @@ _to_frontend = msgspec.msgpack.Decoder(ToFrontEnd)
 
 def send(connection: Connection, message: ToEngine | ToFrontEnd) -> None:
     connection.send_bytes(_encoder.encode(message))
+    if trace.isEnabledFor(logging.DEBUG):  # a cached check: free when off
+        trace.debug("sent %r", message, extra={"engine_message": message})
 
 
 def receive_at_engine(connection: Connection) -> ToEngine:

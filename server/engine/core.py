@@ -106,7 +106,8 @@ class Engine:
         replica = self.replica
         return EngineInfo(replica.name, str(replica.device), replica.weights.source, replica.weights.warning,
                           replica.batcher.max_batch_size, replica.decode_on_device, replica.healthy,
-                          sys.getswitchinterval() * 1000, replica.torch_threads, replica.runner.describe())
+                          sys.getswitchinterval() * 1000, replica.torch_threads, replica.runner.describe(),
+                          replica.runner.takes_crops)
 
     def stop(self, grace: float) -> None:
         """Take no new front-end, finish what is queued, and answer it."""

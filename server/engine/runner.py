@@ -54,6 +54,10 @@ class ModelRunner:
         self.dtype = PRECISIONS[precision]
         self.cuda = device.type == "cuda"
         self.batches_in_flight = CUDA_BATCHES_IN_FLIGHT if self.cuda else 1  # see server.engine.batcher
+        # Images a front-end preprocesses come as their uint8 crop, normalised here with the batch, on a GPU (a
+        # quarter of the bytes through the slab, the host thread's copy and the upload; normalised on the device).
+        # A CPU engine's thread runs the forward pass, the bound there: it takes the float input.
+        self.takes_crops = self.cuda
         # channels_last speeds up convolutions on CUDA (tensor cores) and on the CPU too (oneDNN, eager; compiled,
         # inductor picks its own layouts): docs/performance.md, "Figures behind the code".
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format

@@ -9,8 +9,9 @@
   ``fail MESSAGE`` (the launch raises RuntimeError), ``fail-late MESSAGE`` (the forward pass runs, then
   waiting for its scores raises), ``oom`` or ``oom-above N`` (out of memory, for every batch or for batches
   of more than N images), ``hold`` (the batch's scores land only once the file no longer says so); empty or
-  missing: no fault. A line ``pipeline`` in the file when the engine starts makes it launch batches while
-  others compute, as on CUDA (the pipeline's order then shows on the CPU).
+  missing: no fault. A first line ``pipeline`` in the file when the engine starts makes it launch batches
+  while others compute, and ``crops`` makes it take the uint8 crops front-ends send a GPU, as on CUDA (the
+  pipeline's order and the crops' path then show on the CPU).
 
 The instruments keep the model's loading and warm-up (the same start-up, the same log), and are named in
 the engine's ready line.
@@ -102,8 +103,10 @@ class FaultyRunner(ModelRunner):
     def __init__(self, path: Path, replica: str, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.path, self.replica = path, replica
-        if self._fault()[0] == "pipeline":
+        shape = self._fault()[0]  # how the engine works on CUDA, asked for at start-up
+        if shape == "pipeline":
             self.batches_in_flight = CUDA_BATCHES_IN_FLIGHT
+        self.takes_crops = self.takes_crops or shape == "crops"
 
     def describe(self) -> str:
         return f"{super().describe()}, failing as {self.path} says (--runner faulty)"

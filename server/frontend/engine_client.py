@@ -88,10 +88,9 @@ class EngineClient:
 
     @property
     def takes_crops(self) -> bool:
-        """Images preprocessed here go as their uint8 crop, normalised by the engine with its batch: on a GPU (a
-        quarter of the bytes through the slab, its one host thread's copy and the upload; normalised on the
-        device). A CPU engine's thread runs the forward pass, the bound there: it takes the float input."""
-        return self.info.device.startswith("cuda")
+        """Images preprocessed here go as their uint8 crop (else as the model's float input): the engine's
+        runner says which it takes (a GPU's takes crops)."""
+        return self.info.takes_crops
 
     @property
     def device(self) -> str:
