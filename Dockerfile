@@ -20,7 +20,9 @@ RUN python -m venv /opt/venv && mkdir -p /opt/torch \
 
 FROM ${BASE_IMAGE} AS runtime
 # Metadata first and the two large copies last, so no layer after them copies torch again.
-RUN useradd --system --uid 10001 --create-home resnet
+# /var/cache/resnet: the place for --compile-cache; a volume mounted there (compose's) starts out owned by resnet.
+RUN useradd --system --uid 10001 --create-home resnet \
+ && mkdir -p /var/cache/resnet && chown resnet:resnet /var/cache/resnet
 ENV PATH=/opt/venv/bin:$PATH \
     TORCH_HOME=/opt/torch \
     PYTHONUNBUFFERED=1 \

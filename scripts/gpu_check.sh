@@ -11,6 +11,8 @@
 #             --cuda-graphs), TorchScript, batching off; JPEG decoded on the
 #             GPU vs the CPU; the front-end's own cost with a free model against bare grpc.aio, one engine's own
 #             ceiling; one front-end
+#   compile_start  time to SERVING with --compile (fp16, inductor's CUDA graphs) and --compile-cache, the cache
+#             empty and then filled by the first start (compile_start.json; the ready lines in the servers' logs)
 #   ceilings  the in-process forward ceiling: first the three the served targets are set against (fp32, fp16, fp16
 #             as CUDA graphs), then bf16, fp16 with batch norms unfolded, fp16 compiled (plain, and replayed as
 #             inductor's CUDA graphs), fp32 and fp16 TorchScript
@@ -19,14 +21,14 @@
 # issue's targets. A step whose output is already in OUT_DIR is skipped, so a run cut short resumes where it
 # stopped. GPU_CHECK_BUDGET_S=N starts no step after N seconds (then tables what it has): a lent machine's one
 # call can then end on time, and the next call on the same machine resumes.
-# Usage: scripts/gpu_check.sh [OUT_DIR [PART...]]   (all four parts by default; about 15 minutes on one H200)
+# Usage: scripts/gpu_check.sh [OUT_DIR [PART...]]   (all five parts by default; about 20 minutes on one H200)
 set -uo pipefail
 out=${1:-results/gpu}
 parts=("${@:2}")
-[ ${#parts[@]} -eq 0 ] && parts=(first checks served ceilings)
+[ ${#parts[@]} -eq 0 ] && parts=(first checks served compile_start ceilings)
 for part in "${parts[@]}"; do
-  case $part in first|checks|ceilings|served) ;;
-    *) echo "unknown part $part (first, checks, ceilings or served)" >&2; exit 2 ;;
+  case $part in first|checks|ceilings|served|compile_start) ;;
+    *) echo "unknown part $part (first, checks, ceilings, served or compile_start)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -135,6 +137,21 @@ first() {
     perf_analyzer_both_ways
     stop
   fi
+}
+compile_start() {  # seconds from the server's start to SERVING, compiling cold and then from the cache it filled
+  owed compile_start || return 0
+  local cache="$out/compile-cache" times=() sizes=$fp16_batch
+  [ "$device" = cpu ] && sizes=2  # the CPU try: two graphs, not sixteen
+  rm -rf "$cache"
+  for run in cold warm; do
+    local started; started=$(date +%s.%N)
+    serve "compile_$run" 1 --max-batch-size $sizes --precision fp16 --compile --compile-mode reduce-overhead \
+      --compile-cache "$cache" || return 0
+    times+=("$(python -c "import time; print(round(time.time() - $started, 1))")")
+    stop
+  done
+  printf '{"cold_s": %s, "warm_s": %s, "max_batch_size": %s}\n' "${times[0]}" "${times[1]}" $sizes \
+    > "$out/compile_start.json"
 }
 model_bench() {  # model_bench NAME BATCH_SIZES [bench-model FLAGS...]: the forward ceiling, unless already measured
   owed "$1" || return 0

@@ -145,6 +145,17 @@ def perf_analyzer_line(point: dict) -> str:
             f"{point['queue_us'] / 1000:.1f} ms, compute {point['compute_infer_us'] / 1000:.1f} ms{cores}")
 
 
+def compile_start_line(folder: Path) -> list[str]:
+    """gpu_check.sh's compile_start part: time to SERVING with --compile, the cache cold and then warm."""
+    start = results(folder, "compile_start")
+    if not start:
+        return []
+    point = start[-1]
+    return [f"Time to SERVING with --compile --compile-mode reduce-overhead --precision fp16 (buckets up to "
+            f"{point['max_batch_size']}): {point['cold_s']:.0f} s with an empty --compile-cache, "
+            f"{point['warm_s']:.0f} s from the cache the first start filled.", ""]
+
+
 def main(folder: Path, fp32_batch: int, fp16_batch: int) -> None:
     device = (folder / "nvidia-smi.txt").read_text().splitlines() if (folder / "nvidia-smi.txt").exists() else []
     # The name from the device row of nvidia-smi's table: "|   0  NVIDIA H100 80GB HBM3   On  |   ...".
@@ -157,6 +168,7 @@ def main(folder: Path, fp32_batch: int, fp16_batch: int) -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     print("\n".join(ceiling_rows(folder) + served_rows(folder)))
     print()
+    print("\n".join(compile_start_line(folder)))
     print("\n".join(targets(folder, fp32_batch, fp16_batch)))
 
 

@@ -454,6 +454,7 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     streamed = {**triton, "streaming": True, "throughput": 12001.0}
     (tmp_path / "served_fp16_cuda_graphs_perf_analyzer_streaming.json").write_text(json.dumps(streamed))
     (tmp_path / "ceiling_fp16_compiled_default.json").write_text("")  # a step that failed before writing
+    (tmp_path / "compile_start.json").write_text('{"cold_s": 40.8, "warm_s": 20.5, "max_batch_size": 2}\n')
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as when run as a script: it imports bench_table
     load_script("gpu_table").main(tmp_path, 2, 2)
     table = capsys.readouterr().out
@@ -462,6 +463,7 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     assert f"| in-process forward, fp32, batch 2 | {ceiling:.0f} |" in table
     assert "| in-process forward, fp16, batch norms not folded, batch 1 |" in table
     assert "| served batched, c=4 |" in table and "| served nobatch, c=4 |" in table
+    assert "(buckets up to 2): 41 s with an empty --compile-cache, 20 s from the cache the first start filled" in table
     last = json.loads((tmp_path / "served_batched.json").read_text().splitlines()[-1])
     view = last["server"]["cpu"]
     split = f"{view['mean_input_ms']:.1f} / {view['mean_infer_ms']:.1f}"  # where the batches' time went

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -122,6 +123,21 @@ def test_bad_flags_exit_with_usage_error(argv, capsys):
         parse_config(argv, env={})
     assert caught.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_a_compile_cache_is_a_folder_made_if_missing_and_writable(tmp_path, capsys):
+    folder = tmp_path / "cache" / "inductor"
+    assert parse_config(["--compile-cache", str(folder)], env={}).compile_cache == str(folder) and folder.is_dir()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as caught:
+        parse_config(["--compile-cache", str(tmp_path / "file" / "cache")], env={})
+    assert caught.value.code == 2
+    assert f"cannot make the folder '{tmp_path / 'file' / 'cache'}': Not a directory" in capsys.readouterr().err
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o500)
+    if not os.access(read_only, os.W_OK):  # root writes anywhere
+        with pytest.raises(ConfigError, match="RESNET_SERVER_COMPILE_CACHE=.*is not writable by this user"):
+            parse_config([], env={"RESNET_SERVER_COMPILE_CACHE": str(read_only)})
 
 
 def test_bad_env_value_names_the_variable():

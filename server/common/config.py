@@ -81,6 +81,7 @@ class ServerConfig:
     cudnn_benchmark: bool = True
     compile: bool = False
     compile_mode: str = "default"
+    compile_cache: str | None = None  # None: inductor's own folder (under the temp folder)
     torchscript: bool = False
     cuda_graphs: str = "auto"  # true, false, or auto: see uses_cuda_graphs
     decode_on_device: str = "auto"
@@ -189,6 +190,18 @@ def weights_source(text: str) -> str:
                                      f"{text!r} is neither, and no such file exists")
 
 
+def writable_folder(text: str) -> str:
+    """A folder this process may write in, made if missing: a wrong path is refused at start-up, not met by each
+    engine as it compiles."""
+    try:
+        os.makedirs(text, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make the folder {text!r}: {exc.strerror}") from None
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"the folder {text!r} is not writable by this user")
+    return text
+
+
 def _boolean(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -294,6 +307,11 @@ _FLAGS: list[tuple[str, object, str]] = [
                           "SERVING; needs a C++ compiler at start-up"),
     ("compile-mode", _compile_mode, "with --compile: default, or reduce-overhead (each batch size recorded as a "
                                     "CUDA graph at warm-up and replayed; as default on the CPU)"),
+    ("compile-cache", writable_folder, "with --compile: the folder where inductor keeps what it compiles (kernels; "
+                                       "on a GPU whole graphs), reused by the next start; inductor keys it on "
+                                       "torch's version, the device, the precision and each batch size, so a "
+                                       "change compiles afresh. Default: inductor's own folder under the temp "
+                                       "folder, which a container loses"),
     ("torchscript", _boolean, "run the model and softmax as a frozen TorchScript graph traced at start-up (the "
                               "GIL held once a batch instead of at every operator; docs/operations.md); not with "
                               "--compile"),

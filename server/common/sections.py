@@ -49,6 +49,7 @@ class EngineConfig:
     cudnn_benchmark: bool
     compile: bool
     compile_mode: str
+    compile_cache: str | None
     torchscript: bool
     decode_on_device: str
     runner: str

@@ -69,7 +69,8 @@ class _ReplicaSetup:
             torch.backends.cudnn.benchmark = config.cudnn_benchmark
         self.runner = build_runner(config.runner, self.name, build_model(self.weights, device), device,
                                    config.precision, config.channels_last, compiled=config.compile,
-                                   compile_mode=config.compile_mode, torchscript=config.torchscript,
+                                   compile_mode=config.compile_mode, compile_cache=config.compile_cache,
+                                   torchscript=config.torchscript,
                                    cuda_graphs=config.uses_cuda_graphs)
         sizes = bucket_sizes(self.batch_limit, device.type == "cuda")
         try:

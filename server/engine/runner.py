@@ -15,7 +15,8 @@ buckets instead. How batches run:
   warm-up (no compiler), so a batch is a copy in, one replay and the copy back: a handful of calls from Python,
   each a GIL round trip for the engine's one host thread, where an eager batch makes about 64;
 - ``compiled``: ``torch.compile`` (inductor, weights frozen as constants) once per bucket, with static shapes;
-  ``compile_mode="reduce-overhead"`` records each as a CUDA graph;
+  ``compile_mode="reduce-overhead"`` records each as a CUDA graph; ``compile_cache`` is the folder where inductor
+  keeps what it compiles for the next start;
 - ``torchscript``: the model and softmax traced and frozen, a whole batch in C++ with the GIL released once;
 - otherwise eager.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 import warnings
 from typing import NamedTuple
@@ -48,7 +50,8 @@ PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, precision: str = "fp32",
                  channels_last: bool = True, compiled: bool = False, compile_mode: str = "default",
-                 fold_batch_norms: bool = True, torchscript: bool = False, cuda_graphs: bool = False) -> None:
+                 compile_cache: str | None = None, fold_batch_norms: bool = True, torchscript: bool = False,
+                 cuda_graphs: bool = False) -> None:
         self.device = device
         self.precision = precision
         self.dtype = PRECISIONS[precision]
@@ -66,6 +69,9 @@ class ModelRunner:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.compiled = compiled
         self.compile_mode = compile_mode if compiled else None
+        if compiled and compile_cache:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache  # read as inductor compiles (one engine a process)
+        self.graphs_cached = _CacheUse(0, 0, 0)  # what warm_up's compiling found in inductor's cache
         self.torchscript = torchscript
         self.cuda_graphs = cuda_graphs and self.cuda
         self._graphs: dict[int, _CapturedBatch] = {}  # by bucket, captured by warm_up with cuda_graphs
@@ -84,7 +90,14 @@ class ModelRunner:
             how = "as a TorchScript graph" if self.torchscript else "eagerly"
         sizes = ", ".join(map(str, sorted(self._graphs) if self.cuda_graphs else self.buckets)) or \
             "any size (not warmed)"
-        return f"{self.device} runs {self.precision} {how} at batch sizes {sizes}"
+        return f"{self.device} runs {self.precision} {how} at batch sizes {sizes}{self._cache_note()}"
+
+    def _cache_note(self) -> str:
+        if not (self.compiled and self.buckets):
+            return ""
+        loaded, compiled, uncacheable = self.graphs_cached
+        return (f"; graphs from inductor's cache at {_inductor_cache_dir()}: {loaded} loaded, {compiled} compiled, "
+                f"{uncacheable} not cacheable (their kernels are)")
 
     def _graph(self) -> torch.nn.Module:
         """What runs the forward pass: the model itself, compiled, or traced and frozen."""
@@ -268,9 +281,12 @@ class ModelRunner:
         # CUDA graphs are recorded on a graph's second call (the first runs it plainly); a third call replays it.
         # TorchScript's executor profiles a graph's first call for a shape and optimises it for the second.
         repeats = 3 if self.compile_mode == "reduce-overhead" else 2 if self.torchscript else 1
+        graphs_before = _CacheUse.now()
         for size in sizes:
             for _ in range(repeats):
                 self(torch.zeros((size, *FLOAT_SHAPE)), torch.ones(size))
+        if self.compiled:
+            self.graphs_cached = _CacheUse.now().since(graphs_before)
         if self.cuda_graphs:
             self._capture()
             for size in sizes:  # each graph replayed once before a user's batch is
@@ -418,6 +434,33 @@ def cuda_graph_state_for_this_thread() -> None:
         return
     local.tree_manager_containers = {}
     local.tree_manager_locks = collections.defaultdict(threading.Lock)
+
+
+class _CacheUse(NamedTuple):
+    """Graphs inductor's FX graph cache gave (loaded), missed (compiled and stored) and could not hold (on the
+    CPU, frozen graphs keep oneDNN's prepacked weights, which cannot be saved; the C++ kernels they call are
+    still cached, as files by their source)."""
+
+    loaded: int
+    compiled: int
+    uncacheable: int
+
+    @classmethod
+    def now(cls) -> _CacheUse:
+        """The process's counts so far."""
+        from torch._dynamo.utils import counters
+
+        inductor = counters["inductor"]
+        return cls(inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_bypass"])
+
+    def since(self, before: _CacheUse) -> _CacheUse:
+        return _CacheUse(*(now - then for now, then in zip(self, before, strict=True)))
+
+
+def _inductor_cache_dir() -> str:
+    from torch._inductor.runtime.runtime_utils import cache_dir
+
+    return cache_dir()
 
 
 def _allow_recompiles(shapes: int) -> None:
