@@ -14,8 +14,8 @@
 #   compile_start  time to SERVING with --compile (fp16, inductor's CUDA graphs) and --compile-cache, the cache
 #             empty and then filled by the first start (compile_start.json; the ready lines in the servers' logs)
 #   ceilings  the in-process forward ceiling: first the three the served targets are set against (fp32, fp16, fp16
-#             as CUDA graphs), then bf16, fp16 with batch norms unfolded, fp16 compiled (plain, and replayed as
-#             inductor's CUDA graphs), fp32 and fp16 TorchScript
+#             as CUDA graphs), then bf16, fp16 with batch norms unfolded, fp16 compiled (plain, replayed as
+#             inductor's CUDA graphs, and max-autotune), fp32 as inductor's CUDA graphs, fp32 and fp16 TorchScript
 # Writes OUT_DIR (default results/gpu), ending with gpu_table.md (scripts/gpu_table.py, from whatever OUT_DIR
 # holds, so parts run in separate calls can be tabled together): the README's GPU table and the device
 # issue's targets. A step whose output is already in OUT_DIR is skipped, so a run cut short resumes where it
@@ -166,9 +166,10 @@ ceilings() {
   model_bench ceiling_bf16 1,8,32,64,128 --precision bf16
   # What folding batch norms into the convolutions saves: the same eager fp16 model with them left in.
   model_bench ceiling_fp16_unfolded 1,8,32,128 --precision fp16 --fold-batch-norms false
-  for mode in default reduce-overhead; do  # compiled, launched kernel by kernel or replayed as CUDA graphs
+  for mode in default reduce-overhead max-autotune; do  # compiled: kernel by kernel, or replayed as CUDA graphs
     model_bench ceiling_fp16_compiled_$mode 1,8,64,128 --precision fp16 --compile --compile-mode $mode
   done
+  model_bench ceiling_fp32_compiled_reduce-overhead 1,8,64,128 --precision fp32 --compile --compile-mode reduce-overhead
   for precision in fp32 fp16; do  # the whole forward pass in C++: one GIL round trip a batch
     model_bench "ceiling_${precision}_torchscript" 1,8,64,128 --precision $precision --torchscript
   done

@@ -22,7 +22,8 @@ def results(folder: Path, name: str) -> list[dict]:
 
 def ceiling_rows(folder: Path) -> list[str]:
     rows = []
-    compiled = (f"ceiling_fp16_compiled_{mode}" for mode in ("default", "reduce-overhead"))
+    compiled = (*(f"ceiling_fp16_compiled_{mode}" for mode in ("default", "reduce-overhead", "max-autotune")),
+                "ceiling_fp32_compiled_reduce-overhead")
     torchscript = (f"ceiling_{p}_torchscript" for p in ("fp32", "fp16"))
     for name in (*(f"ceiling_{p}" for p in PRECISIONS), "ceiling_fp16_cuda_graphs", "ceiling_fp16_unfolded",
                  *compiled, *torchscript):
@@ -36,7 +37,8 @@ def ceiling_rows(folder: Path) -> list[str]:
 def ceiling_label(ceiling: dict) -> str:
     """What ran: "fp16", "fp16 compiled, CUDA graphs", "fp16 TorchScript", "fp16 CUDA graphs", "fp16, batch norms
     not folded"."""
-    compiled = {None: "", "default": " compiled", "reduce-overhead": " compiled, CUDA graphs"}[ceiling["compile_mode"]]
+    compiled = {None: "", "default": " compiled", "reduce-overhead": " compiled, CUDA graphs",
+                "max-autotune": " compiled max-autotune, CUDA graphs"}[ceiling["compile_mode"]]
     torchscript = " TorchScript" if ceiling.get("torchscript") else ""
     graphs = " CUDA graphs" if ceiling.get("cuda_graphs") else ""
     folded = "" if ceiling["fold_batch_norms"] else ", batch norms not folded"

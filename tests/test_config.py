@@ -60,6 +60,9 @@ def test_a_compile_mode_other_than_default_needs_compile():
         "reduce-overhead"
     with pytest.raises(ConfigError, match="--compile-mode reduce-overhead needs --compile"):
         parse_config(["--compile-mode", "reduce-overhead"], env={})
+    assert parse_config(["--compile", "--compile-mode", "max-autotune"], env={}).compile_mode == "max-autotune"
+    with pytest.raises(ConfigError, match="--compile-mode max-autotune needs --compile"):
+        parse_config(["--compile-mode", "max-autotune"], env={})
 
 
 def test_torchscript_is_off_by_default_and_excludes_compile():

@@ -6,6 +6,7 @@ two replicas sharing one GPU each with its own metric label.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -188,11 +189,15 @@ def test_cuda_graph_replays_launch_without_a_sync_and_two_in_flight_answer_alike
         torch.testing.assert_close(pending.wait()[0], expected, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])
-def test_compiled_cuda_batches_are_padded_and_match_the_cpu_reference(make_server, reference, compile_mode):
-    running = make_server(devices=("cuda:0",), compile=True, compile_mode=compile_mode, max_batch_size=4)
-    assert running.app.core.router.replicas[0].info.runs == \
-        f"cuda:0 runs fp32 compiled by inductor ({compile_mode}) at batch sizes 1, 2, 4"
+@pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead", "max-autotune"])
+def test_compiled_cuda_batches_are_padded_and_match_the_cpu_reference(make_server, reference, compile_mode, tmp_path):
+    running = make_server(devices=("cuda:0",), compile=True, compile_mode=compile_mode, max_batch_size=4,
+                          compile_cache=str(tmp_path / "cache"))
+    runs = running.app.core.router.replicas[0].info.runs
+    assert runs.startswith(f"cuda:0 runs fp32 compiled by inductor ({compile_mode}) at batch sizes 1, 2, 4; graphs "
+                           f"from inductor's cache at {tmp_path / 'cache'}: 0 loaded, ")  # an empty cache
+    compiled, uncacheable = map(int, re.findall(r"(\d+) compiled, (\d+) not cacheable", runs)[0])
+    assert compiled + uncacheable == 3  # one graph a batch size
     with Client(running.target) as client:
         first = client.classify(PIXELS, full=True, logits=True)  # one batch of 3, padded up to the graph of 4
         second = client.classify(PIXELS[:1], full=True, logits=True)  # the graph of 1 (CUDA graphs reuse their memory)

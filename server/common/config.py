@@ -18,8 +18,8 @@ from resnet_client.flags import non_negative_float, non_negative_int, port_numbe
 from resnet_server.common.event_loop import EVENT_LOOPS, uvloop_installed
 from resnet_server.common.logs import LOG_FORMATS
 
-# torch.compile's own mode names; reduce-overhead replays CUDA graphs.
-COMPILE_MODES = ("default", "reduce-overhead")
+# torch.compile's own mode names; reduce-overhead replays CUDA graphs, and max-autotune also tries kernel choices.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 ENV_PREFIX = "RESNET_SERVER_"
 
@@ -305,8 +305,10 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("cudnn-benchmark", _boolean, "cuDNN autotuning, paid at warm-up for every warmed batch size before SERVING"),
     ("compile", _boolean, "torch.compile (inductor, weights frozen) for every warmed batch size at warm-up, before "
                           "SERVING; needs a C++ compiler at start-up"),
-    ("compile-mode", _compile_mode, "with --compile: default, or reduce-overhead (each batch size recorded as a "
-                                    "CUDA graph at warm-up and replayed; as default on the CPU)"),
+    ("compile-mode", _compile_mode, "with --compile: default, reduce-overhead (each batch size recorded as a "
+                                    "CUDA graph at warm-up and replayed; as default on the CPU), or max-autotune "
+                                    "(as reduce-overhead, and inductor times several kernels for each operation "
+                                    "at warm-up and keeps the fastest: a longer start)"),
     ("compile-cache", writable_folder, "with --compile: the folder where inductor keeps what it compiles (kernels; "
                                        "on a GPU whole graphs), reused by the next start; inductor keys it on "
                                        "torch's version, the device, the precision and each batch size, so a "

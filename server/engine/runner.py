@@ -15,7 +15,8 @@ buckets instead. How batches run:
   warm-up (no compiler), so a batch is a copy in, one replay and the copy back: a handful of calls from Python,
   each a GIL round trip for the engine's one host thread, where an eager batch makes about 64;
 - ``compiled``: ``torch.compile`` (inductor, weights frozen as constants) once per bucket, with static shapes;
-  ``compile_mode="reduce-overhead"`` records each as a CUDA graph; ``compile_cache`` is the folder where inductor
+  ``compile_mode="reduce-overhead"`` records each as a CUDA graph (``max-autotune`` too, after timing kernel
+  choices); ``compile_cache`` is the folder where inductor
   keeps what it compiles for the next start;
 - ``torchscript``: the model and softmax traced and frozen, a whole batch in C++ with the GIL released once;
 - otherwise eager.
@@ -44,6 +45,9 @@ from resnet_server.common.work import ModelInput
 
 # Batches a CUDA batcher keeps launched and unanswered: one computing on the device, the next queued behind it.
 CUDA_BATCHES_IN_FLIGHT = 2
+# torch.compile's modes that record each static shape as a CUDA graph (recorded on the second call, replayed from
+# the third).
+REPLAYS_CUDA_GRAPHS = ("reduce-overhead", "max-autotune")
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -275,12 +279,12 @@ class ModelRunner:
         sizes = sorted({1, *batch_sizes})  # 1: any batch splits into them
         if self.compiled:
             _allow_recompiles(len(sizes))
-        if self.compile_mode == "reduce-overhead":
+        if self.compile_mode in REPLAYS_CUDA_GRAPHS:
             cuda_graph_state_for_this_thread()  # the thread that warms up is the one that serves
         self.buckets = sizes  # warm-up batches take the path served ones will
         # CUDA graphs are recorded on a graph's second call (the first runs it plainly); a third call replays it.
         # TorchScript's executor profiles a graph's first call for a shape and optimises it for the second.
-        repeats = 3 if self.compile_mode == "reduce-overhead" else 2 if self.torchscript else 1
+        repeats = 3 if self.compile_mode in REPLAYS_CUDA_GRAPHS else 2 if self.torchscript else 1
         graphs_before = _CacheUse.now()
         for size in sizes:
             for _ in range(repeats):
