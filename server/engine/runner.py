@@ -16,8 +16,7 @@ buckets instead. How batches run:
   each a GIL round trip for the engine's one host thread, where an eager batch makes about 64;
 - ``compiled``: ``torch.compile`` (inductor, weights frozen as constants) once per bucket, with static shapes;
   ``compile_mode="reduce-overhead"`` records each as a CUDA graph (``max-autotune`` too, after timing kernel
-  choices); ``compile_cache`` is the folder where inductor
-  keeps what it compiles for the next start;
+  choices); ``compile_cache`` is the folder where inductor keeps what it compiles for the next start;
 - ``torchscript``: the model and softmax traced and frozen, a whole batch in C++ with the GIL released once;
 - otherwise eager.
 
@@ -285,11 +284,11 @@ class ModelRunner:
         # CUDA graphs are recorded on a graph's second call (the first runs it plainly); a third call replays it.
         # TorchScript's executor profiles a graph's first call for a shape and optimises it for the second.
         repeats = 3 if self.compile_mode in REPLAYS_CUDA_GRAPHS else 2 if self.torchscript else 1
-        graphs_before = _CacheUse.now()
+        graphs_before = _CacheUse.now() if self.compiled else None  # only compiling uses inductor's cache
         for size in sizes:
             for _ in range(repeats):
                 self(torch.zeros((size, *FLOAT_SHAPE)), torch.ones(size))
-        if self.compiled:
+        if graphs_before is not None:
             self.graphs_cached = _CacheUse.now().since(graphs_before)
         if self.cuda_graphs:
             self._capture()
