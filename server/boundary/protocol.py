@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
+import struct
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -146,6 +148,62 @@ def receive_at_engine(connection: Connection) -> ToEngine:
 
 def receive_at_frontend(connection: Connection) -> ToFrontEnd:
     return _to_frontend.decode(connection.recv_bytes())
+
+
+_LENGTH = struct.Struct("!i")  # multiprocessing's framing, which Connection.send_bytes writes: a length,
+_LONG_LENGTH = struct.Struct("!Q")  # or -1 and then this one for a message of 2 GiB or more
+FIRST_READ_BYTES = 1 << 16  # under malloc's mmap threshold: the buffer is made once, never mapped per read
+
+
+class MessageReader:
+    """The messages one socket holds, read with one system call however many have arrived (``recv_bytes``
+    makes two a message: its length, then its body). Under load an engine's answers and a front-end's
+    submits come several to a wake-up; each system call costs as much as decoding a message."""
+
+    def __init__(self, connection: Connection, decoder: msgspec.msgpack.Decoder) -> None:
+        self._fd = connection.fileno()
+        self._decode = decoder.decode
+        self._buffer = memoryview(bytearray(FIRST_READ_BYTES))
+        self._kept = 0  # bytes of a message not yet whole, at the buffer's start
+
+    def read(self) -> list:
+        """The whole messages read (none if only part of one came); blocks on a blocking socket until some
+        bytes come. EOFError once the socket has closed."""
+        if self._kept == len(self._buffer):  # one message larger than the buffer: make room for more of it
+            self._buffer = memoryview(bytearray(self._buffer) + bytearray(len(self._buffer)))
+        count = os.readv(self._fd, [self._buffer[self._kept:]])
+        if count == 0:
+            raise EOFError("the socket closed")
+        end, position, messages = self._kept + count, 0, []
+        while (body := self._body_at(position, end)) is not None:
+            start, position = body
+            messages.append(self._decode(self._buffer[start:position]))
+        self._kept = end - position
+        self._buffer[:self._kept] = bytes(self._buffer[position:end])
+        return messages
+
+    def _body_at(self, position: int, end: int) -> tuple[int, int] | None:
+        """Where the message at ``position`` starts and ends, if all of it is before ``end``."""
+        if end - position < _LENGTH.size:
+            return None
+        (size,) = _LENGTH.unpack_from(self._buffer, position)
+        start = position + _LENGTH.size
+        if size == -1:
+            if end - start < _LONG_LENGTH.size:
+                return None
+            (size,) = _LONG_LENGTH.unpack_from(self._buffer, start)
+            start += _LONG_LENGTH.size
+        return (start, start + size) if start + size <= end else None
+
+
+def engine_messages(connection: Connection) -> MessageReader:
+    """What a front-end sends, as the engine reads it (after Hello, which ``receive_at_engine`` takes)."""
+    return MessageReader(connection, _to_engine)
+
+
+def frontend_messages(connection: Connection) -> MessageReader:
+    """What an engine sends, as a front-end reads it (after Ready, which ``receive_at_frontend`` takes)."""
+    return MessageReader(connection, _to_frontend)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from resnet_server.boundary.protocol import (
     SlotEntry,
     Submit,
     ToFrontEnd,
+    engine_messages,
     receive_at_engine,
     send,
 )
@@ -139,9 +140,10 @@ class Engine:
                 self._frontends.add(frontend)
             frontend.send(Ready(self.info()))
             handlers = {Submit: self._submit, Cancel: self._cancel}
+            messages = engine_messages(connection)
             while True:
-                message = receive_at_engine(connection)
-                handlers[type(message)](frontend, message)
+                for message in messages.read():
+                    handlers[type(message)](frontend, message)
         except (EOFError, OSError):
             pass
         finally:

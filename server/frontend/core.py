@@ -56,6 +56,9 @@ class InferenceCore:
         self.limits = limits
         self.default_temperature = default_temperature
         self._metrics = metrics
+        # Made on the loop that serves: asking for the running loop costs a system call each time (getpid, on
+        # Python 3.11), and a call asked for it twice.
+        self._loop = asyncio.get_running_loop()
         self._children: dict[tuple, object] = {}  # by (metric, *labels): see _series
         # Preprocessing threads run torch ops one-threaded: an OpenMP team per thread would compete with
         # the engines' forward passes for the same cores.
@@ -95,13 +98,11 @@ class InferenceCore:
 
     async def _classify_on(self, replica: EngineHandle, call: ClassifyCall, started: float) -> list[ImageOutput]:
         temperature, k = self._validate(call)
-        replica.check_room(len(call.images))
         deadline = None if call.timeout is None else started + call.timeout
         model_inputs = await self._admit(call.images, replica)
-        loop = asyncio.get_running_loop()
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExpired("deadline passed while the images were decoded")
-        items = [WorkItem(model_input, temperature, k, deadline, loop.create_future(), call.request_id)
+        items = [WorkItem(model_input, temperature, k, deadline, self._loop.create_future(), call.request_id)
                  for model_input in model_inputs]
         replica.submit(items)
         try:
@@ -151,7 +152,6 @@ class InferenceCore:
                 except InvalidInput as exc:
                     invalid[index] = str(exc)
         inline = replica.inline_bytes
-        loop = asyncio.get_running_loop()
 
         def decoder(image: ImageInput) -> Callable | None:
             fits = len(image.data) <= inline
@@ -163,8 +163,10 @@ class InferenceCore:
                 if i not in invalid and (decode := decoder(image)) is not None]
         if not work and not invalid:  # raw pixels that fit their slots: nothing to decode (most calls)
             return list(images)
+        if work:  # a call that would be refused is refused before it is decoded (submit() decides for the rest)
+            replica.check_room(len(images))
         crop_only = replica.takes_crops
-        decoded = await asyncio.gather(*(loop.run_in_executor(self._executor, decode, images[i],
+        decoded = await asyncio.gather(*(self._loop.run_in_executor(self._executor, decode, images[i],
                                                               self.limits.max_pixels, crop_only)
                                          for i, decode in work), return_exceptions=True)
         admitted: list[ModelInput] = list(images)

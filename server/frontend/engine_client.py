@@ -30,10 +30,12 @@ from resnet_server.boundary.protocol import (
     Health,
     Hello,
     ImageKind,
+    MessageReader,
     Ready,
     Released,
     SlotEntry,
     Submit,
+    frontend_messages,
     receive_at_frontend,
     send,
 )
@@ -65,6 +67,8 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self._on_lost, self._on_back = on_lost, on_back
         self._connection: Connection | None = None
+        self._messages: MessageReader | None = None  # the engine's messages after Ready
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that reads them (kept: see InferenceCore)
         self._in_rotation = False
         self._waiting: dict[int, WorkItem] = {}  # by slot: items sent and not yet answered
         self._unsent: list[SlotEntry] = []  # submitted in this turn of the event loop; sent together at its end
@@ -135,7 +139,9 @@ class EngineClient:
 
     def _attach(self, connection: Connection, info: EngineInfo) -> None:
         self._connection, self.info, self._in_rotation = connection, info, info.in_rotation
-        asyncio.get_running_loop().add_reader(connection.fileno(), self._read)
+        self._messages = frontend_messages(connection)
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(connection.fileno(), self._read)
 
     def check_room(self, count: int) -> None:
         """Overloaded now if the engine's slab has fewer than ``count`` free slots, so that a call that would be
@@ -159,7 +165,7 @@ class EngineClient:
             self._unsent.append(self._write(slot, item))
             self._waiting[slot], self._slot_of[item] = item, slot
         if len(self._unsent) == len(items):  # the first submit of this turn of the loop
-            asyncio.get_running_loop().call_soon(self._send_unsent)
+            self._loop.call_soon(self._send_unsent)
 
     def _send_unsent(self) -> None:
         """One message for every call submitted since the last: a message and its wake-up of the engine cost
@@ -199,16 +205,16 @@ class EngineClient:
                 send(self._connection, Cancel(slots))
 
     def _read(self) -> None:
-        """One message a call: the loop calls again while the socket has more (a poll first would cost a system
-        call a message)."""
+        """Every message the socket holds (the loop calls again while it has more)."""
         if self._connection is None:
             return
         try:
-            message = receive_at_frontend(self._connection)
+            messages = self._messages.read()
         except (EOFError, OSError):
             self._lost()
             return
-        self._handlers[type(message)](message)
+        for message in messages:
+            self._handlers[type(message)](message)
 
     def _take(self, slot: int) -> WorkItem:
         item = self._waiting.pop(slot)
