@@ -156,7 +156,9 @@ def test_bench_stream_keeps_a_stream_open_per_caller_and_reopens_one_a_failure_e
     running = make_server(**({"max_queue": 1, "max_batch_size": 1} if overloaded else {}))
     opened = _counting_streams(monkeypatch)
     request = pb.ClassifyRequest(images=[make_image("uint8", 64, 48)], top_k=1).SerializeToString()
-    spec = LoadSpec(running.target, request, 3, None, 0.0, 1.5, {}, stream=True)
+    # Without failures a window long enough that each stream answers more than one request even beside a
+    # container build (a CI machine so loaded answered only each stream's first in 1.5 s).
+    spec = LoadSpec(running.target, request, 3, None, 0.0, 1.5 if overloaded else 5.0, {}, stream=True)
     records = asyncio.run(_stream_loop(spec))
     codes = Counter(code for _, code in records)
     assert set(opened) == {"/resnet.v1.Classifier/ClassifyStream"}
