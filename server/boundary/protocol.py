@@ -179,7 +179,8 @@ class MessageReader:
             start, position = body
             messages.append(self._decode(self._buffer[start:position]))
         self._kept = end - position
-        self._buffer[:self._kept] = bytes(self._buffer[position:end])
+        if self._kept and position:  # part of a message follows whole ones: move it to the buffer's start
+            self._buffer[:self._kept] = bytes(self._buffer[position:end])
         return messages
 
     def _body_at(self, position: int, end: int) -> tuple[int, int] | None:
