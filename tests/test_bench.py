@@ -383,6 +383,7 @@ def test_frontend_cost_measures_both_servers_in_rounds_and_each_process_cpu_a_ca
     assert all(us > 0 for us in result["cpu_us_per_call"].values())
     cpu = result["cpu_us_per_call"]
     assert result["cpu_ratio"] == pytest.approx(cpu["frontend"] / cpu["bare"])
+    assert result["cpu_ratio_target"] == 1.5  # issue 59's; gpu_table.py writes it from here
 
 
 def test_the_free_runner_answers_ready_made_scores_through_every_front_end(weights_file):
@@ -447,7 +448,8 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
     for stand_in in ("served_fp16_torchscript", "served_fp16_cuda_graphs", "served_fp16_cuda_graphs_stream"):
         (tmp_path / f"{stand_in}.json").write_text((tmp_path / "served_batched.json").read_text())
     cost = {"bare_calls_per_s": 1800.0, "frontend_calls_per_s": 990.0, "ratio": 0.55,  # frontend_cost.py's shape
-            "cpu_us_per_call": {"bare": 650.0, "engine": 350.0, "frontend": 1020.0}, "cpu_ratio": 1020.0 / 650.0}
+            "cpu_us_per_call": {"bare": 650.0, "engine": 350.0, "frontend": 1020.0}, "cpu_ratio": 1020.0 / 650.0,
+            "cpu_ratio_target": 1.5}
     (tmp_path / "frontend_cost.json").write_text(json.dumps(cost))
     engine = {"images_per_s": 14975.2, "engine_cpu_us_per_image": 20.84, "mean_batch": 67.7,  # engine_ceiling.py's
               "feeders": 4, "in_flight": 96, "compute_ms": 5.0, "rounds": 1}

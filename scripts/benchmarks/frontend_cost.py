@@ -159,7 +159,7 @@ def measure(args: argparse.Namespace) -> dict:
     return {"bare_calls_per_s": statistics.median(measured["bare"][0] for measured in rounds),
             "frontend_calls_per_s": statistics.median(measured["frontend"][0] for measured in rounds),
             "ratio": statistics.median(ratios), "ratios": ratios, "cpu_us_per_call": cpu,
-            "cpu_ratio": cpu["frontend"] / cpu["bare"]}
+            "cpu_ratio": cpu["frontend"] / cpu["bare"], "cpu_ratio_target": CPU_RATIO_TARGET}
 
 
 def main() -> None:
