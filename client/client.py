@@ -16,13 +16,14 @@ from .messages import Classification, ImageLike, build_request, parse_response
 DEFAULT_TIMEOUT = 30.0
 
 
-def _connect(channels, target, tls_ca, tls_cert, tls_key, token, attempts, own_connection):
-    """(config, channel) from ``grpc`` or ``grpc.aio`` (both spell the channel constructors alike)."""
+def _connect(channels, target, tls_ca, tls_cert, tls_key, token, attempts, own_connection, **extra):
+    """(config, channel) from ``grpc`` or ``grpc.aio`` (both spell the channel constructors alike; ``extra``
+    goes to grpc.aio's)."""
     config = ChannelConfig(parse_targets(target), tls_ca, tls_cert, tls_key, token, attempts, own_connection)
     credentials = config.credentials()
     if credentials is None:
-        return config, channels.insecure_channel(config.target, config.options())
-    return config, channels.secure_channel(config.target, credentials, config.options())
+        return config, channels.insecure_channel(config.target, config.options(), **extra)
+    return config, channels.secure_channel(config.target, credentials, config.options(), **extra)
 
 
 def _health_name(status: int) -> str:
@@ -32,13 +33,16 @@ def _health_name(status: int) -> str:
 class Client:
     """Blocking client. ``target`` is ``host:port``, a comma-separated list, a list, or ``dns:///name:port``;
     ``attempts``: tries per classifier call on UNAVAILABLE; ``own_connection``: a connection not shared with
-    the process's other clients of the same target (see :class:`client.channel.ChannelConfig`)."""
+    the process's other clients of the same target (see :class:`client.channel.ChannelConfig`);
+    ``interceptors``: gRPC client interceptors (``grpc.UnaryUnaryClientInterceptor`` and its kin) that every
+    call passes through, for tracing or logging of your own."""
 
     def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 token: str | None = None, attempts: int = DEFAULT_ATTEMPTS, own_connection: bool = False) -> None:
-        self._config, self._channel = _connect(grpc, target, tls_ca, tls_cert, tls_key, token, attempts,
-                                               own_connection)
+                 token: str | None = None, attempts: int = DEFAULT_ATTEMPTS, own_connection: bool = False,
+                 interceptors: Sequence[object] = ()) -> None:
+        self._config, channel = _connect(grpc, target, tls_ca, tls_cert, tls_key, token, attempts, own_connection)
+        self._channel = grpc.intercept_channel(channel, *interceptors) if interceptors else channel
         self.timeout = timeout
         self._stub = pb_grpc.ClassifierStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -83,13 +87,14 @@ class Client:
 
 
 class AsyncClient:
-    """The asyncio twin of :class:`Client` (grpc.aio)."""
+    """The asyncio twin of :class:`Client` (grpc.aio; its ``interceptors`` are ``grpc.aio``'s kinds)."""
 
     def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 token: str | None = None, attempts: int = DEFAULT_ATTEMPTS, own_connection: bool = False) -> None:
+                 token: str | None = None, attempts: int = DEFAULT_ATTEMPTS, own_connection: bool = False,
+                 interceptors: Sequence[object] = ()) -> None:
         self._config, self._channel = _connect(grpc.aio, target, tls_ca, tls_cert, tls_key, token, attempts,
-                                               own_connection)
+                                               own_connection, interceptors=list(interceptors) or None)
         self.timeout = timeout
         self._stub = pb_grpc.ClassifierStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

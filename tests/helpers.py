@@ -379,3 +379,9 @@ def break_until_evicted(running: ServerThread, faults: Faults, replica: str = "c
                 client.classify([image])
             except ClassifierError as exc:
                 assert exc.code == grpc.StatusCode.INTERNAL
+
+
+def method_name(call_details) -> str:
+    """A client interceptor's call details' method as text (grpc.aio's hold bytes, grpc's a str)."""
+    method = call_details.method
+    return method.decode() if isinstance(method, bytes) else method

@@ -28,6 +28,7 @@ from tests.helpers import (
     ROOT,
     free_port,
     load_script,
+    method_name,
     needs_perf_analyzer,
     serving,
     wait_for,
@@ -132,35 +133,31 @@ def test_bench_stream_sends_every_request_as_a_message_on_a_stream_per_caller(ma
     assert 1 <= point["server"]["cpu"]["mean_batch_size"] <= 3
 
 
-def _counting_streams(monkeypatch) -> list[str]:
-    """The methods of every stream the bench opens (the real call made, as it was)."""
-    opened, open_stream = [], grpc.aio._channel.Channel.stream_stream
+class StreamsOpened(grpc.aio.StreamStreamClientInterceptor):
+    """The method of every stream the bench opens (passed to its clients as an interceptor)."""
 
-    def counted(channel, method, *args, **kwargs):
-        multi_callable = open_stream(channel, method, *args, **kwargs)
+    def __init__(self) -> None:
+        self.methods: list[str] = []
 
-        def call(*call_args, **call_kwargs):
-            opened.append(method)
-            return multi_callable(*call_args, **call_kwargs)
-        return call
-    monkeypatch.setattr(grpc.aio._channel.Channel, "stream_stream", counted)
-    return opened
+    async def intercept_stream_stream(self, continuation, call_details, request_iterator):
+        self.methods.append(method_name(call_details))
+        return await continuation(call_details, request_iterator)
 
 
 @pytest.mark.parametrize("overloaded", [False, True])
-def test_bench_stream_keeps_a_stream_open_per_caller_and_reopens_one_a_failure_ended(make_server, monkeypatch,
-                                                                                     overloaded):
+def test_bench_stream_keeps_a_stream_open_per_caller_and_reopens_one_a_failure_ended(make_server, overloaded):
     """Three callers: three ClassifyStream calls carry every request while none fails. A queue of one image
     refuses some (RESOURCE_EXHAUSTED ends that stream): each failure counted by its code, and a new stream
     opened for the caller's next request."""
     running = make_server(**({"max_queue": 1, "max_batch_size": 1} if overloaded else {}))
-    opened = _counting_streams(monkeypatch)
+    streams = StreamsOpened()
     request = pb.ClassifyRequest(images=[make_image("uint8", 64, 48)], top_k=1).SerializeToString()
     # Without failures a window long enough that each stream answers more than one request even beside a
     # container build (a CI machine so loaded answered only each stream's first in 1.5 s).
-    spec = LoadSpec(running.target, request, 3, None, 0.0, 1.5 if overloaded else 5.0, {}, stream=True)
+    spec = LoadSpec(running.target, request, 3, None, 0.0, 1.5 if overloaded else 5.0,
+                    {"interceptors": [streams]}, stream=True)
     records = asyncio.run(_stream_loop(spec))
-    codes = Counter(code for _, code in records)
+    codes, opened = Counter(code for _, code in records), streams.methods
     assert set(opened) == {"/resnet.v1.Classifier/ClassifyStream"}
     if overloaded:  # both codes, not how many of each: that depends on the machine's speed
         assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}

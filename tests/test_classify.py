@@ -11,7 +11,7 @@ import pytest
 from resnet_client import AsyncClient, ClassifierError, Client
 from resnet_client.api import classifier_pb2_grpc as pb_grpc
 from resnet_client.messages import build_request, parse_response
-from tests.helpers import encode, random_rgb, wait_for
+from tests.helpers import encode, method_name, random_rgb, wait_for
 
 TOLERANCE = 1e-5
 
@@ -187,6 +187,49 @@ def test_model_info(client, weights_file):
     assert info.weights == str(weights_file[0]) and info.warning == ""
     assert info.input.crop_size == 224 and info.input.resize_size == 256
     assert info.input.max_pixels == 40_000_000
+
+
+class MethodsSeen(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """A client interceptor that notes each call's method and lets it through."""
+
+    def __init__(self) -> None:
+        self.methods: list[str] = []
+
+    def intercept_unary_unary(self, continuation, call_details, request):
+        self.methods.append(method_name(call_details))
+        return continuation(call_details, request)
+
+    def intercept_stream_stream(self, continuation, call_details, request_iterator):
+        self.methods.append(method_name(call_details))
+        return continuation(call_details, request_iterator)
+
+
+class AsyncMethodsSeen(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self) -> None:
+        self.methods: list[str] = []
+
+    async def intercept_unary_unary(self, continuation, call_details, request):
+        self.methods.append(method_name(call_details))
+        return await continuation(call_details, request)
+
+
+def test_clients_pass_every_call_through_the_interceptors_they_are_given(server, reference):
+    image = encode(random_rgb(900))
+    expected = reference.probabilities(reference.input_from_bytes(image), 1.0)
+    seen = MethodsSeen()
+    with Client(server.target, timeout=60, interceptors=[seen]) as client:
+        (result,) = client.classify([image], full=True)
+        assert [answer for (answer,) in client.classify_stream([build_request([image])])][0].top_k
+    assert seen.methods == ["/resnet.v1.Classifier/Classify", "/resnet.v1.Classifier/ClassifyStream"]
+    np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
+
+    async def classify_async() -> list:
+        async with AsyncClient(server.target, timeout=60, interceptors=[seen_async]) as client:
+            return await client.classify([image], full=True)
+    seen_async = AsyncMethodsSeen()
+    (result,) = asyncio.run(classify_async())
+    assert seen_async.methods == ["/resnet.v1.Classifier/Classify"]
+    np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
 
 
 def test_health_serving(client):
