@@ -381,7 +381,33 @@ def break_until_evicted(running: ServerThread, faults: Faults, replica: str = "c
                 assert exc.code == grpc.StatusCode.INTERNAL
 
 
+
 def method_name(call_details) -> str:
     """A client interceptor's call details' method as text (grpc.aio's hold bytes, grpc's a str)."""
     method = call_details.method
     return method.decode() if isinstance(method, bytes) else method
+
+
+class _AsyncUnarySeen(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, methods: list[str]) -> None:
+        self.methods = methods
+
+    async def intercept_unary_unary(self, continuation, call_details, request):
+        self.methods.append(method_name(call_details))
+        return await continuation(call_details, request)
+
+
+class _AsyncStreamSeen(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, methods: list[str]) -> None:
+        self.methods = methods
+
+    async def intercept_stream_stream(self, continuation, call_details, request_iterator):
+        self.methods.append(method_name(call_details))
+        return await continuation(call_details, request_iterator)
+
+
+def async_methods_seen() -> tuple[list[str], list]:
+    """grpc.aio client interceptors that note every call's method in one list and let the call through: one of
+    each kind, since a grpc.aio channel files an interceptor under the first kind it is."""
+    methods: list[str] = []
+    return methods, [_AsyncUnarySeen(methods), _AsyncStreamSeen(methods)]

@@ -12,7 +12,6 @@ import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import numpy as np
 import pytest
 import torch
@@ -26,9 +25,9 @@ from resnet_server.cli import main as server_main
 from resnet_server.engine.bench_model import Replicas, add_model_arguments
 from tests.helpers import (
     ROOT,
+    async_methods_seen,
     free_port,
     load_script,
-    method_name,
     needs_perf_analyzer,
     serving,
     wait_for,
@@ -133,31 +132,20 @@ def test_bench_stream_sends_every_request_as_a_message_on_a_stream_per_caller(ma
     assert 1 <= point["server"]["cpu"]["mean_batch_size"] <= 3
 
 
-class StreamsOpened(grpc.aio.StreamStreamClientInterceptor):
-    """The method of every stream the bench opens (passed to its clients as an interceptor)."""
-
-    def __init__(self) -> None:
-        self.methods: list[str] = []
-
-    async def intercept_stream_stream(self, continuation, call_details, request_iterator):
-        self.methods.append(method_name(call_details))
-        return await continuation(call_details, request_iterator)
-
-
 @pytest.mark.parametrize("overloaded", [False, True])
 def test_bench_stream_keeps_a_stream_open_per_caller_and_reopens_one_a_failure_ended(make_server, overloaded):
     """Three callers: three ClassifyStream calls carry every request while none fails. A queue of one image
     refuses some (RESOURCE_EXHAUSTED ends that stream): each failure counted by its code, and a new stream
     opened for the caller's next request."""
     running = make_server(**({"max_queue": 1, "max_batch_size": 1} if overloaded else {}))
-    streams = StreamsOpened()
+    opened, interceptors = async_methods_seen()  # the method of every stream the bench opens
     request = pb.ClassifyRequest(images=[make_image("uint8", 64, 48)], top_k=1).SerializeToString()
     # Without failures a window long enough that each stream answers more than one request even beside a
     # container build (a CI machine so loaded answered only each stream's first in 1.5 s).
     spec = LoadSpec(running.target, request, 3, None, 0.0, 1.5 if overloaded else 5.0,
-                    {"interceptors": [streams]}, stream=True)
+                    {"interceptors": interceptors}, stream=True)
     records = asyncio.run(_stream_loop(spec))
-    codes, opened = Counter(code for _, code in records), streams.methods
+    codes = Counter(code for _, code in records)
     assert set(opened) == {"/resnet.v1.Classifier/ClassifyStream"}
     if overloaded:  # both codes, not how many of each: that depends on the machine's speed
         assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}

@@ -11,7 +11,7 @@ import pytest
 from resnet_client import AsyncClient, ClassifierError, Client
 from resnet_client.api import classifier_pb2_grpc as pb_grpc
 from resnet_client.messages import build_request, parse_response
-from tests.helpers import encode, method_name, random_rgb, wait_for
+from tests.helpers import async_methods_seen, encode, method_name, random_rgb, wait_for
 
 TOLERANCE = 1e-5
 
@@ -204,15 +204,6 @@ class MethodsSeen(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInter
         return continuation(call_details, request_iterator)
 
 
-class AsyncMethodsSeen(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self) -> None:
-        self.methods: list[str] = []
-
-    async def intercept_unary_unary(self, continuation, call_details, request):
-        self.methods.append(method_name(call_details))
-        return await continuation(call_details, request)
-
-
 def test_clients_pass_every_call_through_the_interceptors_they_are_given(server, reference):
     image = encode(random_rgb(900))
     expected = reference.probabilities(reference.input_from_bytes(image), 1.0)
@@ -224,11 +215,11 @@ def test_clients_pass_every_call_through_the_interceptors_they_are_given(server,
     np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
 
     async def classify_async() -> list:
-        async with AsyncClient(server.target, timeout=60, interceptors=[seen_async]) as client:
+        async with AsyncClient(server.target, timeout=60, interceptors=interceptors) as client:
             return await client.classify([image], full=True)
-    seen_async = AsyncMethodsSeen()
+    methods, interceptors = async_methods_seen()
     (result,) = asyncio.run(classify_async())
-    assert seen_async.methods == ["/resnet.v1.Classifier/Classify"]
+    assert methods == ["/resnet.v1.Classifier/Classify"]
     np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
 
 
