@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The container proof, end to end, on this machine: builds the image, runs the compose stack with two
 # server replicas (seeded random weights, CPU), classifies through the gateway, checks Prometheus sees
-# BOTH replicas, evaluates every Grafana dashboard query, and tears everything down, even on failure.
+# BOTH replicas, evaluates every Grafana dashboard query, starts a server with --compile in the image, and
+# tears everything down, even on failure.
 #
 # Where no registry is reachable it first builds stand-ins for the public base images from Debian
 # (debootstrap), and only for images that are missing, so on a normal machine nothing is faked.
@@ -35,11 +36,13 @@ ensure_compose() {
   mkdir -p ~/.docker/cli-plugins && ln -sf "$bin" ~/.docker/cli-plugins/docker-compose
 }
 
-# stand_in IMAGE PACKAGES SETUP CMD: a Debian bookworm rootfs imported as IMAGE, if IMAGE is missing
-# and cannot be pulled.
+# stand_in IMAGE PACKAGES SETUP CMD [CHECK]: a Debian bookworm rootfs imported as IMAGE, if IMAGE is missing
+# and cannot be pulled, or is a stand-in made before CHECK (a command run in it) held.
 stand_in() {
-  local image=$1 packages=$2 setup=$3 cmd=$4
-  docker image inspect "$image" >/dev/null 2>&1 && return
+  local image=$1 packages=$2 setup=$3 cmd=$4 check=${5:-}
+  if docker image inspect "$image" >/dev/null 2>&1; then
+    [ -z "$check" ] || docker run --rm --entrypoint sh "$image" -c "$check" >/dev/null 2>&1 && return
+  fi
   docker pull -q "$image" >/dev/null 2>&1 && return
   step "building a stand-in for $image from Debian"
   command -v debootstrap >/dev/null || { apt-get update -q && apt-get install -y -q debootstrap; }
@@ -57,13 +60,35 @@ stand_in() {
 
 cleanup() {
   step "tearing down"
+  docker rm -f resnet-proof-compile >/dev/null 2>&1 || true
   "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
+}
+
+# --compile in the image: inductor builds its kernels with the image's own g++ while the server warms up, and
+# the server reports healthy (its HEALTHCHECK: SERVING) only once every bucket is compiled.
+check_compile() {
+  local name=resnet-proof-compile health=""
+  docker run -d --name $name -e RESNET_SERVER_WEIGHTS=random resnet-grpc:latest --device cpu --compile \
+    --max-batch-size 1 >/dev/null
+  for _ in $(seq 150); do  # bounded: 5 minutes
+    health=$(docker inspect -f '{{.State.Status}} {{.State.Health.Status}}' $name)
+    [ "$health" = "running healthy" ] || [ "${health%% *}" = exited ] && break
+    sleep 2
+  done
+  if [ "$health" != "running healthy" ] || ! docker logs $name 2>&1 | grep -q "runs fp32 compiled by inductor"; then
+    docker logs --tail 30 $name >&2
+    echo "FAILED: a server with --compile in the image ($health)" >&2
+    return 1
+  fi
+  echo "ok: --compile in the image: $(docker logs $name 2>&1 | grep -o 'cpu runs fp32 compiled[^;]*' | head -1)"
+  docker rm -f $name >/dev/null
 }
 
 start_docker
 ensure_compose
-stand_in "$PY_IMAGE" python3,python3-venv,python3-pip,ca-certificates \
-  'rm -f usr/lib/python3.11/EXTERNALLY-MANAGED; ln -sf python3 usr/bin/python; ln -sf pip3 usr/bin/pip' '["python3"]'
+stand_in "$PY_IMAGE" python3,python3-venv,python3-pip,python3-dev,ca-certificates \
+  'rm -f usr/lib/python3.11/EXTERNALLY-MANAGED; ln -sf python3 usr/bin/python; ln -sf pip3 usr/bin/pip' '["python3"]' \
+  "python3 -c 'import os, sysconfig; assert os.path.exists(sysconfig.get_paths()[\"include\"] + \"/Python.h\")'"
 stand_in "$PROM_IMAGE" prometheus,ca-certificates 'true' '["/bin/prometheus"]'
 stand_in "$NGINX_IMAGE" nginx-light,ca-certificates 'true' '["nginx", "-g", "daemon off;"]'
 trap cleanup EXIT
@@ -101,4 +126,6 @@ started_checks=$SECONDS
 "${PYTHON:-python3}" tests/container/check_stack.py --gateway "127.0.0.1:$GATEWAY_PORT" \
   --prometheus "http://127.0.0.1:$PROMETHEUS_PORT" --replicas 2 \
   $([[ " ${services[*]} " == *" grafana "* ]] && echo --grafana http://127.0.0.1:${GRAFANA_PORT:-3000})
+step "a server with --compile in the image"
+check_compile
 step "container proof passed (whole run ${SECONDS}s, checks $((SECONDS - started_checks))s)"
