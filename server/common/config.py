@@ -304,7 +304,7 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("channels-last", _boolean, "channels_last memory format, on CUDA and on the CPU (faster convolutions)"),
     ("cudnn-benchmark", _boolean, "cuDNN autotuning, paid at warm-up for every warmed batch size before SERVING"),
     ("compile", _boolean, "torch.compile (inductor, weights frozen) for every warmed batch size at warm-up, before "
-                          "SERVING; needs a C++ compiler at start-up"),
+                          "SERVING; needs a C++ compiler at start-up (the container image has one)"),
     ("compile-mode", _compile_mode, "with --compile: default, reduce-overhead (each batch size recorded as a "
                                     "CUDA graph at warm-up and replayed; as default on the CPU), or max-autotune "
                                     "(as reduce-overhead, and inductor times several kernels for each operation "
