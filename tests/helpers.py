@@ -381,7 +381,6 @@ def break_until_evicted(running: ServerThread, faults: Faults, replica: str = "c
                 assert exc.code == grpc.StatusCode.INTERNAL
 
 
-
 def method_name(call_details) -> str:
     """A client interceptor's call details' method as text (grpc.aio's hold bytes, grpc's a str)."""
     method = call_details.method

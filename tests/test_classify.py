@@ -214,10 +214,11 @@ def test_clients_pass_every_call_through_the_interceptors_they_are_given(server,
     assert seen.methods == ["/resnet.v1.Classifier/Classify", "/resnet.v1.Classifier/ClassifyStream"]
     np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
 
+    methods, interceptors = async_methods_seen()
+
     async def classify_async() -> list:
         async with AsyncClient(server.target, timeout=60, interceptors=interceptors) as client:
             return await client.classify([image], full=True)
-    methods, interceptors = async_methods_seen()
     (result,) = asyncio.run(classify_async())
     assert methods == ["/resnet.v1.Classifier/Classify"]
     np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)

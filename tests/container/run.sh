@@ -75,12 +75,13 @@ check_compile() {
     [ "$health" = "running healthy" ] || [ "${health%% *}" = exited ] && break
     sleep 2
   done
-  if [ "$health" != "running healthy" ] || ! docker logs $name 2>&1 | grep -q "runs fp32 compiled by inductor"; then
+  local runs; runs=$(docker logs $name 2>&1 | grep -o 'cpu runs fp32 compiled by inductor[^;]*' | head -1)
+  if [ "$health" != "running healthy" ] || [ -z "$runs" ]; then
     docker logs --tail 30 $name >&2
     echo "FAILED: a server with --compile in the image ($health)" >&2
     return 1
   fi
-  echo "ok: --compile in the image: $(docker logs $name 2>&1 | grep -o 'cpu runs fp32 compiled[^;]*' | head -1)"
+  echo "ok: --compile in the image: $runs"
   docker rm -f $name >/dev/null
 }
 
