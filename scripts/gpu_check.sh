@@ -39,7 +39,8 @@ device=${GPU_CHECK_DEVICE:-cuda:0} duration=${GPU_CHECK_DURATION:-15}
 [ "$device" = cpu ] || python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
 # The GPU box may lack this project and some of its dependencies (the generated code needs grpcio >= 1.85.1
 # and protobuf >= 7.35.1; health checking and reflection are not there at all): wheels carried to it in
-# .whl/gpu go into a folder of their own, ahead of its own packages; the project runs from the checkout.
+# .whl/gpu (python scripts/gpu_carry.py fills it) go into a folder of their own, ahead of its own packages; the
+# project runs from the checkout.
 if [ -d .whl/gpu ]; then
   python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/gpu/*.whl 2>&1 | tail -3

@@ -326,6 +326,24 @@ def test_throughput_pairs_interleaves_in_process_and_served_windows(make_server)
 
 
 @needs_perf_analyzer
+def test_gpu_carry_gathers_a_perf_analyzer_that_runs_on_the_libraries_it_carried(make_server, tmp_path):
+    """scripts/gpu_carry.py without the wheels (only their download needs the network): the perf_analyzer it
+    gathers measures a server with no library path but the folder it filled, as on a lent GPU machine."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_carry.py"), "--out", str(tmp_path),
+                           "--no-wheels"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(path.name for path in (tmp_path / "lib").iterdir()) == ["libb64.so.0d", "libcudart.so.12"]
+    perf_analyzer = load_script("perf_analyzer")
+    running = make_server()
+    _, *args = perf_analyzer.command(running.target, 2, None, 10, False, "uint8")
+    report = subprocess.run([str(tmp_path / "bin" / "perf_analyzer"), *args], capture_output=True, text=True,
+                            timeout=120, env={"PATH": os.defpath, "LD_LIBRARY_PATH": str(tmp_path / "lib")})
+    assert report.returncode == 0, report.stdout + report.stderr
+    figures = perf_analyzer.parse(report.stdout)
+    assert figures["requests"] >= 10 and figures["successes"] >= figures["requests"]
+
+
+@needs_perf_analyzer
 def test_perf_analyzer_pairs_interleave_it_with_the_in_process_pass(make_server):
     running = make_server()
     result = run_benchmark("perf_analyzer_pairs", "--server", running.target, "--pairs", "2", "--window-ms", "300",
