@@ -2,9 +2,10 @@
 # Every GPU check, for a machine with CUDA, in four parts, most wanted first:
 #   first     what fits one short call on a lent machine (under 8 minutes on an H100): the CUDA-marked tests, the
 #             default runner's fp16 ceiling, and its server at c=256 as unary calls, stream messages, sixteen
-#             images a call, and perf_analyzer both ways (where carried)
-#   checks    the CUDA-marked tests, reduced-precision agreement, GPU JPEG decode agreement (they gate code
-#             changed since the last lent GPU, and take a minute or two)
+#             images a call, and perf_analyzer both ways (where carried); then, budget permitting, the CUDA test
+#             compiled with max-autotune (marked autotune: its compiling takes minutes)
+#   checks    the CUDA-marked tests (max-autotune's too), reduced-precision agreement, GPU JPEG decode agreement
+#             (they gate code changed since the last lent GPU, and take a minute or two)
 #   served    the served sweeps (one engine process, --frontends auto unless named): uint8 fp32 and fp16, sixteen
 #             images a call, the fp16 ceilings (eager and --cuda-graphs) and fp16 --cuda-graphs served (unary calls,
 #             stream messages, perf_analyzer both ways), the fp32 ceiling, twelve front-ends (eager and
@@ -100,16 +101,20 @@ bench() {  # bench NAME [ARGS...]; uint8 224x224 unless ARGS say otherwise; skip
   resnet-client bench --server 127.0.0.1:$port --metrics "http://127.0.0.1:$metrics/metrics" --input uint8 \
     --image-size 224x224 --duration "$duration" --warmup 3 --processes 8 --quiet --json "${@:2}" > "$out/$1.json"
 }
-cuda_tests() {
-  owed cuda_tests || return 0
+cuda_tests() {  # cuda_tests [NAME MARKERS]: the CUDA tests but max-autotune's (its compiling takes minutes), or
+  # those MARKERS select, as step NAME
+  local name=${1:-cuda_tests} markers=${2:-"cuda and not autotune"}
+  owed "$name" || return 0
   # Only the modules with CUDA tests: the others import test-only packages the GPU box may not have.
-  python -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_raw_batch.py \
+  python -m pytest -q -m "$markers" -p no:cacheprovider tests/test_cuda.py tests/test_raw_batch.py \
     tests/test_device_decode.py tests/test_slab.py tests/test_replicas.py 2>&1 \
-    | tee "$out/cuda_tests.txt"
-  echo '{}' > "$out/cuda_tests.json"  # done: a rerun skips them
+    | tee "$out/$name.txt"
+  echo '{}' > "$out/$name.json"  # done: a rerun skips them
 }
+autotune_tests() { cuda_tests cuda_autotune_tests "cuda and autotune"; }
 checks() {
   cuda_tests
+  autotune_tests
   [ "$device" = cpu ] && return 0
   owed precision && python scripts/benchmarks/precision_check.py --device cuda:0 --json "$out/precision.json" \
     | tee "$out/precision.txt"
@@ -138,6 +143,7 @@ first() {
     perf_analyzer_both_ways
     stop
   fi
+  autotune_tests  # last: what the budget leaves (GPU_CHECK_BUDGET_S), else the next call's checks
 }
 compile_start() {  # seconds from the server's start to SERVING, compiling cold and then from the cache it filled
   owed compile_start || return 0
