@@ -59,17 +59,17 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 lscpu > "$out/lscpu.txt" 2>&1 || true  # threads a core: whether the 16 "cores" are 8 with two threads each
 
 serve() {  # serve NAME FRONTENDS [FLAGS...]: a server on $device, its log in OUT_DIR/NAME.server.log; false if it
-  # did not serve within 5 minutes (compiling a graph per batch size takes minutes), and then it is stopped
-  local log="$out/$1.server.log" count=$2
+  # did not serve within $serve_wait_s seconds (5 minutes unless the caller sets it), and then it is stopped
+  local log="$out/$1.server.log" count=$2 wait_s=${serve_wait_s:-300}
   port=$((port + 20)) metrics=$((metrics + 20))  # fresh ports (children take metrics+1...): a stray server blocks none
   "${server[@]}" --host 127.0.0.1 --port $port --metrics-port $metrics --device "$device" --weights random \
     --frontends "$count" "${@:3}" 2> "$log" & server_pid=$!
-  for _ in $(seq 600); do  # every front-end SERVING (one health call reaches only one of them)
+  for _ in $(seq $((2 * wait_s))); do  # every front-end SERVING (one health call reaches only one of them)
     local serving; serving=$(grep -c 'serving resnet18' "$log" 2>/dev/null)
     [ "${serving:-0}" -ge "$count" ] && return 0
     kill -0 "$server_pid" 2>/dev/null || { tail -3 "$log"; return 1; }
     sleep 0.5
-  done; echo "$1: not serving after 5 minutes" >&2; stop; return 1
+  done; echo "$1: not serving after $wait_s s" >&2; stop; return 1
 }
 stop() { kill -TERM "$server_pid"; wait "$server_pid"; }
 
@@ -147,7 +147,8 @@ first() {
 }
 compile_start() {  # seconds from the server's start to SERVING, compiling cold and then from the cache it filled
   owed compile_start || return 0
-  local cache="$out/compile-cache" times=() sizes=$fp16_batch
+  # Compiling eight batch sizes cold, each recorded as a CUDA graph, may take longer than serve's usual wait.
+  local cache="$out/compile-cache" times=() sizes=$fp16_batch serve_wait_s=900
   [ "$device" = cpu ] && sizes=2  # the CPU try: two graphs, not sixteen
   rm -rf "$cache"
   for run in cold warm; do
