@@ -142,7 +142,7 @@ def _gone(pid: int) -> bool:
     """The process has ended: no such process, or a zombie waiting to be reaped (by an init that may never)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # the second: it ended between the open and the read
         return True
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
