@@ -38,7 +38,7 @@ def thread_cpu_seconds(pid: int) -> dict[tuple[int, int], float]:
         for task in Path(f"/proc/{process}/task").iterdir():
             try:
                 stat = (task / "stat").read_text()
-            except FileNotFoundError:  # the thread ended since the listing
+            except (FileNotFoundError, ProcessLookupError):  # the thread ended since the listing (or as it was read)
                 continue
             fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
             seconds[(process, int(task.name))] = (int(fields[11]) + int(fields[12])) / TICKS_PER_SECOND
@@ -50,7 +50,7 @@ def _descendants(pid: int) -> list[int]:
     children = Path(f"/proc/{pid}/task/{pid}/children")
     try:
         below = [int(child) for child in children.read_text().split()]
-    except FileNotFoundError:  # it ended since its parent listed it
+    except (FileNotFoundError, ProcessLookupError):  # it ended since its parent listed it (or as it was read)
         return []
     return [pid, *(process for child in below for process in _descendants(child))]
 
