@@ -17,8 +17,9 @@ import torch
 from resnet_client import AsyncClient, ClassifierError, Client
 from resnet_server.common.config import ServerConfig
 from resnet_server.common.devices import cpu_bf16_unit
+from resnet_server.engine.inductor import cuda_graph_state_for_this_thread
 from resnet_server.engine.replicas import FAILURES_BEFORE_EVICTION, max_batch_size, replica_torch_threads
-from resnet_server.engine.runner import ModelRunner, _split, bucket_sizes, cuda_graph_state_for_this_thread
+from resnet_server.engine.runner import ModelRunner, _split, bucket_sizes
 from tests.helpers import (
     DEVICE_FELL_OFF,
     break_until_evicted,

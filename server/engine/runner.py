@@ -25,9 +25,7 @@ The figures behind each choice are in docs/performance.md.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import os
 import threading
 import warnings
 from typing import NamedTuple
@@ -41,12 +39,10 @@ from resnet_server.common.errors import InvalidInput
 from resnet_server.common.postprocess import temperature_softmax
 from resnet_server.common.preprocess import FLOAT_SHAPE, CroppedImage, RawImage, cropped_batch, raw_batch, whole_batch
 from resnet_server.common.work import ModelInput
+from resnet_server.engine import inductor
 
 # Batches a CUDA batcher keeps launched and unanswered: one computing on the device, the next queued behind it.
 CUDA_BATCHES_IN_FLIGHT = 2
-# torch.compile's modes that record each static shape as a CUDA graph (recorded on the second call, replayed from
-# the third).
-REPLAYS_CUDA_GRAPHS = ("reduce-overhead", "max-autotune")
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -73,8 +69,8 @@ class ModelRunner:
         self.compiled = compiled
         self.compile_mode = compile_mode if compiled else None
         if compiled and compile_cache:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache  # read as inductor compiles (one engine a process)
-        self.graphs_cached = _CacheUse(0, 0, 0)  # what warm_up's compiling found in inductor's cache
+            inductor.use_cache_dir(compile_cache)
+        self.graphs_cached = inductor.CacheUse(0, 0, 0)  # what warm_up's compiling found in inductor's cache
         self.torchscript = torchscript
         self.cuda_graphs = cuda_graphs and self.cuda
         self._graphs: dict[int, _CapturedBatch] = {}  # by bucket, captured by warm_up with cuda_graphs
@@ -99,13 +95,13 @@ class ModelRunner:
         if not (self.compiled and self.buckets):
             return ""
         loaded, compiled, uncacheable = self.graphs_cached
-        return (f"; graphs from inductor's cache at {_inductor_cache_dir()}: {loaded} loaded, {compiled} compiled, "
+        return (f"; graphs from inductor's cache at {inductor.cache_dir()}: {loaded} loaded, {compiled} compiled, "
                 f"{uncacheable} not cacheable (their kernels are)")
 
     def _graph(self) -> torch.nn.Module:
         """What runs the forward pass: the model itself, compiled, or traced and frozen."""
         if self.compiled:
-            return _compile(self.model, self.compile_mode)
+            return inductor.compile_model(self.model, self.compile_mode)
         if self.torchscript:  # the softmax too: one call a batch
             example = torch.zeros((1, *FLOAT_SHAPE), dtype=self.dtype, device=self.device)
             temperatures = torch.ones(1, dtype=torch.float64, device=self.device)
@@ -277,19 +273,19 @@ class ModelRunner:
         batches: CUDA graphs are recorded per thread."""
         sizes = sorted({1, *batch_sizes})  # 1: any batch splits into them
         if self.compiled:
-            _allow_recompiles(len(sizes))
-        if self.compile_mode in REPLAYS_CUDA_GRAPHS:
-            cuda_graph_state_for_this_thread()  # the thread that warms up is the one that serves
+            inductor.allow_recompiles(len(sizes))
+        if self.compile_mode in inductor.REPLAYS_CUDA_GRAPHS:
+            inductor.cuda_graph_state_for_this_thread()  # the thread that warms up is the one that serves
         self.buckets = sizes  # warm-up batches take the path served ones will
         # CUDA graphs are recorded on a graph's second call (the first runs it plainly); a third call replays it.
         # TorchScript's executor profiles a graph's first call for a shape and optimises it for the second.
-        repeats = 3 if self.compile_mode in REPLAYS_CUDA_GRAPHS else 2 if self.torchscript else 1
-        graphs_before = _CacheUse.now() if self.compiled else None  # only compiling uses inductor's cache
+        repeats = 3 if self.compile_mode in inductor.REPLAYS_CUDA_GRAPHS else 2 if self.torchscript else 1
+        graphs_before = inductor.CacheUse.now() if self.compiled else None  # only compiling uses inductor's cache
         for size in sizes:
             for _ in range(repeats):
                 self(torch.zeros((size, *FLOAT_SHAPE)), torch.ones(size))
         if graphs_before is not None:
-            self.graphs_cached = _CacheUse.now().since(graphs_before)
+            self.graphs_cached = inductor.CacheUse.now().since(graphs_before)
         if self.cuda_graphs:
             self._capture()
             for size in sizes:  # each graph replayed once before a user's batch is
@@ -395,16 +391,6 @@ def _fresh_batch(inputs: torch.Tensor, size: int, memory_format: torch.memory_fo
     return batch
 
 
-def _compile(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    # Freezing folds the weights into the graph as constants (conv+batch-norm folding, prepacked
-    # weights on the CPU), the most of compiling's gain there. It needs inference mode, which every call here
-    # runs under.
-    import torch._inductor.config as inductor_config
-
-    inductor_config.freezing = True
-    return torch.compile(model, mode=mode, dynamic=False)
-
-
 # Replicas load on threads of their own, at once; TorchScript's compilation unit and name mangling are
 # process-wide, and two traces at a time fail their own check ("Graphs differed across invocations").
 _TRACING = threading.Lock()
@@ -423,55 +409,6 @@ def _torchscript(model: torch.nn.Module, *example: torch.Tensor) -> torch.jit.Sc
         # need a C++ compiler at start-up; it still runs, and the tests run it on the torch this installs.
         warnings.simplefilter("ignore", FutureWarning)
         return torch.jit.freeze(torch.jit.trace(model.eval(), example))
-
-
-def cuda_graph_state_for_this_thread() -> None:
-    """Inductor keeps its CUDA graph trees in thread-locals. Before torch 2.13 only the thread that imported
-    the module (and autograd's threads) had them, and any other thread failed an assertion on its first
-    compiled call (pytorch/pytorch#123177); replicas compile and run on worker threads of their own, so each
-    sets its state up, as newer torch does by itself."""
-    from torch._inductor import cudagraph_trees
-
-    local = cudagraph_trees.local
-    if hasattr(local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
-        return
-    local.tree_manager_containers = {}
-    local.tree_manager_locks = collections.defaultdict(threading.Lock)
-
-
-class _CacheUse(NamedTuple):
-    """Graphs inductor's FX graph cache gave (loaded), missed (compiled and stored) and could not hold (on the
-    CPU, frozen graphs keep oneDNN's prepacked weights, which cannot be saved; the C++ kernels they call are
-    still cached, as files by their source)."""
-
-    loaded: int
-    compiled: int
-    uncacheable: int
-
-    @classmethod
-    def now(cls) -> _CacheUse:
-        """The process's counts so far."""
-        from torch._dynamo.utils import counters
-
-        inductor = counters["inductor"]
-        return cls(inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_bypass"])
-
-    def since(self, before: _CacheUse) -> _CacheUse:
-        return _CacheUse(*(now - then for now, then in zip(self, before, strict=True)))
-
-
-def _inductor_cache_dir() -> str:
-    from torch._inductor.runtime.runtime_utils import cache_dir
-
-    return cache_dir()
-
-
-def _allow_recompiles(shapes: int) -> None:
-    """Each static batch size is one compiled graph: let dynamo keep them all (its default is 8)."""
-    import torch._dynamo.config as dynamo_config
-
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo_config, name, max(getattr(dynamo_config, name), shapes + 1))
 
 
 def bucket_sizes(max_batch_size: int, cuda: bool) -> list[int]:
