@@ -18,6 +18,11 @@
 # still wins), e.g. BENCH_SERVER_FLAGS="--max-batch-size 16 --wait-for-callers-ms 30".
 # Talks only to a server it starts on 127.0.0.1 and stops it (by PID) when done.
 set -euo pipefail
+# -h/--help: the comment above; any other option is a usage error (exit 2), never a folder of that name.
+case ${1:-} in
+  -h|--help) sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+  -*) echo "$(basename "$0"): unknown option $1 (--help says how to run it)" >&2; exit 2 ;;
+esac
 # The tools come from the project's install: the active environment's, else the checkout's .venv.
 venv_bin="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin"
 if ! command -v resnet-server >/dev/null && [ -x "$venv_bin/resnet-server" ]; then PATH="$venv_bin:$PATH"; fi

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -277,9 +277,21 @@ def perf_analyzer_lines(rows: list[dict], ours: dict[int, dict], batch1_ms: floa
     return lines
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("folder", nargs="?", type=Path, default=Path("results"),
+                        help="what scripts/bench_cpu.sh wrote (default: results)")
+    parser.add_argument("size", nargs="?", default=size_text(DEFAULT_IMAGE_SIZE),
+                        help="the JPEG size it benched, WxH (default: %(default)s)")
+    parser.add_argument("--rounds-best-batch", action="store_true",
+                        help="print only the batch size its rounds ran fastest in process (bench_cpu.sh times its "
+                             "c=16 pairs at it)")
+    return parser
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--rounds-best-batch"]:  # bench_cpu.sh: the batch size its c=16 pairs time in process
-        print(rounds_best_batch(Path(sys.argv[2])))
+    args = build_parser().parse_args()
+    if args.rounds_best_batch:
+        print(rounds_best_batch(args.folder))
     else:
-        size = sys.argv[2] if len(sys.argv) > 2 else size_text(DEFAULT_IMAGE_SIZE)
-        main(Path(sys.argv[1] if len(sys.argv) > 1 else "results"), size)
+        main(args.folder, args.size)

@@ -10,8 +10,8 @@ Usage: python scripts/gen_proto.py [OUT_DIR]   (default: client/api)
 
 from __future__ import annotations
 
+import argparse
 import re
-import sys
 import tempfile
 from pathlib import Path
 
@@ -53,6 +53,8 @@ def generate(out_dir: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_OUT
-    for path in generate(out):
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("out", nargs="?", type=Path, default=DEFAULT_OUT,
+                        help="where the generated modules go (default: client/api)")
+    for path in generate(parser.parse_args().out):
         print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)

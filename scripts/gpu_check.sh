@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check, for a machine with CUDA, in four parts, most wanted first:
+# Every GPU check, for a machine with CUDA, in five parts, most wanted first:
 #   first     what fits one short call on a lent machine (under 8 minutes on an H100): the CUDA-marked tests, the
 #             default runner's fp16 ceiling, and its server at c=256 as unary calls, stream messages, sixteen
 #             images a call, and perf_analyzer both ways (where carried); then, budget permitting, the CUDA test
@@ -24,6 +24,11 @@
 # call can then end on time, and the next call on the same machine resumes.
 # Usage: scripts/gpu_check.sh [OUT_DIR [PART...]]   (all five parts by default; about 20 minutes on one H200)
 set -uo pipefail
+# -h/--help: the comment above; any other option is a usage error (exit 2), never a folder of that name.
+case ${1:-} in
+  -h|--help) sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+  -*) echo "$(basename "$0"): unknown option $1 (--help says how to run it)" >&2; exit 2 ;;
+esac
 out=${1:-results/gpu}
 parts=("${@:2}")
 [ ${#parts[@]} -eq 0 ] && parts=(first checks served compile_start ceilings)

@@ -5,8 +5,8 @@ Usage: python scripts/gpu_table.py RESULTS FP32_BATCH FP16_BATCH  (the served ba
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -175,7 +175,14 @@ def main(folder: Path, fp32_batch: int, fp16_batch: int) -> None:
     print("\n".join(targets(folder, fp32_batch, fp16_batch)))
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("folder", type=Path, help="what scripts/gpu_check.sh wrote")
+    parser.add_argument("fp32_batch", type=int, help="the fp32 server's --max-batch-size (gpu_check.sh names it)")
+    parser.add_argument("fp16_batch", type=int, help="the fp16 server's --max-batch-size")
+    return parser
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 4:
-        raise SystemExit(__doc__.strip().splitlines()[-1])
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    args = build_parser().parse_args()
+    main(args.folder, args.fp32_batch, args.fp16_batch)

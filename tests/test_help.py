@@ -61,6 +61,26 @@ def test_every_script_with_flags_answers_help(script):
     assert done.stdout.startswith("usage: ")
 
 
+SHELL_SCRIPTS = ["scripts/gpu_check.sh", "scripts/bench_cpu.sh", "tests/container/run.sh", ".ci/run"]
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS)
+def test_every_shell_script_answers_help_and_refuses_an_unknown_option(script, tmp_path):
+    """--help prints the script's header comment and does nothing else; an unknown option is a usage error
+    (exit 2) rather than the name of an output folder that a run of many minutes would then fill."""
+    lines = (ROOT / script).read_text().splitlines()
+    header = [line.lstrip("# ") for line in lines[1:] if line.startswith("#")][0]
+    helped = subprocess.run(["bash", str(ROOT / script), "--help"], capture_output=True, text=True, timeout=60,
+                            cwd=tmp_path)
+    assert helped.returncode == 0 and helped.stderr == ""
+    assert helped.stdout.splitlines()[0] == header and "set -" not in helped.stdout
+    refused = subprocess.run(["bash", str(ROOT / script), "--out", "x"], capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr == f"{Path(script).name}: unknown option --out (--help says how to run it)\n"
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
 def test_the_server_help_shows_each_default_and_environment_twin():
     done = subprocess.run([str(BIN / "resnet-server"), "-h"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COLUMNS": "400"})

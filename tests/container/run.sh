@@ -9,6 +9,11 @@
 # Needs root (dockerd, debootstrap). Usage: PYTHON=.venv/bin/python tests/container/run.sh
 # (BUILD_ONLY=1: stop once the image is built.)
 set -euo pipefail
+# -h/--help: the comment above; any other option is a usage error (exit 2), never a folder of that name.
+case ${1:-} in
+  -h|--help) sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+  -*) echo "$(basename "$0"): unknown option $1 (--help says how to run it)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/../.."
 export COMPOSE_PROJECT_NAME=resnet-proof
 export RESNET_SERVER_WEIGHTS=random GATEWAY_PORT=${GATEWAY_PORT:-50050} PROMETHEUS_PORT=${PROMETHEUS_PORT:-9090}
