@@ -47,15 +47,16 @@ def test_every_command_answers_help_with_every_flag(command, parser):
     assert not missing and len(_options(parser)) > 2
 
 
-# scripts/ and scripts/benchmarks/ commands that take flags (check_args.py is a module of two of them).
-SCRIPTS = sorted(path.relative_to(ROOT / "scripts").as_posix() for path in
-                 [*(ROOT / "scripts").glob("*.py"), *(ROOT / "scripts" / "benchmarks").glob("*.py")]
+# The Python commands of scripts/, scripts/benchmarks/ and the container proof (check_args.py is a module of two).
+SCRIPTS = sorted(path.relative_to(ROOT).as_posix() for path in
+                 [*(ROOT / "scripts").glob("*.py"), *(ROOT / "scripts" / "benchmarks").glob("*.py"),
+                  *(ROOT / "tests" / "container").glob("*.py")]
                  if "__main__" in (text := path.read_text()) and ("argparse" in text or "check_parser(" in text))
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_with_flags_answers_help(script):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: ")
