@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,7 +122,9 @@ def test_the_event_loop_is_auto_uvloop_or_asyncio(monkeypatch):
                                   ["--metrics-port", "70000"], ["--weights", "imagnet"],
                                   ["--weights", "/no/such/weights.pth"], ["--log-level", "LOUD"],
                                   ["--runner", "bogus"], ["--runner", "free:abc"], ["--runner", "faulty:"],
-                                  ["--runner", "model:x"]])
+                                  ["--runner", "model:x"], ["--max-batch-size", "1025"], ["--device", "tpu"],
+                                  ["--device", "cpu,cuda:x"], ["--tls-cert", "/no/such.pem"],
+                                  ["--auth-token-file", "/no/such/tokens"], ["--temperature-file", "/no/such.json"]])
 def test_bad_flags_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as caught:
         parse_config(argv, env={})
@@ -141,6 +145,56 @@ def test_a_compile_cache_is_a_folder_made_if_missing_and_writable(tmp_path, caps
     if not os.access(read_only, os.W_OK):  # root writes anywhere
         with pytest.raises(ConfigError, match="RESNET_SERVER_COMPILE_CACHE=.*is not writable by this user"):
             parse_config([], env={"RESNET_SERVER_COMPILE_CACHE": str(read_only)})
+
+
+def _refusal(argv: list[str], capsys) -> str:
+    """What the flag check says of ``argv``: argparse's error (exit 2), or a ConfigError's (main() exits 2)."""
+    try:
+        parse_config(argv, env={})
+    except SystemExit as exc:
+        assert exc.code == 2
+        return capsys.readouterr().err.splitlines()[-1].removeprefix("resnet-server: error: ")
+    except ConfigError as exc:
+        return str(exc)
+    pytest.fail(f"{argv} was accepted")
+
+
+def test_the_files_flags_name_are_read_before_any_process_starts(tmp_path, capsys):
+    """A file the front-ends would read (TLS material, tokens, a fitted temperature) that is missing, unreadable
+    or holds nothing usable is a usage error of resnet-server's own, not a front-end's failed start."""
+    pem, empty, folder = tmp_path / "server.pem", tmp_path / "empty", tmp_path / "folder"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n")
+    empty.write_text("# only a comment\n\n")
+    folder.mkdir()
+    (tmp_path / "t.json").write_text('{"temperature": 1.5}')
+    (tmp_path / "zero.json").write_text('{"temperature": 0}')
+    config = parse_config(["--tls-cert", str(pem), "--tls-key", str(pem), "--temperature-file",
+                           str(tmp_path / "t.json")], env={})
+    assert (config.tls_cert, config.temperature_file) == (str(pem), str(tmp_path / "t.json"))
+    refused = {
+        ("--tls-cert", str(pem)): "TLS needs both --tls-cert and --tls-key",
+        ("--tls-key", str(pem)): "TLS needs both --tls-cert and --tls-key",
+        ("--tls-client-ca", str(pem)): "--tls-client-ca needs --tls-cert and --tls-key",
+        ("--tls-key", str(folder)): f"argument --tls-key: cannot read '{folder}': Is a directory",
+        ("--auth-token-file", str(empty)): f"argument --auth-token-file: {empty} holds no token (one a line; "
+                                            "blank lines and # comments are skipped)",
+        ("--temperature-file", str(tmp_path / "zero.json")):
+            f"argument --temperature-file: the temperature in {tmp_path / 'zero.json'} must be finite and > 0, got 0.0",
+        ("--max-batch-size", "4096"): "argument --max-batch-size: must be from 0 to 1024, got 4096",
+        ("--device", "cpu,mps"): "argument --device: unknown device 'mps': use cpu, cuda, cuda:N, auto, or a "
+                                 "comma-separated list",
+    }
+    for argv, message in refused.items():
+        assert _refusal(list(argv), capsys) == message
+
+
+def test_a_flag_that_does_not_go_with_another_exits_2_before_any_process_starts(tmp_path):
+    """ConfigError (flags each valid, together not) is the same usage error as argparse's, from the command."""
+    (tmp_path / "server.pem").write_text("")
+    command = [str(Path(sys.executable).parent / "resnet-server"), "--tls-cert", str(tmp_path / "server.pem")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == "resnet-server: error: TLS needs both --tls-cert and --tls-key\n"
 
 
 def test_bad_env_value_names_the_variable():

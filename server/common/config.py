@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from resnet_client.flags import non_negative_float, non_negative_int, port_number, positive_float, positive_int
 from resnet_server.common.event_loop import EVENT_LOOPS, uvloop_installed
+from resnet_server.common.flag_files import read_temperature, read_tokens
 from resnet_server.common.logs import LOG_FORMATS
 
 # torch.compile's own mode names; reduce-overhead replays CUDA graphs, and max-autotune also tries kernel choices.
@@ -32,6 +34,9 @@ class ConfigError(ValueError):
 # front-end's calls forms batches that large under load; a CPU's cost per image rises past a few images, and a
 # larger cap splits closed-loop callers into uneven batches (docs/performance.md, "Figures behind the code").
 DEFAULT_MAX_BATCH_SIZE = {"cuda": 128, "cpu": 8}
+# Every batch size up to --max-batch-size is warmed before SERVING, the largest with its whole input in memory:
+# past this a batch gains nothing on any device served here, and a typo (100000) would exhaust memory at start-up.
+MAX_BATCH_SIZE_LIMIT = 1024
 
 
 # After a wait for answered callers runs out, the next waits are skipped: as many as the skip stands at,
@@ -222,11 +227,63 @@ def _auto_count(text: str) -> int:
     return 0 if text.strip().lower() == "auto" else positive_int(text)
 
 
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
 def _device_list(text: str) -> tuple[str, ...]:
+    """The devices' names, checked as names here; whether this machine has them, when the server starts."""
     devices = tuple(part.strip() for part in text.split(",") if part.strip())
     if not devices:
         raise argparse.ArgumentTypeError("needs at least one device")
+    for device in devices:
+        if not _DEVICE.fullmatch(device):
+            raise argparse.ArgumentTypeError(f"unknown device {device!r}: use cpu, cuda, cuda:N, auto, or a "
+                                             "comma-separated list")
     return devices
+
+
+def _batch_size_cap(text: str) -> int:
+    value = non_negative_int(text)
+    if value > MAX_BATCH_SIZE_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be from 0 to {MAX_BATCH_SIZE_LIMIT}, got {value}")
+    return value
+
+
+def readable_file(text: str) -> str:
+    """A file this user can read: a wrong path is refused before any process starts, not by each front-end."""
+    try:
+        with open(text, "rb"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {exc.strerror}") from None
+    return text
+
+
+def _file_that(read: Callable[[str], object]) -> Callable[[str], str]:
+    """A flag's type: the path of a file that ``read`` reads without a ValueError."""
+    def checked(text: str) -> str:
+        try:
+            read(readable_file(text))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    checked.__name__ = f"file_{read.__name__}"
+    return checked
+
+
+_temperature_file = _file_that(read_temperature)
+_token_file = _file_that(read_tokens)
+
+
+def tls_problem(cert: str | None, key: str | None, client_ca: str | None) -> str | None:
+    """Why the TLS flags cannot go together, or None: a certificate without its key (or the other way round), or
+    a client CA without both."""
+    if bool(cert) != bool(key):
+        return "TLS needs both --tls-cert and --tls-key"
+    if client_ca and not cert:
+        return "--tls-client-ca needs --tls-cert and --tls-key"
+    return None
 
 
 # (flag, type, help). Defaults come from ServerConfig so they live in one place. The help is also the README's
@@ -245,13 +302,13 @@ _FLAGS: list[tuple[str, object, str]] = [
                                 "state_dict or model, module.-prefixed keys; saved on any device); checked "
                                 "before any process starts"),
     ("temperature", positive_float, "default softmax temperature T, finite and > 0; each request may override it"),
-    ("temperature-file", str, "JSON {\"temperature\": T} (as written by resnet-client calibrate); wins over "
-                              "--temperature"),
-    ("max-batch-size", non_negative_int, "most images in one forward pass; 0 = by device: "
-                                         f"{DEFAULT_MAX_BATCH_SIZE['cuda']} on CUDA, {DEFAULT_MAX_BATCH_SIZE['cpu']} "
-                                         "on the CPU. Batches run only at sizes warmed before SERVING (1, 2, 4, 8, "
-                                         "16, 24, 32, 48 ... up to this): CUDA pads up to the next "
-                                         "(resnet_padded_images_total), the CPU splits"),
+    ("temperature-file", _temperature_file, "JSON {\"temperature\": T} (as written by resnet-client "
+                                            "calibrate); wins over --temperature"),
+    ("max-batch-size", _batch_size_cap, f"most images in one forward pass, at most {MAX_BATCH_SIZE_LIMIT}; 0 = by "
+                                        f"device: {DEFAULT_MAX_BATCH_SIZE['cuda']} on CUDA, "
+                                        f"{DEFAULT_MAX_BATCH_SIZE['cpu']} on the CPU. Batches run only at sizes warmed "
+                                        "before SERVING (1, 2, 4, 8, 16, 24, 32, 48 ... up to this): CUDA pads up to "
+                                        "the next (resnet_padded_images_total), the CPU splits"),
     ("max-batch-delay-ms", non_negative_float, "how long the oldest waiting image may wait for a fuller batch"),
     ("wait-for-callers-ms", non_negative_float, "after answering a batch, how long a device may wait for as many "
                                                  "new images as it held before starting a smaller one: for "
@@ -292,11 +349,12 @@ _FLAGS: list[tuple[str, object, str]] = [
     ("log-level", _log_level, "DEBUG, INFO, WARNING or ERROR"),
     ("log-format", _log_format, "text (readable lines) or json (one object per line: time UTC, level, logger, "
                                 "message, exception)"),
-    ("tls-cert", str, "server certificate chain (PEM); with --tls-key turns TLS on (plaintext is then refused)"),
-    ("tls-key", str, "server private key (PEM)"),
-    ("tls-client-ca", str, "mutual TLS: clients must present a certificate from this CA (PEM)"),
-    ("auth-token-file", str, "accepted bearer tokens, one per line (# comments); calls without "
-                             "'authorization: Bearer <token>' get UNAUTHENTICATED"),
+    ("tls-cert", readable_file, "server certificate chain (PEM); with --tls-key turns TLS on (plaintext is then "
+                                "refused)"),
+    ("tls-key", readable_file, "server private key (PEM)"),
+    ("tls-client-ca", readable_file, "mutual TLS: clients must present a certificate from this CA (PEM)"),
+    ("auth-token-file", _token_file, "accepted bearer tokens, one per line (# comments); calls without "
+                                     "'authorization: Bearer <token>' get UNAUTHENTICATED"),
     ("auth-health", _boolean, "also require the token on grpc.health.v1.Health (kept open by default for "
                               "orchestrator probes)"),
     ("precision", _precision, "fp32, fp16 or bf16 weights and activations (the softmax in float64, then fp32); "
@@ -406,6 +464,8 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     config = ServerConfig(**vars(namespace))
     if problem := graph_problem(config.compile, config.compile_mode, config.torchscript,
                                  config.cuda_graphs == "true"):
+        raise ConfigError(problem)
+    if problem := tls_problem(config.tls_cert, config.tls_key, config.tls_client_ca):
         raise ConfigError(problem)
     if config.event_loop == "uvloop" and not uvloop_installed():
         raise ConfigError("--event-loop uvloop: uvloop is not installed (pip install uvloop), or choose asyncio")

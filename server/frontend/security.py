@@ -13,7 +13,9 @@ from pathlib import Path
 
 import grpc
 
+from resnet_server.common.config import tls_problem
 from resnet_server.common.errors import StartupError
+from resnet_server.common.flag_files import read_tokens
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -21,12 +23,10 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 def server_credentials(cert: str | None, key: str | None, client_ca: str | None) -> grpc.ServerCredentials | None:
     """None for plaintext; TLS with --tls-cert/--tls-key; mutual TLS (client certificates required) with
     --tls-client-ca."""
-    if not cert and not key:
-        if client_ca:
-            raise StartupError("--tls-client-ca needs --tls-cert and --tls-key")
+    if problem := tls_problem(cert, key, client_ca):
+        raise StartupError(problem)
+    if not cert:
         return None
-    if not (cert and key):
-        raise StartupError("TLS needs both --tls-cert and --tls-key")
     try:
         pair = (Path(key).read_bytes(), Path(cert).read_bytes())
         ca = Path(client_ca).read_bytes() if client_ca else None
@@ -40,13 +40,9 @@ def load_tokens(path: str | None) -> list[bytes]:
     if not path:
         return []
     try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise StartupError(f"cannot read --auth-token-file: {exc}") from None
-    tokens = [line.strip().encode() for line in lines if line.strip() and not line.strip().startswith("#")]
-    if not tokens:
-        raise StartupError(f"--auth-token-file {path} holds no token")
-    return tokens
+        return read_tokens(path)
+    except ValueError as exc:
+        raise StartupError(f"--auth-token-file: {exc}") from None
 
 
 def token_is_valid(metadata: Iterable[tuple[str, str | bytes]] | None, tokens: list[bytes]) -> bool:
