@@ -23,7 +23,7 @@ from .connection_flags import (
 )
 from .errors import ClassifierError
 from .files import CONCURRENCY, IMAGES_PER_REQUEST, FileError, classify_files
-from .flags import positive_float, top_k
+from .flags import int_between, positive_float, top_k
 from .messages import Classification
 
 
@@ -39,10 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="softmax temperature, finite and > 0 (default: the server's)")
     classify.add_argument("--full", action="store_true", help="also return the 1000 probabilities")
     classify.add_argument("--json", action="store_true", help="one JSON object per image per line")
-    classify.add_argument("--images-per-request", type=int, default=IMAGES_PER_REQUEST, choices=range(1, 1001),
+    classify.add_argument("--images-per-request", type=int_between(1, 1000), default=IMAGES_PER_REQUEST,
                           metavar="N", help="files per request (default %(default)s; at most the server's "
                                             "max_images_per_request, see `info`)")
-    classify.add_argument("--concurrency", type=int, default=CONCURRENCY, choices=range(1, 65), metavar="C",
+    classify.add_argument("--concurrency", type=int_between(1, 64), default=CONCURRENCY, metavar="C",
                           help="requests in flight (default %(default)s)")
     classify.set_defaults(run=run_classify)
 

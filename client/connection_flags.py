@@ -7,7 +7,7 @@ import os
 
 from .channel import DEFAULT_ATTEMPTS, DEFAULT_PORT
 from .client import Client
-from .flags import positive_float
+from .flags import int_between, positive_float
 
 SERVER_ENV = "RESNET_CLIENT_SERVER"
 
@@ -42,7 +42,7 @@ def add_connection_flags(parser: argparse.ArgumentParser, attempts: int = DEFAUL
     parser.add_argument("--tls-key", default=argparse.SUPPRESS, help="client private key (PEM) for mutual TLS")
     parser.add_argument("--token", default=argparse.SUPPRESS,
                         help=f"bearer token sent as 'authorization: Bearer ...' (default: env {TOKEN_ENV})")
-    parser.add_argument("--attempts", type=int, default=argparse.SUPPRESS, choices=range(1, 6), metavar="1-5",
+    parser.add_argument("--attempts", type=int_between(1, 5), default=argparse.SUPPRESS, metavar="1-5",
                         help="tries per call when a server answers UNAVAILABLE, each on the next server "
                              f"(default {attempts_default_text or attempts}; 1: no retries)")
     parser.set_defaults(default_attempts=attempts)

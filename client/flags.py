@@ -48,11 +48,19 @@ def port_number(text: str) -> int:
 CLASSES = 1000
 
 
-def top_k(text: str) -> int:
-    value = _number(text, int)
-    if not 1 <= value <= CLASSES:
-        raise argparse.ArgumentTypeError(f"must be between 1 and {CLASSES}, got {value}")
-    return value
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """A flag's type: a whole number from ``low`` to ``high`` (argparse's choices=range() would list them all)."""
+    def checked(text: str) -> int:
+        value = _number(text, int)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
+        return value
+
+    checked.__name__ = f"int_between_{low}_{high}"
+    return checked
+
+
+top_k = int_between(1, CLASSES)
 
 
 def positive_float(text: str) -> float:

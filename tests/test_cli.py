@@ -170,6 +170,9 @@ def test_the_cli_stops_quietly_when_its_reader_closes_the_pipe(server, tmp_path,
     (["--top-k", "1001"], "argument --top-k: must be between 1 and 1000, got 1001"),
     (["--temperature", "0"], "argument --temperature: must be a finite number > 0, got 0"),
     (["--temperature", "nan"], "argument --temperature: must be a finite number > 0, got nan"),
+    (["--images-per-request", "0"], "argument --images-per-request: must be between 1 and 1000, got 0"),
+    (["--concurrency", "65"], "argument --concurrency: must be between 1 and 64, got 65"),
+    (["--attempts", "9"], "argument --attempts: must be between 1 and 5, got 9"),
 ])
 def test_a_bad_flag_value_is_one_usage_error_and_nothing_is_sent(server, image_files, flags, error, capsys):
     before = server.sample("resnet_requests_total", device="cpu", code="INVALID_ARGUMENT")
