@@ -236,7 +236,9 @@ def test_bench_refuses_a_fractional_concurrency(capsys):
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--batch-sizes", "1,0"], "argument --batch-sizes: must be > 0, got 0"),
+    (["--batch-sizes", "1,0"], "argument --batch-sizes: must be between 1 and 1024, got 0"),
+    (["--batch-sizes", "100000"], "argument --batch-sizes: must be between 1 and 1024, got 100000"),
+    (["--weights", "/no/such.pth"], "argument --weights: must be imagenet, random or the path of a state_dict file"),
     (["--duration", "0"], "argument --duration: must be a finite number > 0, got 0"),
     (["--image-size", "3x"], "argument --image-size: must be WxH in pixels, e.g. 224x224, got '3x'"),
 ])

@@ -28,12 +28,20 @@ from resnet_client.flags import (
     DEFAULT_IMAGE_SIZE,
     comma_list,
     image_size,
+    int_between,
     non_negative_int,
     positive_float,
-    positive_int,
     size_text,
 )
-from resnet_server.common.config import _boolean, _compile_mode, _device_list, _precision, graph_problem
+from resnet_server.common.config import (
+    MAX_BATCH_SIZE_LIMIT,
+    _boolean,
+    _compile_mode,
+    _device_list,
+    _precision,
+    graph_problem,
+    weights_source,
+)
 from resnet_server.common.devices import resolve_devices
 from resnet_server.common.model import build_model, load_weights
 from resnet_server.common.preprocess import EncodedImage, RawImage, preprocess
@@ -178,7 +186,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads per replica, as resnet-server --torch-threads (0: every core)")
     parser.add_argument("--precision", type=_precision, default="fp32",
                         help="fp32, fp16 or bf16, as resnet-server --precision (default %(default)s)")
-    parser.add_argument("--weights", default="random",
+    parser.add_argument("--weights", type=weights_source, default="random",
                         help="as resnet-server --weights (default %(default)s: speed does not depend on them)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model, as resnet-server --compile")
     parser.add_argument("--compile-mode", type=_compile_mode, default="default",
@@ -205,8 +213,9 @@ def parse_model_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] |
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="resnet-server bench-model", description=__doc__)
     add_model_arguments(parser)
-    parser.add_argument("--batch-sizes", type=comma_list(positive_int), default=[1, 4, 8, 16, 32],
-                        help="forward-pass batch sizes to time (default 1,4,8,16,32)")
+    parser.add_argument("--batch-sizes", type=comma_list(int_between(1, MAX_BATCH_SIZE_LIMIT)),
+                        default=[1, 4, 8, 16, 32], help="forward-pass batch sizes to time, each at most "
+                                                        f"{MAX_BATCH_SIZE_LIMIT} (default 1,4,8,16,32)")
     parser.add_argument("--input", choices=["jpeg", "png", "uint8", "fp32"], default="uint8",
                         help="the input kind whose decode + preprocess is timed (default %(default)s)")
     parser.add_argument("--image-size", type=image_size, default=DEFAULT_IMAGE_SIZE,
