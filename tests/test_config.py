@@ -159,9 +159,10 @@ def _refusal(argv: list[str], capsys) -> str:
     pytest.fail(f"{argv} was accepted")
 
 
-def test_the_files_flags_name_are_read_before_any_process_starts(tmp_path, capsys):
+def test_what_a_process_would_refuse_is_refused_before_any_process_starts(tmp_path, capsys):
     """A file the front-ends would read (TLS material, tokens, a fitted temperature) that is missing, unreadable
-    or holds nothing usable is a usage error of resnet-server's own, not a front-end's failed start."""
+    or holds nothing usable, a device name no engine knows, a batch no queue could fill: each is a usage error of
+    resnet-server's own, not a child's failed start."""
     pem, empty, folder = tmp_path / "server.pem", tmp_path / "empty", tmp_path / "folder"
     pem.write_text("-----BEGIN CERTIFICATE-----\n")
     empty.write_text("# only a comment\n\n")
@@ -183,6 +184,8 @@ def test_the_files_flags_name_are_read_before_any_process_starts(tmp_path, capsy
         ("--max-batch-size", "4096"): "argument --max-batch-size: must be from 0 to 1024, got 4096",
         ("--device", "cpu,mps"): "argument --device: unknown device 'mps': use cpu, cuda, cuda:N, auto, or a "
                                  "comma-separated list",
+        ("--max-batch-size", "512"): "--max-batch-size 512 is over --max-queue 256, the images a device holds at "
+                                     "once: no batch could fill; raise --max-queue or lower the batch",
     }
     for argv, message in refused.items():
         assert _refusal(list(argv), capsys) == message

@@ -467,6 +467,9 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         raise ConfigError(problem)
     if problem := tls_problem(config.tls_cert, config.tls_key, config.tls_client_ca):
         raise ConfigError(problem)
+    if config.max_batch_size > config.max_queue:
+        raise ConfigError(f"--max-batch-size {config.max_batch_size} is over --max-queue {config.max_queue}, the "
+                          "images a device holds at once: no batch could fill; raise --max-queue or lower the batch")
     if config.event_loop == "uvloop" and not uvloop_installed():
         raise ConfigError("--event-loop uvloop: uvloop is not installed (pip install uvloop), or choose asyncio")
     return config
