@@ -119,4 +119,10 @@ def with_default_port(target: str) -> str:
     else:
         has_port = address.count(":") == 1
         address = address if address.count(":") < 2 else f"[{address}]"  # a bare IPv6 address
-    return scheme + (address if has_port else f"{address}:{DEFAULT_PORT}")
+    if not has_port:
+        return f"{scheme}{address}:{DEFAULT_PORT}"
+    port = address.rsplit(":", 1)[1]
+    # gRPC would take 99999 as 99999 mod 65536: another port, and a baffling refusal from it.
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"{target!r}: the port must be a number from 1 to 65535")
+    return scheme + address

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from . import bench, calibrate
-from .channel import DEFAULT_ATTEMPTS
+from .channel import DEFAULT_ATTEMPTS, parse_targets
 from .connection_flags import (
     BENCH_ATTEMPTS,
     add_connection_flags,
@@ -142,8 +142,15 @@ def run_health(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line parsed, each connection flag given nowhere at its default."""
-    return fill_connection_defaults(build_parser().parse_args(argv))
+    """The command line parsed, each connection flag given nowhere at its default; a server address that names
+    an impossible port (from --server or RESNET_CLIENT_SERVER) is a usage error."""
+    parser = build_parser()
+    args = fill_connection_defaults(parser.parse_args(argv))
+    try:
+        parse_targets(args.server)
+    except ValueError as exc:
+        parser.error(f"argument --server: {exc}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -194,6 +194,24 @@ def test_a_target_without_a_port_means_the_servers_default_port(given, target):
     assert with_default_port(given) == target
 
 
+@pytest.mark.parametrize("given", ["localhost:99999", "10.0.0.5:0", "[::1]:70000", "host:abc",
+                                   "dns:///resnet.internal:65536"])
+def test_a_target_with_an_impossible_port_is_refused_rather_than_wrapped(given, capsys, monkeypatch):
+    """gRPC reads port 99999 as 34463 (mod 65536): the client refuses it, and the CLI says so as a usage error,
+    whether the address came from --server or from RESNET_CLIENT_SERVER."""
+    with pytest.raises(ValueError, match="the port must be a number from 1 to 65535"):
+        with_default_port(given)
+    with pytest.raises(SystemExit) as exited:
+        main(["--server", given, "info"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"resnet-client: error: argument --server: {given!r}: the port must be a number from 1 to 65535")
+    monkeypatch.setenv("RESNET_CLIENT_SERVER", f"10.0.0.6:6000,{given}")
+    with pytest.raises(SystemExit) as exited:
+        main(["health"])
+    assert exited.value.code == 2
+
+
 def test_the_client_completes_a_bare_host_with_the_default_port():
     assert Client("localhost")._config.target == "localhost:50051"
     assert Client("10.0.0.5,10.0.0.6:6000")._config.target == "ipv4:10.0.0.5:50051,10.0.0.6:6000"
