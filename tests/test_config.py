@@ -184,6 +184,7 @@ def test_what_a_process_would_refuse_is_refused_before_any_process_starts(tmp_pa
         ("--max-batch-size", "4096"): "argument --max-batch-size: must be from 0 to 1024, got 4096",
         ("--device", "cpu,mps"): "argument --device: unknown device 'mps': use cpu, cuda, cuda:N, auto, or a "
                                  "comma-separated list",
+        ("--port", "8000"): "--port and --metrics-port are both 8000: gRPC and /metrics need a port each",
         ("--max-batch-size", "512"): "--max-batch-size 512 is over --max-queue 256, the images a device holds at "
                                      "once: no batch could fill; raise --max-queue or lower the batch",
     }

@@ -467,6 +467,8 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         raise ConfigError(problem)
     if problem := tls_problem(config.tls_cert, config.tls_key, config.tls_client_ca):
         raise ConfigError(problem)
+    if config.port and config.port == config.metrics_port:
+        raise ConfigError(f"--port and --metrics-port are both {config.port}: gRPC and /metrics need a port each")
     if config.max_batch_size > config.max_queue:
         raise ConfigError(f"--max-batch-size {config.max_batch_size} is over --max-queue {config.max_queue}, the "
                           "images a device holds at once: no batch could fill; raise --max-queue or lower the batch")
