@@ -190,6 +190,8 @@ def test_what_a_process_would_refuse_is_refused_before_any_process_starts(tmp_pa
     }
     for argv, message in refused.items():
         assert _refusal(list(argv), capsys) == message
+    two_hosts = ["--port", "9000", "--metrics-port", "9000", "--host", "127.0.0.1", "--metrics-host", "127.0.0.2"]
+    assert parse_config(two_hosts, env={}).metrics_port == 9000  # two sockets after all
 
 
 def test_a_flag_that_does_not_go_with_another_exits_2_before_any_process_starts(tmp_path):

@@ -467,7 +467,7 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         raise ConfigError(problem)
     if problem := tls_problem(config.tls_cert, config.tls_key, config.tls_client_ca):
         raise ConfigError(problem)
-    if config.port and config.port == config.metrics_port:
+    if config.port and config.port == config.metrics_port and _may_overlap(config.host, config.metrics_host):
         raise ConfigError(f"--port and --metrics-port are both {config.port}: gRPC and /metrics need a port each")
     if config.max_batch_size > config.max_queue:
         raise ConfigError(f"--max-batch-size {config.max_batch_size} is over --max-queue {config.max_queue}, the "
@@ -475,6 +475,11 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     if config.event_loop == "uvloop" and not uvloop_installed():
         raise ConfigError("--event-loop uvloop: uvloop is not installed (pip install uvloop), or choose asyncio")
     return config
+
+
+def _may_overlap(host: str, other: str) -> bool:
+    """Whether two bind addresses may be the same socket address: the same, or either of them every address."""
+    return host == other or bool({host, other} & {"0.0.0.0", "::", ""})
 
 
 def graph_problem(compile: bool, mode: str, torchscript: bool, cuda_graphs: bool = False) -> str | None:
