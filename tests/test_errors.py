@@ -121,17 +121,19 @@ def test_full_queue_is_resource_exhausted(make_server):
     assert tight.sample("resnet_requests_total", device="cpu", code="RESOURCE_EXHAUSTED") == 1
 
 
-def test_overload_is_refused_at_once_while_accepted_work_is_answered(make_server):
-    busy = make_server(max_queue=2, max_batch_delay_ms=1500.0)
+def test_overload_is_refused_at_once_while_accepted_work_is_answered(make_server, faults):
+    busy = make_server(max_queue=2, runner=faults.runner)
+    faults.set("hold")  # the engine holds its batches' scores: the accepted pair stays in the queue
 
     async def overload():
         async with AsyncClient(busy.target, timeout=60) as client:
             accepted = asyncio.ensure_future(client.classify([GOOD, GOOD]))
             await asyncio.get_running_loop().run_in_executor(
-                None, wait_for, lambda: busy.sample("resnet_queue_depth", device="cpu") == 2)
+                None, wait_for, lambda: busy.sample("resnet_batches_in_flight", device="cpu") == 1)  # both slots taken
             with pytest.raises(ClassifierError) as caught:
                 await client.classify([GOOD])  # answered while the accepted pair still waits
             assert not accepted.done()
+            faults.clear()
             return caught.value.code, await accepted
 
     code, accepted = asyncio.run(overload())

@@ -60,6 +60,7 @@ def test_max_batch_size_zero_picks_by_device():
     assert max_batch_size(ServerConfig(max_batch_size=0), torch.device("cpu")) == 8
     assert max_batch_size(ServerConfig(max_batch_size=0), torch.device("cuda", 1)) == 128
     assert max_batch_size(ServerConfig(max_batch_size=5), torch.device("cuda")) == 5
+    assert max_batch_size(ServerConfig(max_queue=64), torch.device("cuda")) == 64  # no batch holds more
 
 
 def test_the_cpu_default_splits_twelve_queued_images_into_batches_of_eight_and_four(make_server):

@@ -306,9 +306,10 @@ _FLAGS: list[tuple[str, object, str]] = [
                                             "calibrate); wins over --temperature"),
     ("max-batch-size", _batch_size_cap, f"most images in one forward pass, at most {MAX_BATCH_SIZE_LIMIT}; 0 = by "
                                         f"device: {DEFAULT_MAX_BATCH_SIZE['cuda']} on CUDA, "
-                                        f"{DEFAULT_MAX_BATCH_SIZE['cpu']} on the CPU. Batches run only at sizes warmed "
-                                        "before SERVING (1, 2, 4, 8, 16, 24, 32, 48 ... up to this): CUDA pads up to "
-                                        "the next (resnet_padded_images_total), the CPU splits"),
+                                        f"{DEFAULT_MAX_BATCH_SIZE['cpu']} on the CPU, or --max-queue if less. "
+                                        "Batches run only at sizes warmed before SERVING (1, 2, 4, 8, 16, 24, 32, "
+                                        "48 ... up to this): CUDA pads up to the next (resnet_padded_images_total), "
+                                        "the CPU splits"),
     ("max-batch-delay-ms", non_negative_float, "how long the oldest waiting image may wait for a fuller batch"),
     ("wait-for-callers-ms", non_negative_float, "after answering a batch, how long a device may wait for as many "
                                                  "new images as it held before starting a smaller one: for "

@@ -40,6 +40,7 @@ class EngineConfig:
     weights: str
     precision: str
     max_batch_size: int
+    max_queue: int  # the device's images accepted at once: no batch holds more
     max_batch_delay_ms: float
     wait_for_callers_ms: float
     torch_threads: int

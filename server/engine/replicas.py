@@ -30,7 +30,11 @@ log = logging.getLogger("server.replicas")
 FAILURES_BEFORE_EVICTION = 3
 
 def max_batch_size(config: EngineConfig, device: torch.device) -> int:
-    return config.max_batch_size or DEFAULT_MAX_BATCH_SIZE.get(device.type, DEFAULT_MAX_BATCH_SIZE["cpu"])
+    """--max-batch-size, or the device's default; a default over --max-queue is the queue (no batch could fill
+    it, and warming sizes past it would only slow the start)."""
+    if config.max_batch_size:
+        return config.max_batch_size
+    return min(DEFAULT_MAX_BATCH_SIZE.get(device.type, DEFAULT_MAX_BATCH_SIZE["cpu"]), config.max_queue)
 
 
 @dataclass
