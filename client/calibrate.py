@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 from .connection_flags import connect
+from .flags import existing_path
 from .progress import ProgressBar
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".gif", ".webp"}
@@ -156,9 +157,9 @@ def plot_reliability(logits, labels, temperature: float, path: str) -> None:
 
 def add_parser(commands) -> argparse.ArgumentParser:
     calibrate = commands.add_parser("calibrate", help="fit the softmax temperature on labelled images")
-    calibrate.add_argument("data", help="ImageFolder-style directory, or a CSV of path,label")
+    calibrate.add_argument("data", type=existing_path, help="ImageFolder-style directory, or a CSV of path,label")
     calibrate.add_argument("--output", help="write the fitted temperature as JSON (for --temperature-file)")
-    calibrate.add_argument("--wnids", help="file of the 1000 WordNet ids in class-index order")
+    calibrate.add_argument("--wnids", type=existing_path, help="file of the 1000 WordNet ids in class-index order")
     calibrate.add_argument("--json", action="store_true")
     calibrate.add_argument("--plot", help="write reliability diagrams before and after to this PNG")
     calibrate.add_argument("--quiet", action="store_true", help="no progress bar (drawn only on a terminal)")

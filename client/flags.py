@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -102,3 +103,10 @@ def image_size(text: str) -> tuple[int, int]:
     if not (width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
         raise argparse.ArgumentTypeError(f"must be WxH in pixels, e.g. 224x224, got {text!r}")
     return int(width), int(height)
+
+
+def existing_path(text: str) -> str:
+    """A file or folder that exists: a wrong path is a usage error before anything connects or loads."""
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"no such file or folder: {text!r}")
+    return text

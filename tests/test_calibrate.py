@@ -71,3 +71,13 @@ def test_csv_data_and_unknown_label(server, tmp_path, capsys):
     (tmp_path / "bad.csv").write_text("a.png,n01440764\n")
     with pytest.raises(SystemExit, match="WordNet id"):
         main(["calibrate", str(tmp_path / "bad.csv"), "--server", server.target, "--quiet"])
+
+
+@pytest.mark.parametrize("flags", [["/no/such/folder"], ["DATA", "--wnids", "/no/such/wnids.txt"]])
+def test_a_missing_path_is_a_usage_error_before_anything_connects(tmp_path, capsys, flags):
+    """127.0.0.1:1 answers nothing: a check made after connecting would fail UNAVAILABLE (exit 1) instead."""
+    argv = ["calibrate", *(str(tmp_path) if flag == "DATA" else flag for flag in flags), "--server", "127.0.0.1:1"]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"no such file or folder: '{flags[-1]}'")
