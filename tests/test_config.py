@@ -181,7 +181,7 @@ def test_what_a_process_would_refuse_is_refused_before_any_process_starts(tmp_pa
                                             "blank lines and # comments are skipped)",
         ("--temperature-file", str(tmp_path / "zero.json")):
             f"argument --temperature-file: the temperature in {tmp_path / 'zero.json'} must be finite and > 0, got 0.0",
-        ("--max-batch-size", "4096"): "argument --max-batch-size: must be from 0 to 1024, got 4096",
+        ("--max-batch-size", "4096"): "argument --max-batch-size: must be between 0 and 1024, got 4096",
         ("--device", "cpu,mps"): "argument --device: unknown device 'mps': use cpu, cuda, cuda:N, auto, or a "
                                  "comma-separated list",
         ("--port", "8000"): "--port and --metrics-port are both 8000: gRPC and /metrics need a port each",

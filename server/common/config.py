@@ -15,7 +15,14 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from resnet_client.flags import non_negative_float, non_negative_int, port_number, positive_float, positive_int
+from resnet_client.flags import (
+    int_between,
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 from resnet_server.common.event_loop import EVENT_LOOPS, uvloop_installed
 from resnet_server.common.flag_files import read_temperature, read_tokens
 from resnet_server.common.logs import LOG_FORMATS
@@ -242,11 +249,7 @@ def _device_list(text: str) -> tuple[str, ...]:
     return devices
 
 
-def _batch_size_cap(text: str) -> int:
-    value = non_negative_int(text)
-    if value > MAX_BATCH_SIZE_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be from 0 to {MAX_BATCH_SIZE_LIMIT}, got {value}")
-    return value
+_batch_size_cap = int_between(0, MAX_BATCH_SIZE_LIMIT)
 
 
 def readable_file(text: str) -> str:
