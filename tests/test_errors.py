@@ -123,7 +123,7 @@ def test_full_queue_is_resource_exhausted(make_server):
 
 def test_overload_is_refused_at_once_while_accepted_work_is_answered(make_server, faults):
     busy = make_server(max_queue=2, runner=faults.runner)
-    faults.set("hold")  # the engine holds its batches' scores: the accepted pair stays in the queue
+    faults.set("hold")  # the engine holds its batches' scores: the accepted pair keeps both slots of the queue
 
     async def overload():
         async with AsyncClient(busy.target, timeout=60) as client:
