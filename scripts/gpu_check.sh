@@ -59,7 +59,7 @@ fi
 packages=$(mktemp -d); ln -s "$PWD/server" "$packages/resnet_server"; ln -s "$PWD/client" "$packages/resnet_client"
 export PYTHONPATH="$packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 frontends=$(python -c 'from resnet_server.common.config import ServerConfig; from resnet_server.supervisor.launcher import frontend_count
-print(frontend_count(ServerConfig(), 1))')  # what --frontends auto starts here, with one device
+print(frontend_count(ServerConfig(), 1))') || exit 1  # what --frontends auto starts here, one device
 # The server as a command, not a function: started in the background it is then the process stop signals.
 server=(resnet-server); type -P resnet-server >/dev/null || server=(python -m resnet_server)
 command -v resnet-client >/dev/null || resnet-client() { python -c 'import sys; from resnet_client.cli import main; sys.exit(main())' "$@"; }

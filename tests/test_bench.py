@@ -7,8 +7,10 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -508,6 +510,29 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
             "CPU a call: bare 650 us, engine 350 us, frontend 1020 us = 1.57 x bare; target <= 1.5") in table
     assert ("- one engine's own ceiling (free model, scores 5 ms after launch, 4 feeders x 96 in flight): 14975 "
             "images/s at 20.8 us of its CPU an image, mean batch 67.7") in table
+
+
+def test_gpu_check_runs_the_checkout_in_a_python_without_the_project(tmp_path):
+    """A lent GPU machine's Python has torch but not this project, and only the checkout travels there:
+    scripts/gpu_check.sh must run server/ and client/ as resnet_server and resnet_client (on 2026-11-28 it did
+    not, and a lent machine's call ended in 19 s with every step's ModuleNotFoundError)."""
+    checkout = tmp_path / "checkout"  # what travels: no virtual environment, no carried wheels
+    for folder in ("server", "client", "scripts"):
+        shutil.copytree(ROOT / folder, checkout / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python").symlink_to(sys._base_executable)  # this interpreter, outside the virtual environment
+    # Torch and the rest from this environment's site-packages, whose .pth files (the editable install's) a
+    # PYTHONPATH entry does not run.
+    env = {"HOME": str(tmp_path), "PATH": f"{bare}:/usr/bin:/bin", "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    imported = subprocess.run(["python", "-c", "import resnet_server"], env=env, cwd=tmp_path, capture_output=True)
+    assert imported.returncode != 0, "this interpreter finds the project outside the checkout: nothing to check"
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", str(out), "first"], cwd=checkout, capture_output=True,
+                            text=True, timeout=120, env={**env, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_BUDGET_S": "0"})
+    assert result.returncode == 0, result.stderr
+    assert "Error" not in result.stderr, result.stderr
+    assert (out / "gpu_table.md").read_text().startswith("Measured ")  # gpu_table.py ran, importing the client
 
 
 def test_cpu_table_sets_each_served_point_against_its_ceiling(make_server, capsys, tmp_path, monkeypatch):
