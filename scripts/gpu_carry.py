@@ -22,11 +22,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from perf_analyzer import binary, environment  # its folder is the first path entry
 
-# The server's packages a lent machine lacks (the generated code needs grpcio >= 1.85.1 and protobuf >= 7.35.1;
-# health checking and reflection are not there at all), the front-ends' event loop, and the check's profiler.
-PACKAGES = ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "uvloop", "py-spy")
+# What a lent machine's Python has (the device's README); everything else the server and its CUDA tests import
+# travels. The generated code needs grpcio >= 1.85.1 and protobuf >= 7.35.1, newer than such a machine may have.
+LENT = ("torch", "torchvision", "numpy", "pillow", "pytest")
+# Beside the server's own: the plugins pyproject's pytest options name (asyncio_mode, timeout), the check's profiler.
+TOOLS = ("pytest-asyncio", "pytest-timeout", "py-spy")
+
+
+def carried_packages() -> list[str]:
+    """The distributions to carry: the project's dependencies and its server extra (read from its installed
+    metadata, so a package added to pyproject travels too), less what a lent machine has, and TOOLS."""
+    needed = [Requirement(text) for text in importlib.metadata.requires("resnet-grpc") or ()]
+    server = [req.name for req in needed if req.marker is None or req.marker.evaluate({"extra": "server"})]
+    return [name for name in server if canonicalize_name(name) not in map(canonicalize_name, LENT)] + list(TOOLS)
+
+
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 # What perf_analyzer links that a lent machine lacks (it has the C and C++ runtimes, OpenSSL and zlib).
 CARRIED_LIBRARIES = re.compile(r"^(libb64\.so\S*|libcudart\.so\.12)$")
@@ -44,7 +58,7 @@ def download_wheels(out: Path, python_version: str) -> None:
     platforms = [argument for platform in PLATFORMS for argument in ("--platform", platform)]
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                     "--python-version", python_version, "--implementation", "cp", *platforms, "--dest", str(out),
-                    *map(requirement, PACKAGES)], check=True)
+                    *map(requirement, carried_packages())], check=True)
 
 
 def linked_libraries(executable: str) -> dict[str, Path]:

@@ -57,6 +57,7 @@ fi
 # The checkout's server/ and client/ are the packages resnet_server and resnet_client (pyproject's package-dir):
 # links by those names let it run as installed, with no pip install of the project on the lent machine.
 packages=$(mktemp -d); ln -s "$PWD/server" "$packages/resnet_server"; ln -s "$PWD/client" "$packages/resnet_client"
+trap 'kill -TERM "${server_pid:-}" 2>/dev/null; rm -rf "$packages"' EXIT  # the links only, not the checkout
 export PYTHONPATH="$packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 frontends=$(python -c 'from resnet_server.common.config import ServerConfig; from resnet_server.supervisor.launcher import frontend_count
 print(frontend_count(ServerConfig(), 1))') || exit 1  # what --frontends auto starts here, one device
@@ -81,7 +82,6 @@ serve() {  # serve NAME FRONTENDS [FLAGS...]: a server on $device, its log in OU
 }
 stop() { kill -TERM "$server_pid"; wait "$server_pid"; }
 
-trap 'kill -TERM "${server_pid:-}" 2>/dev/null || true' EXIT
 owed() {  # owed NAME...: true when a step named is still to run (its NAME.json missing or empty), so a rerun
   # resumes; false once GPU_CHECK_BUDGET_S has passed. GPU_CHECK_SKIP="NAME ..." leaves those steps for later.
   [ "$SECONDS" -lt "${GPU_CHECK_BUDGET_S:-86400}" ] || return 1

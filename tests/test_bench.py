@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import os
 import re
@@ -13,11 +14,14 @@ import sys
 import sysconfig
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as tc
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from resnet_client import Client
 from resnet_client.api import classifier_pb2 as pb
@@ -512,26 +516,56 @@ def test_gpu_table_turns_the_checks_json_into_the_readme_table(make_server, caps
             "images/s at 20.8 us of its CPU an image, mean batch 67.7") in table
 
 
-def test_gpu_check_runs_the_checkout_in_a_python_without_the_project(tmp_path):
-    """A lent GPU machine's Python has torch but not this project, and only the checkout travels there:
-    scripts/gpu_check.sh must run server/ and client/ as resnet_server and resnet_client (on 2026-11-28 it did
-    not, and a lent machine's call ended in 19 s with every step's ModuleNotFoundError)."""
-    checkout = tmp_path / "checkout"  # what travels: no virtual environment, no carried wheels
-    for folder in ("server", "client", "scripts"):
+def link_distributions(site: Path, names: list[str]) -> None:
+    """Fill ``site`` with links to this environment's distributions ``names`` and all they require: a Python whose
+    only PYTHONPATH entry it is has those and no others (the editable install's .pth file, in site-packages, does
+    not run from a PYTHONPATH entry)."""
+    purelib, todo, seen = Path(sysconfig.get_paths()["purelib"]), list(names), set()
+    while todo:
+        try:
+            dist = importlib.metadata.distribution(todo.pop())
+        except importlib.metadata.PackageNotFoundError:  # not installed here: py-spy (a program, imported by none)
+            continue
+        if (name := canonicalize_name(dist.metadata["Name"])) in seen:
+            continue
+        seen.add(name)
+        for top in {file.parts[0] for file in dist.files or () if file.parts[0] != ".."}:
+            if (purelib / top).exists() and not (site / top).exists():
+                (site / top).symlink_to(purelib / top)
+        todo += [req.name for req in map(Requirement, dist.requires or ())
+                 if req.marker is None or req.marker.evaluate({"extra": ""})]
+
+
+def test_gpu_check_runs_on_a_lent_machines_python_with_what_gpu_carry_carries(tmp_path, monkeypatch):
+    """A lent GPU machine's Python has torch, torchvision, numpy, pillow and pytest; the checkout and what
+    scripts/gpu_carry.py gathers travel to it. With only those, scripts/gpu_check.sh imports the project (server/
+    and client/ as resnet_server and resnet_client) and collects the CUDA tests. On 2026-11-28 a lent machine's
+    call ended in 19 s: every step's ModuleNotFoundError (the project), and prometheus_client and msgspec were
+    not carried."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as when run as a script: it imports perf_analyzer
+    gpu_carry = load_script("gpu_carry")
+    site = tmp_path / "site"
+    site.mkdir()
+    link_distributions(site, [*gpu_carry.LENT, *gpu_carry.carried_packages()])
+    checkout = tmp_path / "checkout"  # what travels (no virtual environment)
+    for folder in ("server", "client", "scripts", "tests"):
         shutil.copytree(ROOT / folder, checkout / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", checkout)  # pytest's options
     bare = tmp_path / "bin"
     bare.mkdir()
     (bare / "python").symlink_to(sys._base_executable)  # this interpreter, outside the virtual environment
-    # Torch and the rest from this environment's site-packages, whose .pth files (the editable install's) a
-    # PYTHONPATH entry does not run.
-    env = {"HOME": str(tmp_path), "PATH": f"{bare}:/usr/bin:/bin", "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    env = {"HOME": str(tmp_path), "PATH": f"{bare}:/usr/bin:/bin", "PYTHONPATH": str(site)}
     imported = subprocess.run(["python", "-c", "import resnet_server"], env=env, cwd=tmp_path, capture_output=True)
     assert imported.returncode != 0, "this interpreter finds the project outside the checkout: nothing to check"
+    served = ("served_fp16_cuda_graphs served_fp16_cuda_graphs_stream served_fp16_cuda_graphs_16_per_request "
+              "served_fp16_cuda_graphs_perf_analyzer served_fp16_cuda_graphs_perf_analyzer_streaming")
     out = tmp_path / "out"
     result = subprocess.run(["bash", "scripts/gpu_check.sh", str(out), "first"], cwd=checkout, capture_output=True,
-                            text=True, timeout=120, env={**env, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_BUDGET_S": "0"})
+                            text=True, timeout=240, env={**env, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_SKIP": served})
     assert result.returncode == 0, result.stderr
-    assert "Error" not in result.stderr, result.stderr
+    assert "Error" not in result.stdout + result.stderr, result.stdout + result.stderr
+    for tests in ("cuda_tests", "cuda_autotune_tests"):  # collected (every one skipped on the CPU), no error
+        assert re.search(r"^\d+ skipped, \d+ deselected in ", (out / f"{tests}.txt").read_text(), re.MULTILINE)
     assert (out / "gpu_table.md").read_text().startswith("Measured ")  # gpu_table.py ran, importing the client
 
 
