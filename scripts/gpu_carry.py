@@ -38,7 +38,8 @@ def carried_packages() -> list[str]:
     metadata, so a package added to pyproject travels too), less what a lent machine has, and TOOLS."""
     needed = [Requirement(text) for text in importlib.metadata.requires("resnet-grpc") or ()]
     server = [req.name for req in needed if req.marker is None or req.marker.evaluate({"extra": "server"})]
-    return [name for name in server if canonicalize_name(name) not in map(canonicalize_name, LENT)] + list(TOOLS)
+    lent = {canonicalize_name(name) for name in LENT}
+    return [name for name in server if canonicalize_name(name) not in lent] + list(TOOLS)
 
 
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
