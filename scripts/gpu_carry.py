@@ -26,20 +26,42 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from perf_analyzer import binary, environment  # its folder is the first path entry
 
-# What a lent machine's Python has (the device's README); everything else the server and its CUDA tests import
-# travels. The generated code needs grpcio >= 1.85.1 and protobuf >= 7.35.1, newer than such a machine may have.
-LENT = ("torch", "torchvision", "numpy", "pillow", "pytest")
-# Beside the server's own: the plugins pyproject's pytest options name (asyncio_mode, timeout), the check's profiler.
-TOOLS = ("pytest-asyncio", "pytest-timeout", "py-spy")
+# What a lent machine's Python has and nothing carried may replace: torch's build is the machine's own (CUDA), and
+# torchvision, numpy and pillow are built against it. Everything else the server and its CUDA tests import travels,
+# with all it requires: the generated code needs grpcio >= 1.85.1 and protobuf >= 7.35.1, pytest-asyncio a pytest
+# >= 8.4, grpcio a typing-extensions >= 4.12, newer than such a machine may have.
+LENT = ("torch", "torchvision", "numpy", "pillow")
+# Beside the server's own: pytest and the plugins pyproject's pytest options name (asyncio_mode, timeout), and the
+# check's profiler.
+TOOLS = ("pytest", "pytest-asyncio", "pytest-timeout", "py-spy")
+
+
+def required(name: str, extra: str = "") -> list[str]:
+    """What the installed distribution ``name`` requires (with ``extra``); nothing where it is not installed here
+    (py-spy: a program, imported by none)."""
+    try:
+        requirements = map(Requirement, importlib.metadata.requires(name) or ())
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    return [req.name for req in requirements if req.marker is None or req.marker.evaluate({"extra": extra})]
+
+
+def closure(names: list[str], leave: tuple[str, ...] = ()) -> list[str]:
+    """``names`` and everything they require, transitively, as installed here; ``leave`` and what only they
+    require are left out."""
+    left = {canonicalize_name(name) for name in leave}
+    todo, seen = list(names), []
+    while todo:
+        if (name := canonicalize_name(todo.pop(0))) not in left and name not in seen:
+            seen.append(name)
+            todo += required(name)
+    return seen
 
 
 def carried_packages() -> list[str]:
     """The distributions to carry: the project's dependencies and its server extra (read from its installed
-    metadata, so a package added to pyproject travels too), less what a lent machine has, and TOOLS."""
-    needed = [Requirement(text) for text in importlib.metadata.requires("resnet-grpc") or ()]
-    server = [req.name for req in needed if req.marker is None or req.marker.evaluate({"extra": "server"})]
-    lent = {canonicalize_name(name) for name in LENT}
-    return [name for name in server if canonicalize_name(name) not in lent] + list(TOOLS)
+    metadata, so a package added to pyproject travels too) and TOOLS, with all they require, less LENT."""
+    return closure([*required("resnet-grpc", extra="server"), *TOOLS], leave=LENT)
 
 
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
