@@ -33,7 +33,7 @@ from resnet_server.common.event_loop import new_event_loop
 from resnet_server.common.metrics import Metrics, serve_child_metrics
 from resnet_server.common.sections import frontend_config
 from resnet_server.common.statistics import SharedRow
-from resnet_server.frontend.server import App
+from resnet_server.frontend.server import App, grpc_address
 from resnet_server.supervisor.merged_metrics import serve_merged_metrics
 
 TEST_SEED = 1234
@@ -77,6 +77,7 @@ class ServerThread:
         self.engine_metrics_ports = list(engine_metrics_ports)
         self.metrics_http = serve_child_metrics(self.metrics.registry) if self.engine_metrics_ports else None
         self.metrics_port = 0
+        self.host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(config.host, config.host)  # where to call it
         self.loop = new_event_loop(config.event_loop)  # uvloop where installed, as the server's own processes run
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -91,7 +92,7 @@ class ServerThread:
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.app.port}"
+        return grpc_address(self.host, self.app.port)
 
     def sample(self, name: str, **labels) -> float:
         """The server's value of one series: this front-end's, plus its engines' (read from their /metrics)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from resnet_client import AsyncClient, ClassifierError, Client
 from resnet_client.api import classifier_pb2_grpc as pb_grpc
 from resnet_client.messages import build_request, parse_response
+from resnet_server.common.config import parse_config
 from tests.helpers import async_methods_seen, encode, method_name, random_rgb, wait_for
 
 TOLERANCE = 1e-5
@@ -74,6 +76,28 @@ def test_reduced_precision_on_the_cpu_stays_near_the_fp32_reference(make_server,
         np.testing.assert_allclose(result.logits, want, atol=tolerance * np.abs(want).max(), rtol=0)
         probabilities = np.exp(np.asarray(result.logits, np.float64) - max(result.logits))
         np.testing.assert_allclose(result.probabilities, probabilities / probabilities.sum(), atol=1e-6)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_an_ipv6_bind_address_serves_with_or_without_brackets(make_server, reference):
+    """gRPC reads ``::1:PORT`` as no address at all; the front-end puts an IPv6 host in brackets."""
+    assert parse_config(["--host", "[::1]"], env={}).host == parse_config(["--host", "::1"], env={}).host == "::1"
+    running = make_server(host="::1")
+    assert running.target.startswith("[::1]:")
+    array = random_rgb(31, 240, 320)
+    with Client(running.target, timeout=60) as client:
+        (result,) = client.classify([array], full=True)
+    expected = reference.probabilities(reference.input_from_array(array))
+    np.testing.assert_allclose(result.probabilities, expected, atol=TOLERANCE, rtol=0)
 
 
 def test_default_temperature_and_top_k(client):

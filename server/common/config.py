@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -262,6 +263,25 @@ def readable_file(text: str) -> str:
     return text
 
 
+def bind_address(text: str) -> str:
+    """An address this machine can listen on: an IP address of its own (IPv6 with or without brackets), 0.0.0.0 or
+    :: for all, or a name that resolves to one. Refused here rather than by each front-end's failed start."""
+    host = text.removeprefix("[").removesuffix("]") if text.startswith("[") else text
+    try:
+        found = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an IP address nor a name this machine resolves") \
+            from None
+    for family, kind, protocol, _, address in found:
+        with socket.socket(family, kind, protocol) as probe:
+            try:
+                probe.bind(address)  # port 0: a free one, given back at once
+                return host
+            except OSError:
+                continue
+    raise argparse.ArgumentTypeError(f"{text!r} is not an address of this machine")
+
+
 def _file_that(read: Callable[[str], object]) -> Callable[[str], str]:
     """A flag's type: the path of a file that ``read`` reads without a ValueError."""
     def checked(text: str) -> str:
@@ -292,9 +312,9 @@ def tls_problem(cert: str | None, key: str | None, client_ca: str | None) -> str
 # (flag, type, help). Defaults come from ServerConfig so they live in one place. The help is also the README's
 # flags table (flags_table(); tests/test_config.py checks that they agree), so it says what a user needs there.
 _FLAGS: list[tuple[str, object, str]] = [
-    ("host", str, "gRPC bind address"),
+    ("host", bind_address, "gRPC bind address: an address of this machine, 0.0.0.0 or :: for all"),
     ("port", port_number, "gRPC port, 0 to 65535 (0 picks a free one)"),
-    ("metrics-host", str, "/metrics bind address; expose it only inside the cluster"),
+    ("metrics-host", bind_address, "/metrics bind address; expose it only inside the cluster"),
     ("metrics-port", port_number, "/metrics port of the whole server, 0 to 65535 (0 turns the endpoint off); the "
                                   "engines and front-ends serve theirs on loopback ports the system picks, which "
                                   "the supervisor reads for each scrape"),

@@ -120,7 +120,7 @@ class App:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-        address = f"{network.host}:{network.port}"
+        address = grpc_address(network.host, network.port)
         try:
             self.port = (self._server.add_secure_port(address, self.credentials) if self.credentials
                          else self._server.add_insecure_port(address))
@@ -360,3 +360,8 @@ def exit_at_once(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def grpc_address(host: str, port: int) -> str:
+    """``host:port`` as gRPC reads it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
