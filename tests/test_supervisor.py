@@ -367,6 +367,23 @@ def test_an_engine_that_cannot_start_ends_the_server_with_its_error_and_no_front
         assert "ERROR server.supervisor: stopped: resnet-engine-cpu (pid" in done.stderr.splitlines()[-1]
 
 
+def test_compile_without_a_cpp_compiler_ends_the_server_saying_why(weights_file, tmp_path):
+    """What the image built with COMPILER=false (no g++) does with --compile on a CPU: the engine's warm-up finds
+    no C++ compiler for inductor's kernels, and the server ends (exit 1) naming the flag, the cause and the way
+    out, before any front-end serves."""
+    done = subprocess.run(
+        [sys.executable, "-m", "resnet_server", "--frontends", "1", "--host", "127.0.0.1", "--port", "0",
+         "--metrics-port", "0", "--device", "cpu", "--weights", str(weights_file[0]), "--max-batch-size", "2",
+         "--compile", "true", "--compile-cache", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        env={**os.environ, "CXX": str(tmp_path / "no-such-g++")})  # where inductor looks for its compiler
+    assert done.returncode == 1, done.stderr
+    assert "resnet-server: error: engine cpu: --compile failed on cpu: " in done.stderr
+    assert "InvalidCxxCompiler" in done.stderr
+    assert "(inductor needs a C++ compiler for CPU devices; or run without --compile)" in done.stderr
+    assert "serving resnet18" not in done.stderr
+
+
 def test_each_process_gets_its_section_of_the_configuration():
     """A front-end: the shared port and how many share it, and no /metrics port (the supervisor's alone) or
     engine setting; an engine: its model and batching, and nothing of the network."""
