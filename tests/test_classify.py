@@ -253,6 +253,24 @@ def test_health_serving(client):
     assert client.health("resnet.v1.Classifier") == "SERVING"
 
 
+def test_grpc_waits_for_the_methods_that_carry_pixels_and_one_generic_handler(client, monkeypatch):
+    """gRPC's server loop waits on one future per registered method (and one for every other method) for each
+    call it takes: only the four methods that carry pixels are registered, so a call costs gRPC a wait on five;
+    the others (model info, health, reflection) are answered through the generic handler."""
+    waited: list[int] = []
+    wait = asyncio.wait
+
+    async def counted(futures, *args, **kwargs):
+        waited.append(len(futures := list(futures)))
+        return await wait(futures, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "wait", counted)
+    client.classify([random_rgb(3, 64, 48)])
+    assert client.model_info().name == "resnet18"
+    assert client.health() == "SERVING"
+    assert waited and set(waited) == {5}, waited
+
+
 def test_server_reflection_lists_the_services(server):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

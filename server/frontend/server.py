@@ -13,7 +13,7 @@ from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from resnet_client.api import classifier_pb2 as pb
 from resnet_client.api import classifier_pb2_grpc as pb_grpc
@@ -117,9 +117,9 @@ class App:
                      {"Classify": read_classify_request, "ClassifyStream": read_classify_request})
         add_servicer(oip_grpc.add_GRPCInferenceServiceServicer_to_server, self.inference, self._server,
                      {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request})
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.health, self._server)
+        add_servicer(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflection.aio.ReflectionServicer(
+            (*SERVICE_NAMES, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), self._server)
         address = grpc_address(network.host, network.port)
         try:
             self.port = (self._server.add_secure_port(address, self.credentials) if self.credentials
@@ -250,15 +250,18 @@ class _Handlers:
 
 
 def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Server,
-                 deserializers: dict[str, Callable[[bytes], object]]) -> None:
-    """``add_to_server(servicer, server)`` (the generated one), with the named methods' requests read by
-    ``deserializers`` instead of protobuf's parse."""
+                 deserializers: dict[str, Callable[[bytes], object]] | None = None) -> None:
+    """``add_to_server(servicer, server)`` (the generated one), with the methods of ``deserializers`` (those that
+    carry pixels) registered with gRPC and their requests read by it instead of protobuf's parse; the others only
+    in a generic handler. gRPC's server loop waits on one future per registered method for every call it takes,
+    so a registered method nobody calls costs every call."""
+    deserializers = deserializers or {}
     generated = _Handlers()
     add_to_server(servicer, generated)
     handlers = {name: handler._replace(request_deserializer=deserializers[name]) if name in deserializers else handler
                 for name, handler in generated.handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generated.service, handlers),))
-    server.add_registered_method_handlers(generated.service, handlers)
+    server.add_registered_method_handlers(generated.service, {name: handlers[name] for name in deserializers})
 
 
 def _connection_age_options(config: FrontendConfig) -> list[tuple[str, int]]:
