@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Every GPU check, for a machine with CUDA, in five parts, most wanted first:
+# Every GPU check, for a machine with CUDA, in six parts, most wanted first:
 #   first     what fits one short call on a lent machine (under 8 minutes on an H100): the CUDA-marked tests, the
 #             default runner's fp16 ceiling, and its server at c=256 as unary calls, stream messages, sixteen
 #             images a call, and perf_analyzer both ways (where carried); then, budget permitting, the CUDA test
 #             compiled with max-autotune (marked autotune: its compiling takes minutes)
+#   runner    what chooses the default GPU runner: the fp16 ceiling of today's (CUDA graphs over the eager model)
+#             against inductor's (compiled, replayed as CUDA graphs), and compile_start (run after first in one call)
 #   checks    the CUDA-marked tests (max-autotune's too), reduced-precision agreement, GPU JPEG decode agreement
 #             (they gate code changed since the last lent GPU, and take a minute or two)
 #   served    the served sweeps (one engine process, --frontends auto unless named): uint8 fp32 and fp16, sixteen
@@ -22,7 +24,8 @@
 # issue's targets. A step whose output is already in OUT_DIR is skipped, so a run cut short resumes where it
 # stopped. GPU_CHECK_BUDGET_S=N starts no step after N seconds (then tables what it has): a lent machine's one
 # call can then end on time, and the next call on the same machine resumes.
-# Usage: scripts/gpu_check.sh [OUT_DIR [PART...]]   (all five parts by default; about 20 minutes on one H200)
+# Usage: scripts/gpu_check.sh [OUT_DIR [PART...]]   (by default first, checks, served, compile_start and ceilings,
+#        which hold runner's steps too; about 20 minutes on one H200)
 set -uo pipefail
 # -h/--help: the comment above; any other option is a usage error (exit 2), never a folder of that name.
 case ${1:-} in
@@ -31,10 +34,10 @@ case ${1:-} in
 esac
 out=${1:-results/gpu}
 parts=("${@:2}")
-[ ${#parts[@]} -eq 0 ] && parts=(first checks served compile_start ceilings)
+[ ${#parts[@]} -eq 0 ] && parts=(first checks served compile_start ceilings)  # runner: in these
 for part in "${parts[@]}"; do
-  case $part in first|checks|ceilings|served|compile_start) ;;
-    *) echo "unknown part $part (first, checks, ceilings, served or compile_start)" >&2; exit 2 ;;
+  case $part in first|runner|checks|ceilings|served|compile_start) ;;
+    *) echo "unknown part $part (first, runner, checks, ceilings, served or compile_start)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -152,6 +155,12 @@ first() {
     stop
   fi
   autotune_tests  # last: what the budget leaves (GPU_CHECK_BUDGET_S), else the next call's checks
+}
+runner() {  # the two ceilings and the start-up that choose the default GPU runner (each also in another part)
+  [ "$device" != cpu ] && model_bench ceiling_fp16_cuda_graphs 1,8,32,64,128 --precision fp16 --cuda-graphs
+  [ "$device" != cpu ] && model_bench ceiling_fp16_compiled_reduce-overhead 1,8,64,128 --precision fp16 --compile \
+    --compile-mode reduce-overhead
+  compile_start
 }
 compile_start() {  # seconds from the server's start to SERVING, compiling cold and then from the cache it filled
   owed compile_start || return 0
