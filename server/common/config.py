@@ -266,7 +266,7 @@ def readable_file(text: str) -> str:
 def bind_address(text: str) -> str:
     """An address this machine can listen on: an IP address of its own (IPv6 with or without brackets), 0.0.0.0 or
     :: for all, or a name that resolves to one. Refused here rather than by each front-end's failed start."""
-    host = text.removeprefix("[").removesuffix("]") if text.startswith("[") else text
+    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
     try:
         found = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError):
