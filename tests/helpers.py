@@ -28,12 +28,12 @@ from torchvision.models import resnet18
 from torchvision.transforms import v2
 
 from resnet_client import ClassifierError, Client
-from resnet_server.common.config import ServerConfig
+from resnet_server.common.config import ServerConfig, host_port
 from resnet_server.common.event_loop import new_event_loop
 from resnet_server.common.metrics import Metrics, serve_child_metrics
 from resnet_server.common.sections import frontend_config
 from resnet_server.common.statistics import SharedRow
-from resnet_server.frontend.server import App, grpc_address
+from resnet_server.frontend.server import App
 from resnet_server.supervisor.merged_metrics import serve_merged_metrics
 
 TEST_SEED = 1234
@@ -92,7 +92,7 @@ class ServerThread:
 
     @property
     def target(self) -> str:
-        return grpc_address(self.host, self.app.port)
+        return host_port(self.host, self.app.port)
 
     def sample(self, name: str, **labels) -> float:
         """The server's value of one series: this front-end's, plus its engines' (read from their /metrics)."""

@@ -282,6 +282,11 @@ def bind_address(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r} is not an address of this machine")
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as gRPC and URLs read it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _file_that(read: Callable[[str], object]) -> Callable[[str], str]:
     """A flag's type: the path of a file that ``read`` reads without a ValueError."""
     def checked(text: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, PlatformCollector, ProcessCollector
 from prometheus_client import start_http_server as _start_http_server
 
-from resnet_server.common.config import MOST_WAITS_SKIPPED
+from resnet_server.common.config import MOST_WAITS_SKIPPED, host_port
 from resnet_server.common.errors import StartupError
 from resnet_server.common.statistics import ModelStatistics, SharedRow
 
@@ -94,7 +94,7 @@ def serve_registry(registry: CollectorRegistry, host: str, port: int):
     try:
         httpd, _thread = _start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
-        raise StartupError(f"cannot serve /metrics on {host}:{port}: {exc.strerror}") from None
+        raise StartupError(f"cannot serve /metrics on {host_port(host, port)}: {exc.strerror}") from None
     return httpd
 
 

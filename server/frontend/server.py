@@ -22,6 +22,7 @@ from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 from resnet_server import __version__
 from resnet_server.boundary.protocol import EngineLink
 from resnet_server.common import event_loop
+from resnet_server.common.config import host_port
 from resnet_server.common.devices import cpu_bf16_unit
 from resnet_server.common.errors import StartupError
 from resnet_server.common.metrics import Metrics
@@ -91,9 +92,9 @@ class App:
         """The line that says the server is up (scripts and tests wait for it)."""
         config = self.config
         worker = f"; front-end {self.index} of {config.frontends}" if config.frontends > 1 else ""
-        log.info("serving %s on %s:%d (devices %s; event loop %s%s)", MODEL_NAME, config.network.host, self.port,
-                 ", ".join(replica.name for replica in self.core.router.replicas),
-                 event_loop.resolved(config.event_loop), worker)
+        devices = ", ".join(replica.name for replica in self.core.router.replicas)
+        log.info("serving %s on %s (devices %s; event loop %s%s)", MODEL_NAME,
+                 host_port(config.network.host, self.port), devices, event_loop.resolved(config.event_loop), worker)
 
     async def bind(self) -> int:
         """Start gRPC, with health NOT_SERVING unless the model is loaded already; until load() is done,
@@ -120,7 +121,7 @@ class App:
         add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.health, self._server)
         add_servicer(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflection.aio.ReflectionServicer(
             (*SERVICE_NAMES, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), self._server)
-        address = grpc_address(network.host, network.port)
+        address = host_port(network.host, network.port)
         try:
             self.port = (self._server.add_secure_port(address, self.credentials) if self.credentials
                          else self._server.add_insecure_port(address))
@@ -363,8 +364,3 @@ def exit_at_once(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def grpc_address(host: str, port: int) -> str:
-    """``host:port`` as gRPC reads it: an IPv6 address in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

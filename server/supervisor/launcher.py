@@ -43,7 +43,7 @@ from multiprocessing.process import BaseProcess
 
 from resnet_server.boundary.protocol import EngineLink
 from resnet_server.boundary.slab import SLOT_INPUT_BYTES, SlabLayout, create_slab_memory
-from resnet_server.common.config import ServerConfig
+from resnet_server.common.config import ServerConfig, host_port
 from resnet_server.common.devices import replica_names
 from resnet_server.common.sections import engine_config, frontend_config
 from resnet_server.common.statistics import SharedRow, shared_rows
@@ -154,8 +154,8 @@ class Supervisor:
         if (failed := self._wait_until(self._engines_warm)) is not None:
             return failed
         if self.config.metrics_port:
-            log.info("metrics of every process on http://%s:%d/metrics", self.config.metrics_host,
-                     self.config.metrics_port)
+            log.info("metrics of every process on http://%s/metrics",
+                     host_port(self.config.metrics_host, self.config.metrics_port))
         return self._supervise()
 
     def start_engines(self) -> bool | None:
