@@ -1,13 +1,14 @@
 """Where the cores go while a server answers a closed loop: CPU seconds per answered image, by part.
 
 Runs a closed loop of one-image uint8 requests from this process and, over a window after a ramp, reads the
-CPU time of every thread of the server's processes (the supervisor and its descendants: /proc/PID/task/*/stat,
-Linux) and of this process. The parts: the forward team (the busiest threads of the busiest process, the
-engine: the replica's worker and its OpenMP helpers, which also convert the raw images), the event loops (the
-main threads of the other children, the front-ends), the server's other threads (gRPC, preprocessing, metrics,
-the engine's sockets, the supervisor), and the client. Each is given in milliseconds per answered image and as
-a share of what the machine had: cores x wall time. Whatever the client and the server's other threads take is
-not there for the forward pass when they share the cores, which is how it is measured here.
+CPU time of every thread of the server's processes (the supervisor and its descendants: /proc/PID/task/*/
+schedstat, Linux's nanoseconds on a CPU, where stat's clock ticks would leave a light thread at zero) and of
+this process. The parts: the forward team (the busiest threads of the busiest process, the engine: the
+replica's worker and its OpenMP helpers, which also convert the raw images), the event loops (the main threads
+of the other children, the front-ends), the server's other threads (gRPC, preprocessing, metrics, the engine's
+sockets, the supervisor), and the client. Each is given in milliseconds per answered image and as a share of
+what the machine had: cores x wall time. Whatever the client and the server's other threads take is not there
+for the forward pass when they share the cores, which is how it is measured here.
 
 Usage: python scripts/benchmarks/cpu_split.py --server 127.0.0.1:50151 --server-pid PID [--concurrency 16]
        [--image-size 224x224] [--ramp 3] [--window 15] [--team 2]
@@ -31,18 +32,28 @@ TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu_seconds(pid: int) -> dict[tuple[int, int], float]:
-    """CPU seconds (user + system) of each live thread of ``pid`` and of its descendants (the server's children
-    are the fork server's), by (process, thread)."""
+    """CPU seconds of each live thread of ``pid`` and of its descendants (the server's children are the fork
+    server's), by (process, thread)."""
     seconds = {}
     for process in _descendants(pid):
         for task in Path(f"/proc/{process}/task").iterdir():
             try:
-                stat = (task / "stat").read_text()
+                seconds[(process, int(task.name))] = _thread_seconds(task)
             except (FileNotFoundError, ProcessLookupError):  # the thread ended since the listing (or as it was read)
                 continue
-            fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-            seconds[(process, int(task.name))] = (int(fields[11]) + int(fields[12])) / TICKS_PER_SECOND
     return seconds
+
+
+def _thread_seconds(task: Path) -> float:
+    """A thread's time on a CPU: schedstat's nanoseconds where the kernel keeps them, else stat's user and system
+    clock ticks (a hundredth of a second: a front-end's loop may use only a few over a short window)."""
+    try:
+        return int((task / "schedstat").read_text().split()[0]) / 1e9
+    except FileNotFoundError:
+        if not task.exists():
+            raise
+    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / TICKS_PER_SECOND
 
 
 def _descendants(pid: int) -> list[int]:
