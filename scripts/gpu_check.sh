@@ -157,9 +157,11 @@ first() {
   autotune_tests  # last: what the budget leaves (GPU_CHECK_BUDGET_S), else the next call's checks
 }
 runner() {  # the two ceilings and the start-up that choose the default GPU runner (each also in another part)
-  [ "$device" != cpu ] && model_bench ceiling_fp16_cuda_graphs 1,8,32,64,128 --precision fp16 --cuda-graphs
-  [ "$device" != cpu ] && model_bench ceiling_fp16_compiled_reduce-overhead 1,8,64,128 --precision fp16 --compile \
-    --compile-mode reduce-overhead
+  if [ "$device" != cpu ]; then
+    model_bench ceiling_fp16_cuda_graphs 1,8,32,64,128 --precision fp16 --cuda-graphs
+    model_bench ceiling_fp16_compiled_reduce-overhead 1,8,64,128 --precision fp16 --compile \
+      --compile-mode reduce-overhead
+  fi
   compile_start
 }
 compile_start() {  # seconds from the server's start to SERVING, compiling cold and then from the cache it filled
