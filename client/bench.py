@@ -512,28 +512,39 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.metrics is None and "," not in args.server:
         args.metrics = f"http://{args.server.rsplit(':', 1)[0].removeprefix('dns:///')}:8000/metrics"
     loads = args.sweep or [args.rate if args.rate else (args.concurrency or 1)]
-    if args.stream and args.rate:
-        print("resnet-client bench: error: --stream is a closed loop: give --concurrency or --sweep, not --rate",
-              file=sys.stderr)
-        return 2
-    if not args.rate and any(load != int(load) for load in loads):
-        print(f"resnet-client bench: error: argument --sweep: concurrencies are whole numbers, got "
-              f"{', '.join(f'{load:g}' for load in loads)}", file=sys.stderr)
-        return 2
+    if problem := usage_problem(args, loads):
+        return complain(problem, 2)
     image = make_image(args.input, *args.image_size, args.image)
     request = pb.ClassifyRequest(images=[image] * args.images_per_request, top_k=1).SerializeToString()
-    failure = first_call_failure(args, request)
-    if failure:
-        print(f"resnet-client bench: error: the first call, before any load, failed: {failure}", file=sys.stderr)
-        return 1
+    if failure := first_call_failure(args, request):
+        return complain(f"the first call, before any load, failed: {failure}", 1)
     silent = [url for url in metrics_urls(args.metrics) if not _scrape_one(url)]  # the first call made samples
     if silent:
         print(f"resnet-client bench: note: no server view (batch size, queue, compute) from {', '.join(silent)}: "
               "no answer with this server's metrics; pass --metrics URL, or --metrics '' for none", file=sys.stderr)
-    points = []
-    for load in loads:
-        concurrency, rate = (None, load) if args.rate else (int(load), None)
-        points.append(run_point(args, request, concurrency, rate))
+    points = [run_point(args, request, None, load) if args.rate else run_point(args, request, int(load), None)
+              for load in loads]
+    report(args, points)
+    if problem := run_failure(points):
+        return complain(problem, 1)
+    return 0
+
+
+def complain(problem: str, code: int) -> int:
+    print(f"resnet-client bench: error: {problem}", file=sys.stderr)
+    return code
+
+
+def usage_problem(args: argparse.Namespace, loads: list[float]) -> str | None:
+    """What makes this combination of flags unusable, which argparse alone does not see."""
+    if args.stream and args.rate:
+        return "--stream is a closed loop: give --concurrency or --sweep, not --rate"
+    if not args.rate and any(load != int(load) for load in loads):
+        return f"argument --sweep: concurrencies are whole numbers, got {', '.join(f'{load:g}' for load in loads)}"
+    return None
+
+
+def report(args: argparse.Namespace, points: list[dict]) -> None:
     if args.json:
         for point in points:
             print(json.dumps(point))
@@ -542,12 +553,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot:
         images = "1 image" if args.images_per_request == 1 else f"{args.images_per_request} images"
         plot(points, args.plot, f"{args.server}: {args.input} {size_text(args.image_size)}, {images} a request")
+
+
+def run_failure(points: list[dict]) -> str | None:
+    """Why the run's figures measure no server, if they do not."""
     if all(point["ok"] == 0 for point in points):
-        print(f"resnet-client: error: no request succeeded: {points[-1]['errors']}", file=sys.stderr)
-        return 1
+        return f"no request succeeded: {points[-1]['errors']}"
     if unavailable := sum(point["errors"].get("UNAVAILABLE", 0) for point in points):
         # The first call reached the server: calls that found it gone since mean the figures measure no server.
-        print(f"resnet-client: error: the server stopped answering during the run: {unavailable} calls failed "
-              "UNAVAILABLE", file=sys.stderr)
-        return 1
-    return 0
+        return f"the server stopped answering during the run: {unavailable} calls failed UNAVAILABLE"
+    return None

@@ -78,40 +78,58 @@ def batch_split(view: dict) -> str:
     return f"{view['mean_input_ms']:.1f} / {view['mean_infer_ms']:.1f}"
 
 
+# Each served run beside the in-process ceiling it is measured against (same device and precision).
+SERVED_AGAINST_CEILING = (("served_batched", "ceiling_fp32"), ("served_one_frontend", "ceiling_fp32"),
+                          ("served_16_per_request", "ceiling_fp32"), ("served_fp16", "ceiling_fp16"),
+                          ("served_fp16_torchscript", "ceiling_fp16_torchscript"),
+                          ("served_fp16_cuda_graphs", "ceiling_fp16_cuda_graphs"),
+                          ("served_fp16_cuda_graphs_stream", "ceiling_fp16_cuda_graphs"),
+                          ("served_fp16_cuda_graphs_16_per_request", "ceiling_fp16_cuda_graphs"))
+
+
 def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
     """The device issue's numbers: served uint8 at the highest concurrency (fp32, fp16, one front-end, sixteen
     images a call) against the in-process forward at the served maximum batch size (same device, precision,
     batch size), against batching off, and the front-end's cost against bare grpc.aio."""
+    lines = served_against_ceilings(folder, fp32_batch, fp16_batch) + batching_on_off(folder)
+    for run in ("served_fp16_cuda_graphs_perf_analyzer", "served_fp16_cuda_graphs_perf_analyzer_streaming"):
+        lines += [perf_analyzer_line(point) for point in results(folder, run)]
+    return lines + frontend_and_engine_cost(folder) + agreement(folder)
+
+
+def top_point(folder: Path, served_name: str) -> dict | None:
+    """A served run's highest-concurrency point, if it ran."""
+    points = results(folder, served_name)
+    return max(points, key=lambda point: point["concurrency"]) if points else None
+
+
+def served_against_ceilings(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
     lines = []
-    top = {}  # served run -> its highest-concurrency point
-    for served_name, ceiling_name, batch in (("served_batched", "ceiling_fp32", fp32_batch),
-                                             ("served_one_frontend", "ceiling_fp32", fp32_batch),
-                                             ("served_16_per_request", "ceiling_fp32", fp32_batch),
-                                             ("served_fp16", "ceiling_fp16", fp16_batch),
-                                             ("served_fp16_torchscript", "ceiling_fp16_torchscript", fp16_batch),
-                                             ("served_fp16_cuda_graphs", "ceiling_fp16_cuda_graphs", fp16_batch),
-                                             ("served_fp16_cuda_graphs_stream", "ceiling_fp16_cuda_graphs",
-                                              fp16_batch),
-                                             ("served_fp16_cuda_graphs_16_per_request", "ceiling_fp16_cuda_graphs",
-                                              fp16_batch)):
-        if not (points := results(folder, served_name)):
+    for served_name, ceiling_name in SERVED_AGAINST_CEILING:
+        top, ceilings = top_point(folder, served_name), results(folder, ceiling_name)
+        if not (top and ceilings):
             continue
-        top[served_name] = max(points, key=lambda point: point["concurrency"])
-        if not (ceilings := results(folder, ceiling_name)):
-            continue
+        batch = fp32_batch if ceiling_name == "ceiling_fp32" else fp16_batch
         ceiling = ceilings[0]["forward_images_per_s"][str(batch)]
-        rate = top[served_name]["images_per_s"]
-        lines.append(f"- {served_name} c={top[served_name]['concurrency']}: {rate:.0f} images/s = "
+        rate = top["images_per_s"]
+        lines.append(f"- {served_name} c={top['concurrency']}: {rate:.0f} images/s = "
                      f"{rate / ceiling:.2f} x the in-process {ceiling_name[8:].replace('_', ' ')} forward at batch "
                      f"{batch} ({ceiling:.0f}); target >= 0.8")
-    if "served_batched" in top and (unbatched_points := results(folder, "served_nobatch")):
-        batched, unbatched = top["served_batched"], unbatched_points[0]
-        lines.append(f"- batching on / off at c={batched['concurrency']}: {batched['images_per_s']:.0f} / "
-                     f"{unbatched['images_per_s']:.0f} images/s = "
-                     f"{batched['images_per_s'] / unbatched['images_per_s']:.1f} x; target >= 10")
-    for mode in ("", "_streaming"):
-        for point in results(folder, f"served_fp16_cuda_graphs_perf_analyzer{mode}"):
-            lines.append(perf_analyzer_line(point))
+    return lines
+
+
+def batching_on_off(folder: Path) -> list[str]:
+    batched, unbatched_points = top_point(folder, "served_batched"), results(folder, "served_nobatch")
+    if not (batched and unbatched_points):
+        return []
+    unbatched = unbatched_points[0]
+    return [f"- batching on / off at c={batched['concurrency']}: {batched['images_per_s']:.0f} / "
+            f"{unbatched['images_per_s']:.0f} images/s = "
+            f"{batched['images_per_s'] / unbatched['images_per_s']:.1f} x; target >= 10"]
+
+
+def frontend_and_engine_cost(folder: Path) -> list[str]:
+    lines = []
     if cost := results(folder, "frontend_cost"):
         cpu = ", ".join(f"{name} {us:.0f} us" for name, us in cost[0]["cpu_us_per_call"].items())
         lines.append(f"- one front-end with a free model: {cost[0]['frontend_calls_per_s']:.0f} calls/s = "
@@ -124,6 +142,12 @@ def targets(folder: Path, fp32_batch: int, fp16_batch: int) -> list[str]:
                      f"{engine['feeders']} feeders x {engine['in_flight']} in flight): {engine['images_per_s']:.0f} "
                      f"images/s at {engine['engine_cpu_us_per_image']:.1f} us of its CPU an image, mean batch "
                      f"{engine['mean_batch']:.1f}")
+    return lines
+
+
+def agreement(folder: Path) -> list[str]:
+    """How far fp16, bf16 and the GPU's JPEG decode move the answers."""
+    lines = []
     if (folder / "precision.json").exists():
         precision = json.loads((folder / "precision.json").read_text())
         for name in ("fp16", "bf16"):

@@ -103,6 +103,30 @@ def rss_report(at_1min: dict[str, float], at_end: dict[str, float]) -> dict:
 REFUSED_STREAM = "RST_STREAM with error code 7"
 
 
+def next_request(rng: random.Random) -> tuple[str, pb.ClassifyRequest, float, int | None]:
+    """The mix: a quarter bad requests, the rest good images, a twentieth of all with a 5 ms deadline. Returns
+    its kind, the request, its timeout and the good image's index (None for a bad one)."""
+    draw = rng.random()
+    if draw < 0.25:
+        name = rng.choice(sorted(BAD))
+        return f"bad:{name}", BAD[name], 30.0, None
+    good = rng.randrange(len(GOOD))
+    tiny = draw > 0.95
+    request = pb.ClassifyRequest(images=[pb.Image(encoded=GOOD[good])], top_k=5)
+    return ("good_tiny_deadline", request, 0.005, good) if tiny else ("good", request, 30.0, good)
+
+
+def same_answer(got: pb.ImageResult, want: pb.ImageResult) -> bool:
+    return [s.index for s in got.top_k] == [s.index for s in want.top_k] and all(
+        abs(a.probability - b.probability) <= 1e-5 for a, b in zip(got.top_k, want.top_k, strict=True))
+
+
+def code_of(error: grpc.aio.AioRpcError) -> str:
+    """The call's status code's name; REFUSED_STREAM for an UNAVAILABLE that is HTTP/2's refusal."""
+    code = error.code().name
+    return "REFUSED_STREAM" if code == "UNAVAILABLE" and REFUSED_STREAM in (error.details() or "") else code
+
+
 async def soak(args) -> dict:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{PORT}")
     stub = pb_grpc.ClassifierStub(channel)
@@ -121,17 +145,11 @@ async def soak(args) -> dict:
         try:
             response = await stub.Classify(request, timeout=timeout)
             code = "OK"
-            if good_index is not None:
-                got, want = response.results[0], expected[good_index]
-                same = [s.index for s in got.top_k] == [s.index for s in want.top_k] and all(
-                    abs(a.probability - b.probability) <= 1e-5 for a, b in zip(got.top_k, want.top_k, strict=True))
-                if not same:
-                    wrong[kind] += 1
+            if good_index is not None and not same_answer(response.results[0], expected[good_index]):
+                wrong[kind] += 1
             windows[int((begin - started) // 10)].append(time.monotonic() - begin)
         except grpc.aio.AioRpcError as error:
-            code = error.code().name
-            if code == "UNAVAILABLE" and REFUSED_STREAM in (error.details() or ""):
-                code = "REFUSED_STREAM"
+            code = code_of(error)
             if code not in ("OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "REFUSED_STREAM"):
                 messages.setdefault(code, Counter())[error.details()] += 1
             if good_index is not None and code not in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "REFUSED_STREAM"):
@@ -141,16 +159,7 @@ async def soak(args) -> dict:
     next_at = started
     while next_at < started + args.duration:
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-        draw = rng.random()
-        if draw < 0.25:
-            name = rng.choice(sorted(BAD))
-            kind, request, timeout, good = f"bad:{name}", BAD[name], 30.0, None
-        else:
-            good = rng.randrange(len(GOOD))
-            tiny = draw > 0.95
-            kind = "good_tiny_deadline" if tiny else "good"
-            request = pb.ClassifyRequest(images=[pb.Image(encoded=GOOD[good])], top_k=5)
-            timeout = 0.005 if tiny else 30.0
+        kind, request, timeout, good = next_request(rng)
         sent[kind.split(":")[0]] += 1
         tasks.append(asyncio.ensure_future(one(kind, request, timeout, good)))
         if rss_at_1min is None and time.monotonic() - started >= 60:

@@ -709,7 +709,7 @@ def test_bench_fails_when_its_server_stops_answering_mid_run(make_server, capsys
     captured = capsys.readouterr()
     (point,) = [json.loads(line) for line in captured.out.splitlines()]
     assert point["ok"] >= 1 and point["errors"]["UNAVAILABLE"] >= 1
-    assert captured.err.endswith("resnet-client: error: the server stopped answering during the run: "
+    assert captured.err.endswith("resnet-client bench: error: the server stopped answering during the run: "
                                  f"{point['errors']['UNAVAILABLE']} calls failed UNAVAILABLE\n")
 
 

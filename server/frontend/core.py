@@ -47,6 +47,27 @@ class ClassifyCall:
     request_id: str = ""
 
 
+def raw_problems(images: Sequence[ImageInput], max_pixels: int) -> dict[int, str]:
+    """Each raw tensor's reason for refusal, by its index in the request."""
+    invalid = {}
+    for index, image in enumerate(images):
+        if isinstance(image, RawImage):
+            try:
+                check_raw(image, max_pixels)
+            except InvalidInput as exc:
+                invalid[index] = str(exc)
+    return invalid
+
+
+def decoder_for(image: ImageInput, replica: EngineHandle) -> Callable | None:
+    """What turns an image into what the replica's slab takes, run off the loop; None for raw pixels that fit
+    a slot as they are (the engine converts them with their batch)."""
+    fits = len(image.data) <= replica.inline_bytes
+    if isinstance(image, RawImage):
+        return None if fits else preprocess
+    return defer_or_preprocess if replica.decode_on_device and fits else preprocess
+
+
 class InferenceCore:
     def __init__(self, router: Router, metrics: Metrics, limits: Limits, default_temperature: float,
                  preprocess_threads: int, on_no_replica_left: Callable[[], None] = lambda: None) -> None:
@@ -144,33 +165,16 @@ class InferenceCore:
         image too large to hand an engine process as it came (its slab's ``inline_bytes``) is preprocessed
         here, in those threads; for an engine on a GPU only as far as its uint8 crop, which the engine
         normalises with its batch (``takes_crops``)."""
-        invalid: dict[int, str] = {}  # every invalid image's reason, so the caller can drop just those
-        for index, image in enumerate(images):
-            if isinstance(image, RawImage):
-                try:
-                    check_raw(image, self.limits.max_pixels)
-                except InvalidInput as exc:
-                    invalid[index] = str(exc)
-        inline = replica.inline_bytes
-
-        def decoder(image: ImageInput) -> Callable | None:
-            fits = len(image.data) <= inline
-            if isinstance(image, RawImage):
-                return None if fits else preprocess
-            return defer_or_preprocess if replica.decode_on_device and fits else preprocess
-
+        # Every invalid image's reason, so the caller can drop just those.
+        invalid = raw_problems(images, self.limits.max_pixels)
         work = [(i, decode) for i, image in enumerate(images)
-                if i not in invalid and (decode := decoder(image)) is not None]
+                if i not in invalid and (decode := decoder_for(image, replica)) is not None]
         if not work and not invalid:  # raw pixels that fit their slots: nothing to decode (most calls)
             return list(images)
         if work:  # a call that would be refused is refused before it is decoded (submit() decides for the rest)
             replica.check_room(len(images))
-        crop_only = replica.takes_crops
-        decoded = await asyncio.gather(*(self._loop.run_in_executor(self._executor, decode, images[i],
-                                                              self.limits.max_pixels, crop_only)
-                                         for i, decode in work), return_exceptions=True)
         admitted: list[ModelInput] = list(images)
-        for (index, _), model_input in zip(work, decoded, strict=True):
+        for (index, _), model_input in zip(work, await self._decode(images, work, replica.takes_crops), strict=True):
             if isinstance(model_input, InvalidInput):
                 invalid[index] = str(model_input)
             elif isinstance(model_input, BaseException):
@@ -180,6 +184,13 @@ class InferenceCore:
         if invalid:
             raise InvalidImages(invalid, len(images))
         return admitted
+
+    async def _decode(self, images: Sequence[ImageInput], work: list[tuple[int, Callable]],
+                      crop_only: bool) -> list[ModelInput | BaseException]:
+        """Each (index, decoder) of ``work`` run in the preprocessing threads; a failure is returned, not raised."""
+        return await asyncio.gather(*(self._loop.run_in_executor(self._executor, decode, images[i],
+                                                                 self.limits.max_pixels, crop_only)
+                                      for i, decode in work), return_exceptions=True)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
