@@ -522,7 +522,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if silent:
         print(f"resnet-client bench: note: no server view (batch size, queue, compute) from {', '.join(silent)}: "
               "no answer with this server's metrics; pass --metrics URL, or --metrics '' for none", file=sys.stderr)
-    points = [run_point(args, request, None, load) if args.rate else run_point(args, request, int(load), None)
+    points = [run_point(args, request, concurrency=None if args.rate else int(load), rate=load if args.rate else None)
               for load in loads]
     report(args, points)
     if problem := run_failure(points):

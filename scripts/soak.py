@@ -101,6 +101,8 @@ def rss_report(at_1min: dict[str, float], at_end: dict[str, float]) -> dict:
 # HTTP/2's REFUSED_STREAM, which gRPC reports as UNAVAILABLE: the connection had --max-concurrent-streams calls
 # open, and the server refused this one before reading it (a refusal, as RESOURCE_EXHAUSTED is, not a failure).
 REFUSED_STREAM = "RST_STREAM with error code 7"
+# What a good request may meet without being a failure: the server over its capacity, or its deadline passed.
+REFUSALS = ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "REFUSED_STREAM")
 
 
 def next_request(rng: random.Random) -> tuple[str, pb.ClassifyRequest, float, int | None]:
@@ -150,9 +152,9 @@ async def soak(args) -> dict:
             windows[int((begin - started) // 10)].append(time.monotonic() - begin)
         except grpc.aio.AioRpcError as error:
             code = code_of(error)
-            if code not in ("OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "REFUSED_STREAM"):
+            if code not in ("OK", "INVALID_ARGUMENT", *REFUSALS):
                 messages.setdefault(code, Counter())[error.details()] += 1
-            if good_index is not None and code not in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "REFUSED_STREAM"):
+            if good_index is not None and code not in REFUSALS:
                 wrong[kind] += 1
         answered[(kind.split(":")[0], code)] += 1
 
