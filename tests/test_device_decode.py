@@ -33,7 +33,7 @@ def cmyk_jpeg() -> bytes:
 
 def test_decode_batch_matches_the_cpu_path_and_rejects_only_the_bad_image():
     images = [JPEGS[0], NOT_A_JPEG, cmyk_jpeg(), JPEGS[1]]
-    results = decode_batch([DeferredJpeg.of(data) for data in images], torch.device("cpu"))
+    results = decode_batch([DeferredJpeg.of(data, 40_000_000) for data in images], torch.device("cpu"))
     assert isinstance(results[1], InvalidInput) and "cannot decode" in str(results[1])
     for index in (0, 2, 3):
         expected = transform(decode(images[index], 10**8))

@@ -89,7 +89,7 @@ def as_bytes(image):
 def test_the_reader_reads_what_protobuf_reads(name):
     wire = WIRE[name]
     expected = pb.ClassifyRequest.FromString(wire)
-    read = read_classify_request(wire)
+    read = read_classify_request(wire, max_images=64)
     assert [as_bytes(image) for image in read.images] == [as_bytes(image_input(image)) for image in expected.images]
     for field in ("temperature", "top_k"):
         assert read.fields.HasField(field) == expected.HasField(field)
@@ -99,11 +99,12 @@ def test_the_reader_reads_what_protobuf_reads(name):
 
 
 def test_a_raw_image_stays_in_the_request_bytes():
-    (image,) = read_classify_request(ONE_RAW).images
+    (image,) = read_classify_request(ONE_RAW, max_images=64).images
     assert isinstance(image, RawImage) and (image.dtype, image.shape) == ("uint8", (224, 224, 3))
     assert isinstance(image.data, memoryview) and image.data.obj is ONE_RAW  # no copy made
     assert image.data == PIXELS
-    (encoded,) = read_classify_request(serialized(pb.ClassifyRequest(images=[pb.Image(encoded=b"jpeg")]))).images
+    one_encoded = serialized(pb.ClassifyRequest(images=[pb.Image(encoded=b"jpeg")]))
+    (encoded,) = read_classify_request(one_encoded, max_images=64).images
     assert encoded == EncodedImage(b"jpeg") and type(encoded.data) is bytes  # decoders take bytes
 
 
@@ -113,7 +114,8 @@ def test_a_raw_image_stays_in_the_request_bytes():
 def test_bytes_that_are_no_request_are_unreadable_as_protobuf_finds_them(wire):
     with pytest.raises(DecodeError) as caught:
         pb.ClassifyRequest.FromString(wire)
-    assert read_classify_request(wire).unreadable == str(caught.value)
+    unreadable = read_classify_request(wire, max_images=64).unreadable
+    assert unreadable == f"the request is not a resnet.v1.ClassifyRequest: {caught.value}"
 
 
 def test_a_request_that_is_no_protobuf_is_invalid_argument_and_the_server_keeps_serving(server):

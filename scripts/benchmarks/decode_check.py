@@ -39,7 +39,7 @@ def main() -> None:
     device = torch.device(args.device)
     jpegs = sample_jpegs(args.images)
     on_cpu = torch.stack([transform(decode(data, 10**8)) for data in jpegs])
-    deferred = [DeferredJpeg.of(data) for data in jpegs]
+    deferred = [DeferredJpeg.of(data, 40_000_000) for data in jpegs]
     on_device = torch.cat([torch.stack(decode_batch(deferred[i:i + 64], device)).cpu()
                            for i in range(0, len(deferred), 64)])
     runner = ModelRunner(build_model(load_weights(args.weights, device), device), device)

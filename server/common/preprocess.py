@@ -17,9 +17,7 @@ becomes there.
 from __future__ import annotations
 
 import functools
-import io
 import math
-import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -30,6 +28,7 @@ from torchvision.transforms.v2 import functional as F
 
 from resnet_server.common.devices import to_device
 from resnet_server.common.errors import InvalidInput
+from resnet_server.common.image_header import declared_size, image_format
 from resnet_server.common.model import IMAGENET_WEIGHTS
 
 PRESET = IMAGENET_WEIGHTS.transforms()
@@ -284,16 +283,10 @@ def decode(data: bytes, max_pixels: int) -> torch.Tensor:
     return decoded
 
 
-# Each format's signature: bytes that decide what a file claims to be, before any decoder is asked.
-_SIGNATURES = ((b"\xff\xd8\xff", "JPEG"), (b"\x89PNG\r\n\x1a\n", "PNG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"))
-
-
 def _undecodable(data: bytes, exc: Exception) -> InvalidInput:
     """The error for bytes the decoder refused: for a file of a known format (a truncated JPEG, say), the
     decoder's own reason; otherwise that it is none of the formats taken."""
-    kind = next((name for signature, name in _SIGNATURES if data.startswith(signature)), None)
-    if kind is None and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        kind = "WEBP"
+    kind = image_format(data)
     if kind is None:
         return InvalidInput(f"cannot decode image ({len(data)} bytes): not a JPEG, PNG, GIF or WEBP file")
     # torchvision prefixes its reason with the function and source line: "decode_jpeg, file.cpp:171, reason".
@@ -302,17 +295,13 @@ def _undecodable(data: bytes, exc: Exception) -> InvalidInput:
 
 
 def _check_declared_size(data: bytes, max_pixels: int) -> None:
-    """Read only the header (PIL opens lazily) so a decompression bomb is refused unopened."""
+    """Read only the header (server.common.image_header) so a decompression bomb is refused unopened."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as header:
-                width, height = header.size
-    except Image.DecompressionBombError:  # PIL's own, larger ceiling (about 179 Mpx)
+        size = declared_size(data)
+    except Image.DecompressionBombError:
         raise InvalidInput(f"image declares more pixels than the limit of {max_pixels}") from None
-    except Exception:  # noqa: BLE001 - PIL cannot parse it; torchvision's decoder has the last word
-        return
-    _check_pixels(height, width, max_pixels)
+    if size is not None:
+        _check_pixels(size[1], size[0], max_pixels)
 
 
 def _check_pixels(height: int, width: int, max_pixels: int) -> None:

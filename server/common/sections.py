@@ -53,6 +53,7 @@ class EngineConfig:
     compile_cache: str | None
     torchscript: bool
     decode_on_device: str
+    max_pixels: int  # checked again before a JPEG is decoded here (the front-end checked its header)
     runner: str
     grace_period: float
     uses_cuda_graphs: bool  # --cuda-graphs resolved (ServerConfig.uses_cuda_graphs)

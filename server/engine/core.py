@@ -169,7 +169,8 @@ class Engine:
         elif entry.kind is ImageKind.FLOAT:
             model_input = torch.frombuffer(self.slab.input(slot, nbytes), dtype=torch.float32).view(FLOAT_SHAPE)
         else:  # ImageKind.JPEG
-            model_input = DeferredJpeg(torch.frombuffer(self.slab.input(slot, nbytes), dtype=torch.uint8))
+            model_input = DeferredJpeg(torch.frombuffer(self.slab.input(slot, nbytes), dtype=torch.uint8),
+                                       self.config.max_pixels)
         return WorkItem(model_input, entry.temperature, entry.top_k, entry.deadline, Ticket(frontend, slot),
                         entry.request_id)
 

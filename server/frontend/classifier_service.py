@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -32,11 +33,18 @@ _ID_PREFIX = os.urandom(4).hex()
 _ID_COUNT = itertools.count()
 
 
-def request_id(context: grpc.aio.ServicerContext) -> str:
-    """The caller's x-request-id, or a fresh one, for the logs and INTERNAL messages."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "x-request-id":
-            return str(value)[:64]
+MOST_ID_CHARACTERS = 64
+_UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
+
+
+def request_id(context: grpc.aio.ServicerContext, given: str = "") -> str:
+    """The id the caller gave (a ModelInferRequest's ``id``), else its x-request-id, else a fresh one: for the
+    logs, INTERNAL messages and the engine. A caller's id is cut to MOST_ID_CHARACTERS and anything but printable
+    ASCII becomes ``?``, so that no id costs more than that once per image, nor forges a line in a text log."""
+    if not given:
+        given = next((str(value) for key, value in context.invocation_metadata() or () if key == "x-request-id"), "")
+    if given:
+        return _UNPRINTABLE.sub("?", given[:MOST_ID_CHARACTERS])
     return f"{_ID_PREFIX}{next(_ID_COUNT):08x}"
 
 
@@ -97,7 +105,7 @@ async def in_order(requests: AsyncIterator[R], handle: Callable[[R], Awaitable[T
 
 def to_call(request: ReadRequest, context: grpc.aio.ServicerContext, rid: str) -> ClassifyCall:
     if request.unreadable is not None:
-        raise InvalidInput(f"the request is not a resnet.v1.ClassifyRequest: {request.unreadable}")
+        raise InvalidInput(request.unreadable)
     fields = request.fields
     return ClassifyCall(
         images=request.images,

@@ -15,7 +15,15 @@ from google.protobuf.message import DecodeError
 
 from resnet_client.api import classifier_pb2 as pb
 from resnet_server.common.preprocess import EncodedImage, ImageInput, RawImage
-from resnet_server.frontend.wire import LENGTH_DELIMITED, WireError, fields, pull_out
+from resnet_server.frontend.wire import (
+    LENGTH_DELIMITED,
+    MOST_OTHER_FIELDS,
+    TooMany,
+    WireError,
+    fallback_allowed,
+    fields,
+    pull_out,
+)
 
 DTYPES = {pb.RawTensor.UINT8: "uint8", pb.RawTensor.FLOAT32: "float32"}
 _IMAGES = 1  # ClassifyRequest.images
@@ -24,28 +32,46 @@ _DATA = 3  # RawTensor.data
 
 
 class ReadRequest(NamedTuple):
-    """The images, ready for the core, and the request's other fields (its ``images`` left empty); or, for bytes
-    that are no ClassifyRequest, protobuf's reason (the servicer answers INVALID_ARGUMENT: gRPC's own answer to
-    a deserializer that raises is UNKNOWN, and an error in its log)."""
+    """The images, ready for the core, and the request's other fields (its ``images`` left empty); or why the
+    request is refused unread: bytes that are no ClassifyRequest (protobuf's reason), or more images than a
+    request may hold (the servicer answers INVALID_ARGUMENT: gRPC's own answer to a deserializer that raises is
+    UNKNOWN, and an error in its log)."""
 
     images: list[ImageInput]
     fields: pb.ClassifyRequest
     unreadable: str | None = None
 
 
-def read_classify_request(data: bytes) -> ReadRequest:
-    """gRPC's request deserializer for Classify and ClassifyStream."""
+NOT_A_REQUEST = "the request is not a resnet.v1.ClassifyRequest"
+
+
+def too_many_images(most: int) -> str:
+    return f"request has more than {most} images, the limit (--max-images-per-request)"
+
+
+def read_classify_request(data: bytes, max_images: int) -> ReadRequest:
+    """gRPC's request deserializer for Classify and ClassifyStream (bound to the server's image limit). It runs
+    on the event loop, so it reads no further than ``max_images`` images (server.frontend.wire)."""
     view = memoryview(data)
     try:
-        request, images = pull_out(pb.ClassifyRequest, view, 0, len(view), _IMAGES)
+        request, images = pull_out(pb.ClassifyRequest, view, 0, len(view), _IMAGES, max_images)
         return ReadRequest([_image(image) for image in images], request)
-    except WireError:
-        pass
+    except TooMany:
+        return _refused(too_many_images(max_images))
+    except WireError as exc:
+        if not fallback_allowed(data):
+            return _refused(f"{NOT_A_REQUEST} as this server reads one ({exc}, in {len(data)} bytes)")
     try:
         request = pb.ClassifyRequest.FromString(data)
     except DecodeError as exc:
-        return ReadRequest([], pb.ClassifyRequest(), str(exc))
+        return _refused(f"{NOT_A_REQUEST}: {exc}")
+    if len(request.images) > max_images:
+        return _refused(too_many_images(max_images))
     return ReadRequest([image_input(image) for image in request.images], request)
+
+
+def _refused(reason: str) -> ReadRequest:
+    return ReadRequest([], pb.ClassifyRequest(), reason)
 
 
 def image_input(image: pb.Image) -> ImageInput:
@@ -58,7 +84,9 @@ def image_input(image: pb.Image) -> ImageInput:
 
 def _image(view: memoryview) -> ImageInput:
     chosen = None
-    for number, wire_type, _, start, end in fields(view, 0, len(view)):
+    for count, (number, wire_type, _, start, end) in enumerate(fields(view, 0, len(view))):
+        if count == MOST_OTHER_FIELDS:
+            raise WireError(f"an image of more than {MOST_OTHER_FIELDS} fields")
         if number in (_ENCODED, _RAW) and wire_type == LENGTH_DELIMITED:
             if chosen is not None:
                 raise WireError("the oneof set twice")
@@ -68,5 +96,5 @@ def _image(view: memoryview) -> ImageInput:
     number, value = chosen
     if number == _ENCODED:
         return EncodedImage(bytes(value))  # decoders take bytes; the decode costs far more than the copy
-    tensor, data = pull_out(pb.RawTensor, value, 0, len(value), _DATA)
+    tensor, data = pull_out(pb.RawTensor, value, 0, len(value), _DATA, MOST_OTHER_FIELDS)
     return RawImage(DTYPES.get(tensor.dtype, ""), tuple(tensor.shape), data[-1] if data else b"")  # the last wins

@@ -32,7 +32,7 @@ from resnet_server.common.statistics import BatchTotals, Duration, ModelStatisti
 from resnet_server.common.work import ImageOutput
 from resnet_server.frontend.classifier_service import answer, caller_status, in_order, request_id
 from resnet_server.frontend.core import DEFAULT_TOP_K, ClassifyCall, InferenceCore
-from resnet_server.frontend.wire import WireError, pull_out
+from resnet_server.frontend.wire import TooMany, WireError, fallback_allowed, pull_out
 
 INPUT_NAME = "input"
 PROBABILITIES = "probabilities"
@@ -40,6 +40,8 @@ TOP_K_OUTPUTS = ("top_k_indices", "top_k_probabilities", "top_k_labels")
 OUTPUT_TYPES = {PROBABILITIES: "FP32", "top_k_indices": "INT64", "top_k_probabilities": "FP32",
                 "top_k_labels": "BYTES"}
 RAW_INPUT_CONTENTS = oip.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
+MOST_RAW_INPUT_CONTENTS = 8  # the model takes one input; the reader refuses a request with more entries unread
+NOT_A_REQUEST = "the request is not an inference.ModelInferRequest"
 
 
 class DeclaredInput(NamedTuple):
@@ -62,7 +64,8 @@ DECLARED_INPUTS = {
 
 class InferRequest(NamedTuple):
     """A ModelInferRequest without its ``raw_input_contents``, and those apart: memoryviews of the bytes gRPC
-    received (server.frontend.wire), not two copies; or, for bytes that are no ModelInferRequest, protobuf's reason."""
+    received (server.frontend.wire), not two copies; or why it is refused unread (bytes that are no
+    ModelInferRequest: protobuf's reason; more raw contents than a request may hold)."""
 
     message: oip.ModelInferRequest
     raw_input_contents: list
@@ -70,19 +73,29 @@ class InferRequest(NamedTuple):
 
 
 def read_infer_request(data: bytes) -> InferRequest:
-    """gRPC's request deserializer for ModelInfer and ModelStreamInfer."""
+    """gRPC's request deserializer for ModelInfer and ModelStreamInfer; it runs on the event loop, so it reads
+    no further than MOST_RAW_INPUT_CONTENTS entries (server.frontend.wire)."""
     view = memoryview(data)
     try:
-        return InferRequest(*pull_out(oip.ModelInferRequest, view, 0, len(view), RAW_INPUT_CONTENTS))
-    except WireError:
-        pass
+        return InferRequest(*pull_out(oip.ModelInferRequest, view, 0, len(view), RAW_INPUT_CONTENTS,
+                                      MOST_RAW_INPUT_CONTENTS))
+    except TooMany:
+        return _refused(f"raw_input_contents has more than {MOST_RAW_INPUT_CONTENTS} entries; the model takes one "
+                        f"input, {INPUT_NAME!r}")
+    except WireError as exc:
+        if not fallback_allowed(data):
+            return _refused(f"{NOT_A_REQUEST} as this server reads one ({exc}, in {len(data)} bytes)")
     try:
         message = oip.ModelInferRequest.FromString(data)
     except DecodeError as exc:
-        return InferRequest(oip.ModelInferRequest(), [], str(exc))
+        return _refused(f"{NOT_A_REQUEST}: {exc}")
     contents = list(message.raw_input_contents)
     del message.raw_input_contents[:]
     return InferRequest(message, contents)
+
+
+def _refused(reason: str) -> InferRequest:
+    return InferRequest(oip.ModelInferRequest(), [], reason)
 
 
 def check_model(name: str, version: str) -> None:
@@ -92,10 +105,14 @@ def check_model(name: str, version: str) -> None:
         raise NotFound(f"unknown version {version!r} of {name}; only version {MODEL_VERSION} is served")
 
 
-def parse_bytes_tensor(raw: bytes) -> list[bytes]:
-    """Triton's BYTES wire format: each element is a 4-byte little-endian length, then the bytes."""
-    elements, offset = [], 0
+def parse_bytes_tensor(raw: bytes, most: int) -> list[bytes]:
+    """Triton's BYTES wire format: each element is a 4-byte little-endian length, then the bytes; more than
+    ``most`` elements are refused without reading on."""
+    elements: list[bytes] = []
+    offset = 0
     while offset < len(raw):
+        if len(elements) == most:
+            raise InvalidInput(f"BYTES input holds more than {most} elements, the limit of images a request")
         if offset + 4 > len(raw):
             raise InvalidInput("BYTES input is malformed: a 4-byte length prefix is cut short")
         (length,) = struct.unpack_from("<I", raw, offset)
@@ -144,35 +161,43 @@ def top_k_parameter(parameters) -> int | None:
         raise InvalidInput(f"parameter top_k must be an integer, got {value!r}") from None
 
 
-def input_images(request: oip.ModelInferRequest, raw_input_contents: list) -> list[ImageInput]:
-    """Split the request's one input tensor into per-image inputs for the core."""
+def input_images(request: oip.ModelInferRequest, raw_input_contents: list, max_images: int) -> list[ImageInput]:
+    """Split the request's one input tensor into per-image inputs for the core; more than ``max_images`` images
+    are refused before any is made."""
     if len(request.inputs) != 1 or request.inputs[0].name != INPUT_NAME:
-        names = [tensor.name for tensor in request.inputs]
-        raise InvalidInput(f"expected exactly one input named {INPUT_NAME!r}, got {names}")
+        names = [tensor.name[:64] for tensor in request.inputs[:8]]  # a flood of inputs is not echoed back
+        raise InvalidInput(f"expected exactly one input named {INPUT_NAME!r}, got {len(request.inputs)}: {names}")
     tensor = request.inputs[0]
     if len(raw_input_contents) > 1:
         raise InvalidInput("raw_input_contents has more entries than inputs")
     raw = raw_input_contents[0] if raw_input_contents else None
     shape = tuple(tensor.shape)
+    if shape and shape[0] > max_images:
+        raise InvalidInput(f"input declares {shape[0]} images, over the limit of {max_images} "
+                           "(--max-images-per-request)")
     if tensor.datatype == "BYTES":
-        return _bytes_images(shape, raw, tensor.contents)
+        return _bytes_images(shape, raw, tensor.contents, max_images)
     if tensor.datatype == "UINT8":
-        return _array_images(shape, raw, list(tensor.contents.uint_contents), np.uint8, "uint8", 4)
+        return _array_images(shape, raw, tensor.contents.uint_contents, np.uint8, "uint8", 4)
     if tensor.datatype == "FP32":
-        return _array_images(shape, raw, list(tensor.contents.fp32_contents), np.float32, "float32", 4)
+        return _array_images(shape, raw, tensor.contents.fp32_contents, np.float32, "float32", 4)
     raise InvalidInput(f"input datatype must be FP32, UINT8 or BYTES, got {tensor.datatype!r}")
 
 
-def _bytes_images(shape: tuple[int, ...], raw: bytes | None, contents) -> list[ImageInput]:
+def _bytes_images(shape: tuple[int, ...], raw: bytes | None, contents, max_images: int) -> list[ImageInput]:
     if len(shape) != 1:
         raise InvalidInput(f"BYTES input must have shape [N], got {list(shape)}")
-    elements = parse_bytes_tensor(raw) if raw is not None else list(contents.bytes_contents)
+    if raw is None and len(contents.bytes_contents) > max_images:
+        raise InvalidInput(f"BYTES input holds more than {max_images} elements, the limit of images a request")
+    elements = parse_bytes_tensor(raw, max_images) if raw is not None else list(contents.bytes_contents)
     if len(elements) != shape[0]:
         raise InvalidInput(f"BYTES input declares shape {list(shape)} but holds {len(elements)} elements")
     return [EncodedImage(element) for element in elements]
 
 
-def _array_images(shape, raw, typed: list, np_type, dtype: str, ndim: int) -> list[ImageInput]:
+def _array_images(shape, raw, typed, np_type, dtype: str, ndim: int) -> list[ImageInput]:
+    """``typed``: the tensor's typed contents (a protobuf repeated field), read only when ``raw`` is None and
+    then in one NumPy conversion, not a Python loop over its values."""
     expected = "[N, 3, 224, 224]" if dtype == "float32" else "[N, H, W, 3]"
     if len(shape) != ndim or min(shape, default=0) <= 0:
         raise InvalidInput(f"{dtype} input must have shape {expected}, got {list(shape)}")
@@ -182,9 +207,10 @@ def _array_images(shape, raw, typed: list, np_type, dtype: str, ndim: int) -> li
     if raw is None:
         if len(typed) != count:
             raise InvalidInput(f"input of shape {list(shape)} needs {count} values, got {len(typed)}")
-        if dtype == "uint8" and any(value > 255 for value in typed):
+        values = np.array(typed, dtype=np.float32 if dtype == "float32" else np.uint32)
+        if dtype == "uint8" and values.size and values.max() > 255:
             raise InvalidInput("UINT8 input holds values above 255")
-        raw = np.asarray(typed, dtype=np_type).tobytes()
+        raw = values.astype(np_type).tobytes()
     itemsize = np.dtype(np_type).itemsize
     if len(raw) != count * itemsize:
         raise InvalidInput(f"input of shape {list(shape)} needs {count * itemsize} bytes, got {len(raw)}")
@@ -280,7 +306,7 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, read: InferRequest, context, rid: str) -> oip.ModelInferResponse:
         if read.unreadable is not None:
-            raise InvalidInput(f"the request is not an inference.ModelInferRequest: {read.unreadable}")
+            raise InvalidInput(read.unreadable)
         request = read.message
         check_model(request.model_name, request.model_version)
         top_k = top_k_parameter(request.parameters)
@@ -289,19 +315,20 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
             top_k = DEFAULT_TOP_K
         if self._core is None:
             raise Unavailable("the model is still loading; retry when the server is ready")
-        call = ClassifyCall(input_images(request, read.raw_input_contents), temperature_parameter(request.parameters),
+        images = input_images(request, read.raw_input_contents, self._core.limits.max_images_per_request)
+        call = ClassifyCall(images, temperature_parameter(request.parameters),
                             top_k, context.time_remaining(), rid)
         outputs = await self._core.classify(call)
         return build_response(request, outputs, names, self._labels)
 
     async def ModelInfer(self, request, context):
-        rid = request.message.id or request_id(context)
+        rid = request_id(context, request.message.id)
         return await answer(context, rid, lambda: self._infer(request, context, rid))
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[oip.ModelStreamInferResponse]:
         """Triton's semantics: an error answers that request in the stream; the stream goes on."""
         async def one(request: InferRequest) -> oip.ModelStreamInferResponse:
-            rid = request.message.id or request_id(context)
+            rid = request_id(context, request.message.id)
             try:
                 return oip.ModelStreamInferResponse(infer_response=await self._infer(request, context, rid))
             except Exception as exc:

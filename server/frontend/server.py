@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -114,8 +115,9 @@ class App:
             *_connection_age_options(config),
         ])
         # Requests that carry pixels are read with the pixels left in gRPC's bytes (server.frontend.wire).
+        read_classify = functools.partial(read_classify_request, max_images=config.max_images_per_request)
         add_servicer(pb_grpc.add_ClassifierServicer_to_server, self.classifier, self._server,
-                     {"Classify": read_classify_request, "ClassifyStream": read_classify_request})
+                     {"Classify": read_classify, "ClassifyStream": read_classify})
         add_servicer(oip_grpc.add_GRPCInferenceServiceServicer_to_server, self.inference, self._server,
                      {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request})
         add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.health, self._server)

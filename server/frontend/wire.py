@@ -6,6 +6,12 @@ one copy that matters, into the engine's slab. ``pull_out`` takes one length-del
 message as memoryviews of the request's own bytes and has protobuf parse everything else, so every other field
 means what protobuf says it means. Anything unexpected (a group, a truncated length, a field number 0, a field
 protobuf refuses) raises WireError, and the caller then hands the whole request to protobuf, as before.
+
+The walk runs on the event loop (gRPC calls a request's deserializer there) and costs Python work per field, so it
+is bounded: past ``most`` values of the pulled field it stops with TooMany (the request is refused unread), and
+past MOST_OTHER_FIELDS other fields it stops with WireError. Protobuf's own parse, in C, is then asked only of a
+request up to FALLBACK_BYTES: no client's serializer writes that many fields, and a larger request of that shape
+is a flood (millions of empty fields) that would cost protobuf gigabytes too.
 """
 
 from __future__ import annotations
@@ -15,26 +21,48 @@ from collections.abc import Iterator
 from google.protobuf.message import DecodeError, Message
 
 LENGTH_DELIMITED = 2
+MOST_OTHER_FIELDS = 64  # a message's fields besides the pulled one: a handful in any real request
+FALLBACK_BYTES = 1 << 20  # the largest request handed to protobuf's own parse when the walk gives up
 
 
 class WireError(Exception):
     """Wire bytes left to protobuf's own parse."""
 
 
+class TooMany(Exception):
+    """More values of the pulled field than the caller takes: the request is refused without reading on."""
+
+    def __init__(self, most: int) -> None:
+        super().__init__(most)
+        self.most = most
+
+
 def pull_out(message_type: type[Message], view: memoryview, start: int, end: int,
-             number: int) -> tuple[Message, list[memoryview]]:
+             number: int, most: int) -> tuple[Message, list[memoryview]]:
     """The message between ``start`` and ``end`` of ``view``, parsed without its length-delimited field
-    ``number``, and that field's values (each occurrence, in order) as views of ``view``."""
-    values, others = [], bytearray()
+    ``number``, and that field's values (each occurrence, in order, at most ``most`` of them, else TooMany) as
+    views of ``view``."""
+    values: list[memoryview] = []
+    others, other_count = bytearray(), 0
     for field, wire_type, key_at, value_start, value_end in fields(view, start, end):
         if field == number and wire_type == LENGTH_DELIMITED:
+            if len(values) == most:
+                raise TooMany(most)
             values.append(view[value_start:value_end])
         else:
+            other_count += 1
+            if other_count > MOST_OTHER_FIELDS:
+                raise WireError(f"more than {MOST_OTHER_FIELDS} fields besides field {number}")
             others += view[key_at:value_end]
     try:
         return message_type.FromString(bytes(others)), values
     except DecodeError as exc:
         raise WireError(str(exc)) from None
+
+
+def fallback_allowed(data: bytes) -> bool:
+    """Whether a request the walk gave up on may go to protobuf's own parse (see the module's docstring)."""
+    return len(data) <= FALLBACK_BYTES
 
 
 def fields(view: memoryview, position: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
