@@ -191,7 +191,7 @@ def main() -> int:
     args = parser.parse_args()
     server = subprocess.Popen([sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", str(PORT),
                                "--metrics-port", str(METRICS_PORT), "--device", "cpu", "--weights", "random",
-                               "--max-queue", "16", "--log-level", "ERROR"])
+                               "--max-queue", "16", "--max-images-per-request", "16", "--log-level", "ERROR"])
     try:
         with grpc.insecure_channel(f"127.0.0.1:{PORT}") as channel:
             grpc.channel_ready_future(channel).result(timeout=120)

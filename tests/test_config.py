@@ -190,6 +190,9 @@ def test_what_a_process_would_refuse_is_refused_before_any_process_starts(tmp_pa
         ("--metrics-host", "192.0.2.1"): "argument --metrics-host: '192.0.2.1' is not an address of this machine",
         ("--max-batch-size", "512"): "--max-batch-size 512 is over --max-queue 256, the images a device holds at "
                                      "once: no batch could fill; raise --max-queue or lower the batch",
+        ("--max-queue", "16"): "--max-images-per-request 64 is over --max-queue 16, the images a device holds at "
+                               "once: such a request would be refused for ever; raise --max-queue or lower the "
+                               "request limit",
     }
     for argv, message in refused.items():
         assert _refusal(list(argv), capsys) == message

@@ -13,6 +13,8 @@ import pytest
 from resnet_client import AsyncClient, ClassifierError, Client
 from resnet_client.api import classifier_pb2 as pb
 from resnet_client.api import classifier_pb2_grpc as pb_grpc
+from resnet_client.api import grpc_predict_v2_pb2 as oip
+from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 from tests.helpers import encode, random_rgb, wait_for
 
 GOOD = encode(random_rgb(5))
@@ -139,6 +141,47 @@ def test_overload_is_refused_at_once_while_accepted_work_is_answered(make_server
     code, accepted = asyncio.run(overload())
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert len(accepted) == 2 and all(result.top_k for result in accepted)
+
+
+def test_bad_input_is_invalid_argument_even_when_the_queue_is_full(make_server, faults):
+    busy = make_server(max_queue=2, max_images_per_request=2, runner=faults.runner)
+    faults.set("hold")  # the accepted pair keeps both slots of the queue
+    bad_requests = {
+        "temperature": pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)], temperature=-1.0),
+        "top_k": pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)], top_k=1001),
+        "empty image": pb.ClassifyRequest(images=[pb.Image(encoded=b"")]),
+        "no image format": pb.ClassifyRequest(images=[pb.Image(encoded=GOOD), pb.Image(encoded=b"garbage")]),
+        "declared size": pb.ClassifyRequest(images=[pb.Image(encoded=png_claiming(10_000, 10_000))]),
+        "raw length": pb.ClassifyRequest(images=[raw(pb.RawTensor.UINT8, [4, 4, 3], b"\0" * 47)]),
+    }
+    unknown_input = oip.ModelInferRequest(model_name="resnet18", raw_input_contents=[bytes(3)])
+    unknown_input.inputs.add(name="pixels", datatype="UINT8", shape=[1, 1, 1, 3])
+
+    async def overload():
+        async with AsyncClient(busy.target, timeout=60) as client:
+            accepted = asyncio.ensure_future(client.classify([GOOD, GOOD]))
+            await asyncio.get_running_loop().run_in_executor(
+                None, wait_for, lambda: busy.sample("resnet_batches_in_flight", device="cpu") == 1)
+            async with grpc.aio.insecure_channel(busy.target) as channel:
+                codes = {}
+                for name, request in bad_requests.items():
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await pb_grpc.ClassifierStub(channel).Classify(request, timeout=30)
+                    codes[name] = caught.value.code()
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await oip_grpc.GRPCInferenceServiceStub(channel).ModelInfer(unknown_input, timeout=30)
+                codes["unknown input"] = caught.value.code()
+                with pytest.raises(grpc.aio.AioRpcError) as caught:  # a good one is refused: the queue is full
+                    await pb_grpc.ClassifierStub(channel).Classify(pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)]),
+                                                                   timeout=30)
+                codes["good"] = caught.value.code()
+            faults.clear()
+            await accepted
+            return codes
+
+    codes = asyncio.run(overload())
+    assert codes == {**{name: grpc.StatusCode.INVALID_ARGUMENT for name in (*bad_requests, "unknown input")},
+                     "good": grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 def test_passed_deadline_is_deadline_exceeded(client, server):

@@ -60,7 +60,7 @@ def test_the_reader_stops_at_the_image_limit():
     started = time.monotonic()
     read = read_classify_request(empty_images(4 * MIB), max_images=64)
     assert time.monotonic() - started < REFUSED_WITHIN
-    assert read.images == [] and read.unreadable == "request has more than 64 images, the limit " \
+    assert read.images == [] and read.unreadable == "request has more than 64 images, the limit of 64 " \
                                                     "(--max-images-per-request)"
     assert len(read_classify_request(empty_images(2 * 64), max_images=64).images) == 64  # the limit itself is read
 

@@ -501,6 +501,10 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     if config.max_batch_size > config.max_queue:
         raise ConfigError(f"--max-batch-size {config.max_batch_size} is over --max-queue {config.max_queue}, the "
                           "images a device holds at once: no batch could fill; raise --max-queue or lower the batch")
+    if config.max_images_per_request > config.max_queue:
+        raise ConfigError(f"--max-images-per-request {config.max_images_per_request} is over --max-queue "
+                          f"{config.max_queue}, the images a device holds at once: such a request would be refused "
+                          "for ever; raise --max-queue or lower the request limit")
     if config.event_loop == "uvloop" and not uvloop_installed():
         raise ConfigError("--event-loop uvloop: uvloop is not installed (pip install uvloop), or choose asyncio")
     return config

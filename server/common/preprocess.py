@@ -300,8 +300,9 @@ def _check_declared_size(data: bytes, max_pixels: int) -> None:
         size = declared_size(data)
     except Image.DecompressionBombError:
         raise InvalidInput(f"image declares more pixels than the limit of {max_pixels}") from None
-    if size is not None:
-        _check_pixels(size[1], size[0], max_pixels)
+    if size is None:  # no format we decode: refused by its signature, no decoder asked
+        raise InvalidInput(f"cannot decode image ({len(data)} bytes): not a JPEG, PNG, GIF or WEBP file")
+    _check_pixels(size[1], size[0], max_pixels)
 
 
 def _check_pixels(height: int, width: int, max_pixels: int) -> None:

@@ -46,7 +46,7 @@ NOT_A_REQUEST = "the request is not a resnet.v1.ClassifyRequest"
 
 
 def too_many_images(most: int) -> str:
-    return f"request has more than {most} images, the limit (--max-images-per-request)"
+    return f"request has more than {most} images, the limit of {most} (--max-images-per-request)"
 
 
 def read_classify_request(data: bytes, max_images: int) -> ReadRequest:

@@ -24,7 +24,7 @@ from resnet_server.common.errors import (
 )
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.postprocess import NUM_CLASSES
-from resnet_server.common.preprocess import ImageInput, RawImage, check_raw, preprocess
+from resnet_server.common.preprocess import ImageInput, RawImage, check_header, check_raw, preprocess
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.common.work import ImageOutput, ModelInput, WorkItem
 from resnet_server.frontend.router import EngineHandle, Router
@@ -47,15 +47,20 @@ class ClassifyCall:
     request_id: str = ""
 
 
-def raw_problems(images: Sequence[ImageInput], max_pixels: int) -> dict[int, str]:
-    """Each raw tensor's reason for refusal, by its index in the request."""
+def cheap_problems(images: Sequence[ImageInput], max_pixels: int) -> dict[int, str]:
+    """Each image's reason for refusal that costs no decoding, by its index in the request: a raw tensor's
+    dtype, shape, length and values; an encoded image's emptiness and declared size. Found before the
+    capacity check, so that bad input is INVALID_ARGUMENT whatever the load (not a RESOURCE_EXHAUSTED that
+    tells its caller to send it again)."""
     invalid = {}
     for index, image in enumerate(images):
-        if isinstance(image, RawImage):
-            try:
+        try:
+            if isinstance(image, RawImage):
                 check_raw(image, max_pixels)
-            except InvalidInput as exc:
-                invalid[index] = str(exc)
+            else:
+                check_header(image.data, max_pixels)
+        except InvalidInput as exc:
+            invalid[index] = str(exc)
     return invalid
 
 
@@ -166,12 +171,14 @@ class InferenceCore:
         here, in those threads; for an engine on a GPU only as far as its uint8 crop, which the engine
         normalises with its batch (``takes_crops``)."""
         # Every invalid image's reason, so the caller can drop just those.
-        invalid = raw_problems(images, self.limits.max_pixels)
+        invalid = cheap_problems(images, self.limits.max_pixels)
         work = [(i, decode) for i, image in enumerate(images)
                 if i not in invalid and (decode := decoder_for(image, replica)) is not None]
         if not work and not invalid:  # raw pixels that fit their slots: nothing to decode (most calls)
             return list(images)
-        if work:  # a call that would be refused is refused before it is decoded (submit() decides for the rest)
+        # A call that would be refused is refused before it is decoded (submit() decides for the rest); one
+        # refused already for some images is decoded only to name every invalid one.
+        if work and not invalid:
             replica.check_room(len(images))
         admitted: list[ModelInput] = list(images)
         for (index, _), model_input in zip(work, await self._decode(images, work, replica.takes_crops), strict=True):
