@@ -4,6 +4,7 @@ each front-end answering its own connections; the supervisor's signals, exit cod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -440,6 +441,49 @@ def test_the_supervisors_metrics_merge_its_workers_labelled_and_mark_one_that_do
         checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert checked.returncode == 0, checked.stdout + checked.stderr
     finally:
+        for http in (supervisor_http, worker_0_http):
+            http.shutdown()
+            http.server_close()
+
+
+class _DyingChild(threading.Thread):
+    """A child's /metrics that dies mid-answer: each connection gets the start of an answer, then a close."""
+
+    def __init__(self, answer: bytes) -> None:
+        super().__init__(daemon=True)
+        self.answer = answer
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+
+    def run(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = self.listener.accept()
+                with connection:
+                    connection.recv(65536)
+                    connection.sendall(self.answer)
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.0 200 OK\r\nContent-Length: 1000\r\n\r\nresnet_req",
+    b"garbage, no status line\r\n\r\n",
+    b"HTTP/1.0 200 OK\r\nContent-Length: 30\r\n\r\nresnet_requests_total{ 1 2 3 4\n",
+], ids=["cut short", "no status line", "text that does not parse"])
+def test_a_child_dying_mid_scrape_costs_only_its_own_series(answer):
+    worker_0 = Metrics(largest_batch=8)
+    worker_0.requests.labels("cpu", "OK").inc(3)
+    worker_0_http = serve_child_metrics(worker_0.registry)
+    dying = _DyingChild(answer)
+    dying.start()
+    supervisor_port = free_port()
+    supervisor_http = serve_merged_metrics("127.0.0.1", supervisor_port,
+                                           lambda: [("0", worker_0_http.server_port), ("1", dying.port)])
+    try:
+        assert scraped_value(supervisor_port, 'resnet_worker_up{worker="1"}') == 0
+        assert scraped_value(supervisor_port, 'resnet_worker_up{worker="0"}') == 1
+        assert scraped_value(supervisor_port, served_by(0)) == 3
+    finally:
+        dying.listener.close()
         for http in (supervisor_http, worker_0_http):
             http.shutdown()
             http.server_close()

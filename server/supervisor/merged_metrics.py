@@ -13,6 +13,7 @@ The supervisor's own ``process_*`` samples (its memory, CPU, open files) join th
 
 from __future__ import annotations
 
+import http.client
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,9 +46,10 @@ class WorkersCollector(Collector):
                                "/metrics, else 0 (being replaced, or still starting)", labels=["worker"])
         merged: dict[str, Metric] = {}
         endpoints = self._endpoints()
-        for (worker, _), text in zip(endpoints, self._pool.map(_read, [port for _, port in endpoints]), strict=True):
-            up.add_metric([worker], 0 if text is None else 1)
-            for family in text_string_to_metric_families(text or ""):
+        for (worker, _), families in zip(endpoints, self._pool.map(_scrape, [port for _, port in endpoints]),
+                                         strict=True):
+            up.add_metric([worker], 0 if families is None else 1)
+            for family in families or ():
                 _merge(merged, family, worker)
         for family in self._supervisor.collect():
             _merge(merged, family, "supervisor")
@@ -65,13 +67,15 @@ def _merge(merged: dict[str, Metric], family: Metric, worker: str) -> None:
                      for sample in family.samples if not sample.name.endswith("_created")]
 
 
-def _read(port: int) -> str | None:
+def _scrape(port: int) -> list[Metric] | None:
+    """The child's families, or None where it did not answer whole: a child dying mid-scrape cuts its answer
+    short (IncompleteRead, BadStatusLine) or leaves text that does not parse, and costs only its own series."""
     if not port:
         return None
     try:
         with urllib.request.urlopen(f"http://{CHILD_METRICS_HOST}:{port}/metrics", timeout=SCRAPE_TIMEOUT) as response:
-            return response.read().decode()
-    except OSError:
+            return list(text_string_to_metric_families(response.read().decode()))
+    except (OSError, http.client.HTTPException, ValueError):  # UnicodeDecodeError is a ValueError
         return None
 
 
