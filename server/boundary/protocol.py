@@ -137,9 +137,20 @@ _to_frontend = msgspec.msgpack.Decoder(ToFrontEnd)
 
 
 def send(connection: Connection, message: ToEngine | ToFrontEnd) -> None:
-    connection.send_bytes(_encoder.encode(message))
+    connection.send_bytes(encode(message))
+
+
+def encode(message: ToEngine | ToFrontEnd) -> bytes:
+    """The message's body, as ``send`` writes it (after its length); noted in the DEBUG log as it leaves."""
     if trace.isEnabledFor(logging.DEBUG):  # a cached check: free when off
         trace.debug("sent %r", message, extra={"engine_message": message})
+    return _encoder.encode(message)
+
+
+def frame(message: ToEngine | ToFrontEnd) -> bytes:
+    """The message as it goes on the socket: its length (multiprocessing's framing), then its body."""
+    body = encode(message)
+    return _LENGTH.pack(len(body)) + body  # messages here are far under 2 GiB
 
 
 def receive_at_engine(connection: Connection) -> ToEngine:

@@ -32,6 +32,16 @@ from resnet_server.common.postprocess import NUM_CLASSES
 from resnet_server.common.preprocess import FLOAT_SHAPE
 
 FREE = 0
+# A front-end process's number (the supervisor's, from 1) is below PROCESS_OWNERS. Each of its connections to an
+# engine owns slots under a number of its own, that number plus a multiple of PROCESS_OWNERS (connection_owner):
+# the engine's clean-up of a connection that has ended can then never free a slot its next connection took.
+PROCESS_OWNERS = 1 << 20
+_CONNECTIONS = (1 << 31) // PROCESS_OWNERS  # owners are int32
+
+
+def connection_owner(process_owner: int, connection: int) -> int:
+    """The slab owner of a front-end process's ``connection``-th connection (counting from 0)."""
+    return process_owner + (connection % _CONNECTIONS) * PROCESS_OWNERS
 RECENT_SLOTS = 64  # slots a process gave back that its next take tries first
 # Bytes an image may take in its slot as it came: a 640x480 RGB raw image (921,600) or a JPEG of up to
 # 1 MiB. A larger one is preprocessed by its front-end: for a GPU engine to its uint8 crop (147 KiB), for a
@@ -142,9 +152,16 @@ class Slab:
                 self._owner_of[slot] = FREE
                 self._recent.append(slot)
 
-    def free_all_but(self, owners: set[int]) -> int:
-        """Free every slot held by an owner not in ``owners`` (front-ends that have ended); how many."""
-        gone = ~np.isin(self.owners, [FREE, *owners])
+    def free_all_but(self, processes: set[int]) -> int:
+        """Free every slot held by a connection of a front-end process not in ``processes`` (front-ends that
+        have ended); how many."""
+        gone = (self.owners != FREE) & ~np.isin(self.owners % PROCESS_OWNERS, list(processes))
+        self.owners[gone] = FREE
+        return int(gone.sum())
+
+    def free_owners(self, owners: set[int]) -> int:
+        """Free every slot held by one of ``owners`` (connections known to have ended); how many."""
+        gone = np.isin(self.owners, list(owners))
         self.owners[gone] = FREE
         return int(gone.sum())
 

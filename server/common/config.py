@@ -82,6 +82,7 @@ class ServerConfig:
     grace_period: float = 10.0
     replica_probe_interval: float = 30.0
     unhealthy_exit_after: float = 300.0  # 0: never
+    stuck_batch_timeout: float = 60.0  # 0: never
     log_level: str = "INFO"
     log_format: str = "text"
     precision: str = "fp32"
@@ -373,8 +374,12 @@ _FLAGS: list[tuple[str, object, str]] = [
                                                     "taken out of rotation; it rejoins when one passes (0: it "
                                                     "stays out until the server restarts)"),
     ("unhealthy-exit-after", non_negative_float, "seconds with no device in rotation after which a front-end "
-                                                  "drains and exits 1, and the supervisor replaces it (a fresh "
-                                                  "connection to working engines; 0: never)"),
+                                                  "drains and exits 1, and so does an engine whose device has "
+                                                  "been out of rotation that long; the supervisor replaces each "
+                                                  "(a fresh process, a fresh CUDA context; 0: never)"),
+    ("stuck-batch-timeout", non_negative_float, "seconds a launched batch may go unanswered before its engine "
+                                                "is ended and the supervisor starts a new one (a hung device or "
+                                                "thread; 0: never)"),
     ("log-level", _log_level, "DEBUG, INFO, WARNING or ERROR"),
     ("log-format", _log_format, "text (readable lines) or json (one object per line: time UTC, level, logger, "
                                 "message, exception)"),

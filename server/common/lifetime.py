@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 from multiprocessing.connection import wait
+from typing import NoReturn
 
 
 def die_with_supervisor() -> None:
@@ -23,3 +26,13 @@ def die_with_supervisor() -> None:
 def _terminate_when_gone(supervisor_sentinel: int) -> None:
     wait([supervisor_sentinel])
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """End the process without joining its threads: other replicas may still be loading or warming up on
+    daemon threads, a hung one may never return, and the interpreter's shutdown can abort on a thread that is
+    inside torch."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -46,6 +46,8 @@ class EngineConfig:
     torch_threads: int
     switch_interval_ms: float
     replica_probe_interval: float
+    unhealthy_exit_after: float  # out of rotation this long, the engine ends and is replaced
+    stuck_batch_timeout: float  # a launched batch unanswered this long, the engine ends and is replaced
     channels_last: bool
     cudnn_benchmark: bool
     compile: bool

@@ -101,7 +101,11 @@ class Batcher:
                  max_batch_delay_ms: float, failures_before_eviction: int, probe_interval: float,
                  on_rejoin: Callable[[], None], answers: Answers, wait_for_callers_ms: float = 0.0) -> None:
         self.name = name
-        self._deliver, self._fail, self._on_dropped = answers.deliver, answers.fail, answers.dropped
+        # Answering runs on the worker's and the finisher's threads: a failure there fails those items, never
+        # the thread (a dead finisher would leave the device looking alive and answering nothing).
+        self._deliver = self._guarded(answers.deliver, answers.fail)
+        self._fail = self._guarded(answers.fail)
+        self._on_dropped = self._guarded(answers.dropped)
         self._setup = setup
         self._compute: ComputeFn | None = None  # the runner's forward pass (its launch)
         self._runner: ModelRunner | None = None
@@ -121,6 +125,8 @@ class Batcher:
         self._finisher = threading.Thread(target=self._finish_batches, name=f"finisher-{name}", daemon=True)
         self._launched: queue.SimpleQueue[_Launched | None] = queue.SimpleQueue()
         self._in_flight = 0  # batches launched and not yet answered; guarded by _cond
+        self._launch_times: collections.deque[float] = collections.deque()  # theirs, oldest first; under _cond
+        self._left_rotation_at: float | None = None  # time.monotonic() when it last left the rotation
         self._most_in_flight = 1  # set from the runner's device once it is set up
         self.consecutive_failures = 0
         self._failures_before_eviction = failures_before_eviction
@@ -143,6 +149,29 @@ class Batcher:
     @property
     def in_rotation(self) -> bool:
         return self.consecutive_failures < self._failures_before_eviction
+
+    def unanswered_for(self) -> float:
+        """Seconds the oldest launched batch has waited for its answer; 0 when none waits."""
+        with self._cond:
+            oldest = self._launch_times[0] if self._launch_times else None
+        return 0.0 if oldest is None else time.monotonic() - oldest
+
+    def out_of_rotation_for(self) -> float:
+        """Seconds since the batcher left the rotation; 0 while in it."""
+        left = self._left_rotation_at
+        return 0.0 if left is None or self.in_rotation else time.monotonic() - left
+
+    def _guarded(self, answer: Callable, fallback: Callable | None = None) -> Callable:
+        """``answer`` made safe to call on the batcher's threads: if it raises, the error is logged and the items
+        are failed through ``fallback`` (where given), which answers only items not answered yet."""
+        def call(items: list[WorkItem], *args) -> None:
+            try:
+                answer(items, *args)
+            except Exception:
+                log.exception("answering %d images on %s failed", len(items), self.name)
+                if fallback is not None:
+                    self._guarded(fallback)(items, ComputeFailed(f"answering failed on {self.name}"))
+        return call
 
     def start(self) -> None:
         """Start the worker and wait until its setup is done (re-raising any setup error)."""
@@ -255,6 +284,7 @@ class Batcher:
     def _batch_failed(self) -> None:
         self.consecutive_failures += 1
         if self.consecutive_failures == self._failures_before_eviction:
+            self._left_rotation_at = time.monotonic()
             self._next_probe = time.monotonic() + self._probe_interval
             log.error("replica %s leaves the rotation after %d failed batches in a row%s", self.name,
                       self.consecutive_failures,
@@ -336,6 +366,7 @@ class Batcher:
             launched.error = exc
         with self._cond:
             self._in_flight += 1
+            self._launch_times.append(launched.started)
             self._batches_in_flight.set(self._in_flight)
         if self._most_in_flight == 1:  # nothing to overlap (the CPU): answered here, with no hand-off
             self._settle(launched)
@@ -349,9 +380,14 @@ class Batcher:
 
     def _settle(self, launched: _Launched) -> None:
         """Answer a launched batch and make room for the next."""
-        self._finish(launched)
+        try:
+            self._finish(launched)
+        except Exception:  # answers are guarded; this is anything else (a metric, say): the thread goes on
+            log.exception("finishing a batch of %d on %s failed", len(launched.batch), self.name)
+            self._fail(launched.batch, ComputeFailed(f"inference failed on {self.name}"))  # those not answered
         with self._cond:
             self._in_flight -= 1
+            self._launch_times.popleft()
             self._batches_in_flight.set(self._in_flight)
             self._cond.notify_all()
 

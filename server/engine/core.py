@@ -16,15 +16,18 @@ model is loaded and warmed, so a front-end that could connect can be served.
 from __future__ import annotations
 
 import logging
+import queue
 import sys
 import threading
+import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, Listener
 
 import numpy as np
 import torch
 
+from resnet_server.boundary.link import accept_hello, shut_down
 from resnet_server.boundary.protocol import (
     Answer,
     Cancel,
@@ -33,18 +36,16 @@ from resnet_server.boundary.protocol import (
     EngineLink,
     Failed,
     Health,
-    Hello,
     ImageKind,
     Ready,
     Released,
     SlotEntry,
     Submit,
     ToFrontEnd,
+    encode,
     engine_messages,
-    receive_at_engine,
-    send,
 )
-from resnet_server.boundary.slab import Slab
+from resnet_server.boundary.slab import FREE, Slab
 from resnet_server.common.device_decode import DeferredJpeg
 from resnet_server.common.errors import ServingError
 from resnet_server.common.metrics import Metrics
@@ -57,22 +58,68 @@ from resnet_server.engine.replicas import Replica, load_replica
 
 log = logging.getLogger("server.engine")
 
+OUTBOX_BYTES = 64 << 20  # answers queued for one front-end and not yet written: more, and it is cut off
+SWEEP_SECONDS = 10.0  # slots of an owner not connected at two sweeps this far apart are freed
+
+
 class _FrontEnd:
-    """One connected front-end: its socket, its owner number in the slab, and the items the engine holds."""
+    """One connected front-end: its socket, its owner number in the slab, the items the engine holds, and its
+    outbox. Messages to it queue there and go out on its own sender thread, so no thread of the engine's (the
+    finisher, a reader answering a Cancel) ever waits on a front-end that reads slowly. One that reads nothing
+    for SEND_SECONDS, or leaves OUTBOX_BYTES unread, is cut off: its socket is shut down, its reader sees EOF
+    and frees what it held, and the front-end fails those calls UNAVAILABLE and reconnects."""
 
     def __init__(self, connection: Connection, owner: int) -> None:
         self.connection = connection
         self.owner = owner
         self.items: dict[int, WorkItem] = {}  # by slot; guarded by the engine's lock
         self.alive = True
-        self._sending = threading.Lock()  # the batcher's thread and this front-end's reader both send
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._queued = 0  # bytes in the outbox; guarded by _lock
+        self._cut = False
+        self._lock = threading.Lock()
+        self._sender = threading.Thread(target=self._send_queued, name="engine-sender", daemon=True)
+        self._sender.start()
 
     def send(self, message: ToFrontEnd) -> None:
-        try:
-            with self._sending:
-                send(self.connection, message)
-        except OSError:  # it has gone; its reader sees the socket close and cleans up
-            pass
+        """Queue the message; never blocks."""
+        data = encode(message)
+        with self._lock:
+            if self._cut:
+                return
+            self._queued += len(data)
+            unread = self._queued
+        if unread > OUTBOX_BYTES:
+            self.cut_off(f"{unread} bytes of its answers are unread")
+        else:
+            self._outbox.put(data)
+
+    def _send_queued(self) -> None:
+        while (data := self._outbox.get()) is not None:
+            try:
+                self.connection.send_bytes(data)
+            except Exception as exc:  # noqa: BLE001 - a time-out, a closed socket: whatever it is, cut it off
+                self.cut_off(f"a write failed ({type(exc).__name__}: {exc})")
+                return
+            with self._lock:
+                self._queued -= len(data)
+
+    def cut_off(self, reason: str | None) -> None:
+        """Stop writing to it and wake its reader (which then cleans up); ``reason`` is logged if given."""
+        with self._lock:
+            if self._cut:
+                return
+            self._cut = True
+        if reason is not None:
+            log.warning("cut off front-end %d: %s", self.owner, reason)
+        shut_down(self.connection)
+
+    def close(self) -> None:
+        """On its reader's thread, once it has gone: end the sender, then close the socket."""
+        self.cut_off(None)
+        self._outbox.put(None)
+        self._sender.join()
+        self.connection.close()
 
 
 class Engine:
@@ -87,6 +134,8 @@ class Engine:
         self._lock = threading.Lock()
         self._frontends: set[_FrontEnd] = set()
         self._listener: Listener | None = None
+        self._closing = False
+        self._unconnected: set[int] = set()  # owners holding slots but not connected, at the last sweep
 
     def start(self, live_owners: Iterable[int]) -> None:
         """Load and warm the model, free the slots of front-ends that ended while no engine ran, then listen."""
@@ -100,7 +149,8 @@ class Engine:
         if self.device.type == "cuda" and register_slab(self.slab, self.device):
             on_device = device_rows(self.slab, self.device)
             self._input_rows = self._input_rows if on_device is None else on_device
-        self._listener = Listener(self.link.address, "AF_UNIX", authkey=self.link.authkey)
+        # No authkey here: the key's challenge runs on each connection's thread (server.boundary.link).
+        self._listener = Listener(self.link.address, "AF_UNIX")
         threading.Thread(target=self._accept, name="engine-accept", daemon=True).start()
 
     def info(self) -> EngineInfo:
@@ -112,44 +162,55 @@ class Engine:
 
     def stop(self, grace: float) -> None:
         """Take no new front-end, finish what is queued, and answer it."""
+        self._closing = True
         if self._listener is not None:
             self._listener.close()
         if self.replica is not None:
             self.replica.batcher.stop(grace)
 
     def _accept(self) -> None:
-        while True:
+        """Accept until the listener is closed; each connection's handshake runs on its own thread."""
+        while not self._closing:
             try:
                 connection = self._listener.accept()
-            except OSError:  # the listener was closed: stopping
-                return
-            except Exception as exc:  # noqa: BLE001 - a peer that failed the handshake: keep listening
-                log.warning("refused a connection: %s: %s", type(exc).__name__, exc)
+            except OSError as exc:
+                if self._closing:
+                    return
+                log.warning("accepting a front-end failed: %s", exc)  # out of descriptors, say: try again
+                time.sleep(0.1)
                 continue
             threading.Thread(target=self._serve, args=(connection,), name="engine-frontend", daemon=True).start()
 
     def _serve(self, connection: Connection) -> None:
         """Read one front-end's messages until its socket closes."""
-        frontend = None
         try:
-            hello = receive_at_engine(connection)
-            if not isinstance(hello, Hello):
-                raise EOFError(f"a front-end began with {type(hello).__name__}, not Hello")
-            frontend = _FrontEnd(connection, hello.owner)
-            with self._lock:
-                self._frontends.add(frontend)
+            hello = accept_hello(connection, self.link.authkey)
+        except Exception as exc:  # noqa: BLE001 - a peer that failed the handshake, or never finished it
+            log.warning("refused a connection: %s: %s", type(exc).__name__, exc)
+            connection.close()
+            return
+        frontend = _FrontEnd(connection, hello.owner)
+        with self._lock:
+            self._frontends.add(frontend)
+        try:
             frontend.send(Ready(self.info()))
-            handlers = {Submit: self._submit, Cancel: self._cancel}
-            messages = engine_messages(connection)
+            self._read(frontend)
+        finally:
+            self._gone(frontend)
+            frontend.close()
+
+    def _read(self, frontend: _FrontEnd) -> None:
+        handlers = {Submit: self._submit, Cancel: self._cancel}
+        messages = engine_messages(frontend.connection)
+        try:
             while True:
                 for message in messages.read():
                     handlers[type(message)](frontend, message)
         except (EOFError, OSError):
             pass
-        finally:
-            if frontend is not None:
-                self._gone(frontend)
-            connection.close()
+        except Exception:  # a message it could not handle: this connection ends, the engine goes on
+            log.exception("front-end %d sent what the engine could not handle; closing its connection",
+                          frontend.owner)
 
     def _submit(self, frontend: _FrontEnd, message: Submit) -> None:
         items = [self._item(frontend, entry) for entry in message.entries]
@@ -193,36 +254,60 @@ class Engine:
             self.slab.give_back([slot for slot in mine if slot not in frontend.items], frontend.owner)
         self._released(self.replica.batcher.withdraw(held))
 
-    def _answer(self, frontend: _FrontEnd, slots: list[int], message: ToFrontEnd) -> None:
+    def _answer(self, frontend: _FrontEnd, slots: list[int], message: Callable[[list[int]], ToFrontEnd]) -> None:
+        """Send ``message(slots)`` for those of ``slots`` the engine still holds (each slot is answered once,
+        whatever else has answered it meanwhile)."""
         with self._lock:
-            for slot in slots:
-                frontend.items.pop(slot, None)
-            if not frontend.alive:  # no one to read them: the slots are free again
-                self.slab.give_back(slots, frontend.owner)
+            held = [slot for slot in slots if frontend.items.pop(slot, None) is not None]
+            if not held:
                 return
-        frontend.send(message)
+            if not frontend.alive:  # no one to read them: the slots are free again
+                self.slab.give_back(held, frontend.owner)
+                return
+        frontend.send(message(held))
 
     def _deliver(self, items: list[WorkItem], output: BatchOutput) -> None:
         """On the finisher's thread: the batch's scores into its slots, then one message per front-end."""
         slots = [item.future.slot for item in items]
         self.slab.outputs[slots, 0] = output.probabilities
         self.slab.outputs[slots, 1] = output.logits
-        answers = defaultdict(list)
+        answers = defaultdict(dict)
         for item, slot, top, queued in zip(items, slots, output.top_k, output.queue_seconds, strict=True):
-            answers[item.future.owner].append(Answer(slot, top, queued))
+            answers[item.future.owner][slot] = Answer(slot, top, queued)
         timing = (output.timing.input, output.timing.infer, output.timing.output)
+        healthy = self.replica.healthy
         for frontend, answered in answers.items():
-            message = Done(answered, timing, self.replica.healthy)
-            self._answer(frontend, [answer.slot for answer in answered], message)
+            self._answer(frontend, list(answered), lambda held, answered=answered: Done(
+                [answered[slot] for slot in held], timing, healthy))
 
     def _fail(self, items: list[WorkItem], exc: BaseException) -> None:
+        error, message, healthy = type(exc).__name__, str(exc), self.replica.healthy
         for frontend, slots in _slots_by_frontend(items).items():
-            self._answer(frontend, slots, Failed(slots, type(exc).__name__, str(exc), self.replica.healthy))
+            self._answer(frontend, slots, lambda held: Failed(held, error, message, healthy))
 
     def _released(self, items: list[WorkItem]) -> None:
         """Items dropped before compute because their caller went: their slots go back to their front-end."""
         for frontend, slots in _slots_by_frontend(items).items():
-            self._answer(frontend, slots, Released(slots))
+            self._answer(frontend, slots, Released)
+
+    def sweep(self) -> int:
+        """Free the slots of owners that hold some and were not connected at this sweep nor the last (a
+        front-end that died with its engine: the replacement engine's start saw it still alive); how many."""
+        with self._lock:
+            connected = {frontend.owner for frontend in self._frontends}
+        holding = set(np.unique(self.slab.owners).tolist()) - {FREE} - connected
+        leaked, self._unconnected = holding & self._unconnected, holding
+        freed = self.slab.free_owners(leaked) if leaked else 0
+        if freed:
+            log.warning("freed %d slots of front-ends that are no longer connected", freed)
+        return freed
+
+    def stuck_for(self) -> float:
+        """Seconds the oldest launched batch has waited for its answer (0 when none waits)."""
+        return self.replica.batcher.unanswered_for()
+
+    def out_of_rotation_for(self) -> float:
+        return self.replica.batcher.out_of_rotation_for()
 
     def _rejoined(self) -> None:
         with self._lock:

@@ -6,19 +6,20 @@ import logging
 import signal
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 
 import torch
 
 from resnet_server.boundary.protocol import EngineLink
 from resnet_server.common.errors import StartupError
-from resnet_server.common.lifetime import die_with_supervisor
+from resnet_server.common.lifetime import die_with_supervisor, exit_at_once
 from resnet_server.common.logs import configure_logging
 from resnet_server.common.metrics import Metrics, serve_child_metrics
 from resnet_server.common.sections import EngineConfig
 from resnet_server.common.statistics import SharedRow
 from resnet_server.common.threads import use_torch_threads
-from resnet_server.engine.core import Engine
+from resnet_server.engine.core import SWEEP_SECONDS, Engine
 
 log = logging.getLogger("server.engine")
 
@@ -50,9 +51,32 @@ def engine_main(link: EngineLink, device: str, config: EngineConfig, live_owners
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     reports.send(("ready", engine.info()))
     log.info("engine %s ready on %s", link.name, device)
-    while not stop.wait(1.0):
-        pass
+    exit_code = watch(engine, config, stop)
     engine.stop(config.grace_period)
     if http is not None:
         http.shutdown()
     log.info("engine %s stopped", link.name)
+    if exit_code:
+        raise SystemExit(exit_code)
+
+
+def watch(engine: Engine, config: EngineConfig, stop: threading.Event) -> int:
+    """Until SIGTERM (0), once a second: end the process at once if a launched batch has gone unanswered for
+    --stuck-batch-timeout (a hung device or thread: nothing could drain it), or return 1 once the device has been
+    out of rotation for --unhealthy-exit-after; the supervisor then starts a fresh engine (only a new process
+    gets a new CUDA context). Every SWEEP_SECONDS, free the slots of front-ends gone without a word."""
+    swept = time.monotonic()
+    while not stop.wait(1.0):
+        if config.stuck_batch_timeout and (waited := engine.stuck_for()) >= config.stuck_batch_timeout:
+            log.critical("engine %s: a batch has waited %.0fs for its answer (--stuck-batch-timeout %gs); ending "
+                         "the engine so that a new one replaces it", engine.link.name, waited,
+                         config.stuck_batch_timeout)
+            exit_at_once(1)
+        if config.unhealthy_exit_after and (out := engine.out_of_rotation_for()) >= config.unhealthy_exit_after:
+            log.error("engine %s: out of rotation for %.0fs (--unhealthy-exit-after %gs); ending the engine so that "
+                      "a new one replaces it", engine.link.name, out, config.unhealthy_exit_after)
+            return 1
+        if time.monotonic() - swept >= SWEEP_SECONDS:
+            engine.sweep()
+            swept = time.monotonic()
+    return 0

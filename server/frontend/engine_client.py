@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import os
 from collections.abc import Callable, Sequence
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 from types import SimpleNamespace
 
 import torch
 
+from resnet_server.boundary.link import connect
 from resnet_server.boundary.protocol import (
     Cancel,
     Done,
@@ -28,18 +31,16 @@ from resnet_server.boundary.protocol import (
     EngineLink,
     Failed,
     Health,
-    Hello,
     ImageKind,
     MessageReader,
-    Ready,
     Released,
     SlotEntry,
     Submit,
+    ToEngine,
+    frame,
     frontend_messages,
-    receive_at_frontend,
-    send,
 )
-from resnet_server.boundary.slab import Slab
+from resnet_server.boundary.slab import Slab, connection_owner
 from resnet_server.common import errors
 from resnet_server.common.device_decode import DeferredJpeg
 from resnet_server.common.errors import Overloaded, ServingError, StartupError, Unavailable
@@ -49,6 +50,51 @@ from resnet_server.common.work import ImageOutput, WorkItem
 
 log = logging.getLogger("server.engine_client")
 RECONNECT_INTERVAL = 0.1  # seconds between tries to reach an engine that is starting or restarting
+OUTGOING_BYTES = 16 << 20  # messages the engine has not read yet: more, and it has stopped reading
+
+
+class _Outgoing:
+    """Messages to the engine, written without ever blocking the event loop: what the socket does not take at
+    once waits here and goes when it can take more (``add_writer``). An engine that leaves OUTGOING_BYTES
+    unread has stopped reading (it is wedged): ``write`` then raises OSError, as for a socket that has closed,
+    and the connection is dropped."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, on_failed: Callable[[], None]) -> None:
+        self._loop, self._fd, self._on_failed = loop, fd, on_failed
+        self._waiting = bytearray()
+
+    def write(self, message: ToEngine) -> None:
+        data = frame(message)
+        if self._waiting:
+            self._waiting += data
+        else:
+            sent = self._write_now(data)
+            if sent < len(data):
+                self._waiting += data[sent:]
+                self._loop.add_writer(self._fd, self._flush)
+        if len(self._waiting) > OUTGOING_BYTES:
+            raise OSError(f"the engine has {len(self._waiting)} bytes of messages unread")
+
+    def _write_now(self, data: bytes | bytearray) -> int:
+        try:
+            return os.write(self._fd, data)
+        except BlockingIOError:
+            return 0
+
+    def _flush(self) -> None:
+        try:
+            sent = self._write_now(self._waiting)
+        except OSError:
+            self._on_failed()
+            return
+        del self._waiting[:sent]
+        if not self._waiting:
+            self._loop.remove_writer(self._fd)
+
+    def close(self) -> None:
+        if self._waiting:
+            self._loop.remove_writer(self._fd)
+            self._waiting.clear()
 _ERRORS = {cls.__name__: cls for cls in vars(errors).values()
            if isinstance(cls, type) and issubclass(cls, ServingError)}
 
@@ -60,7 +106,10 @@ class EngineClient:
                  on_back: Callable[[], None]) -> None:
         self.link = link
         self.name = link.name
-        self.owner = owner  # this front-end's number in the slab
+        self.owner = owner  # this front-end process's number (the supervisor's)
+        self._connections = itertools.count()
+        self._slab_owner = owner  # this connection's number in the slab (server.boundary.slab.connection_owner)
+        self._outgoing: _Outgoing | None = None
         self.slab = Slab(link.slab_fd, link.layout)
         self.inline_bytes = link.layout.inline_bytes  # larger images are preprocessed here, not sent as they came
         self.pending = 0  # images routed here and not yet answered (InferenceCore keeps it)
@@ -115,8 +164,9 @@ class EngineClient:
         """Try every RECONNECT_INTERVAL until the engine answers (True) or the handle is closed (False)."""
         loop = asyncio.get_running_loop()
         while not self._closed:
+            owner = connection_owner(self.owner, next(self._connections))
             try:
-                connection, info = await loop.run_in_executor(None, self._connect)
+                connection, info = await loop.run_in_executor(None, connect, self.link, owner)
             except (OSError, EOFError, ValueError, AuthenticationError) as exc:  # not listening yet, or it ended
                 log.debug("engine of %s not answering: %s", self.name, exc)
                 await asyncio.sleep(RECONNECT_INTERVAL)
@@ -124,23 +174,17 @@ class EngineClient:
             if self._closed:
                 connection.close()
                 return False
-            self._attach(connection, info)
+            self._attach(connection, info, owner)
             return True
         return False
 
-    def _connect(self) -> tuple[Connection, EngineInfo]:
-        connection = Client(self.link.address, "AF_UNIX", authkey=self.link.authkey)
-        send(connection, Hello(self.owner))
-        ready = receive_at_frontend(connection)
-        if not isinstance(ready, Ready):
-            connection.close()
-            raise EOFError(f"the engine answered Hello with {type(ready).__name__}, not Ready")
-        return connection, ready.info
-
-    def _attach(self, connection: Connection, info: EngineInfo) -> None:
+    def _attach(self, connection: Connection, info: EngineInfo, owner: int) -> None:
         self._connection, self.info, self._in_rotation = connection, info, info.in_rotation
+        self._slab_owner = owner
         self._messages = frontend_messages(connection)
         self._loop = asyncio.get_running_loop()
+        os.set_blocking(connection.fileno(), False)  # the loop neither reads nor writes until the socket is ready
+        self._outgoing = _Outgoing(self._loop, connection.fileno(), self._lost)
         self._loop.add_reader(connection.fileno(), self._read)
 
     def check_room(self, count: int) -> None:
@@ -158,14 +202,19 @@ class EngineClient:
         """Send all items or none; Overloaded when the engine's slab has too few free slots."""
         if self._connection is None:
             raise Unavailable(f"the engine of {self.name} is restarting; retry")
-        slots = self.slab.take(len(items), self.owner)
+        slots = self.slab.take(len(items), self._slab_owner)
         if slots is None:
             raise self._full()
-        for slot, item in zip(slots, items, strict=True):
-            self._unsent.append(self._write(slot, item))
-            self._waiting[slot], self._slot_of[item] = item, slot
-        if len(self._unsent) == len(items):  # the first submit of this turn of the loop
+        try:
+            entries = [self._write(slot, item) for slot, item in zip(slots, items, strict=True)]
+        except BaseException:  # all or none: the call fails alone, and later calls go on as before
+            self.slab.give_back(slots, self._slab_owner)
+            raise
+        if not self._unsent:  # the first submit of this turn of the loop
             self._loop.call_soon(self._send_unsent)
+        self._unsent += entries
+        for slot, item in zip(slots, items, strict=True):
+            self._waiting[slot], self._slot_of[item] = item, slot
 
     def _send_unsent(self) -> None:
         """One message for every call submitted since the last: a message and its wake-up of the engine cost
@@ -174,7 +223,7 @@ class EngineClient:
         if not entries or self._connection is None:  # lost meanwhile: _lost has failed these calls already
             return
         try:
-            send(self._connection, Submit(entries))
+            self._outgoing.write(Submit(entries))
         except OSError:
             self._lost()  # fails these items too: UNAVAILABLE, and the client retries
 
@@ -201,8 +250,10 @@ class EngineClient:
         slots = [self._slot_of[item] for item in items if item in self._slot_of]
         self._send_unsent()  # the engine must have them before it is asked to drop them
         if slots and self._connection is not None:
-            with contextlib.suppress(OSError):  # it has gone: the reader sees the socket close
-                send(self._connection, Cancel(slots))
+            try:
+                self._outgoing.write(Cancel(slots))
+            except OSError:
+                self._lost()
 
     def _read(self) -> None:
         """Every message the socket holds (the loop calls again while it has more)."""
@@ -210,11 +261,16 @@ class EngineClient:
             return
         try:
             messages = self._messages.read()
+        except BlockingIOError:  # woken with nothing to read after all
+            return
         except (EOFError, OSError):
             self._lost()
             return
         for message in messages:
-            self._handlers[type(message)](message)
+            try:
+                self._handlers[type(message)](message)
+            except Exception:  # one message's failure must not drop the others read with it
+                log.exception("handling %s from the engine of %s failed", type(message).__name__, self.name)
 
     def _take(self, slot: int) -> WorkItem:
         item = self._waiting.pop(slot)
@@ -226,7 +282,7 @@ class EngineClient:
         for answer in done.answers:
             item = self._take(answer.slot)
             probabilities, logits = self.slab.output(answer.slot).copy()  # both rows at once: the slot is freed next
-            self.slab.give_back([answer.slot], self.owner)
+            self.slab.give_back([answer.slot], self._slab_owner)
             if not item.future.done():
                 item.future.set_result(ImageOutput(probabilities, logits, answer.top_k, item.temperature,
                                                    answer.queue_seconds, batch_timing, self.name))
@@ -236,7 +292,7 @@ class EngineClient:
         error = _ERRORS.get(failed.error, errors.ComputeFailed)(failed.message)
         for slot in failed.slots:
             item = self._take(slot)
-            self.slab.give_back([slot], self.owner)
+            self.slab.give_back([slot], self._slab_owner)
             if not item.future.done():
                 item.future.set_exception(error)
         self._set_rotation(failed.in_rotation)
@@ -244,7 +300,7 @@ class EngineClient:
     def _on_released(self, released: Released) -> None:
         for slot in released.slots:
             self._take(slot)
-        self.slab.give_back(released.slots, self.owner)
+        self.slab.give_back(released.slots, self._slab_owner)
 
     def _on_health(self, health: Health) -> None:
         self._set_rotation(health.in_rotation)
@@ -260,10 +316,11 @@ class EngineClient:
         if self._connection is None:
             return
         asyncio.get_running_loop().remove_reader(self._connection.fileno())
+        self._outgoing.close()
         self._connection.close()
         self._connection = None
         waiting, self._waiting, self._slot_of, self._unsent = self._waiting, {}, {}, []
-        self.slab.give_back(list(waiting), self.owner)
+        self.slab.give_back(list(waiting), self._slab_owner)
         error = Unavailable(f"the engine of {self.name} ended with this call in flight; retry")
         for item in waiting.values():
             if not item.future.done():
@@ -287,5 +344,6 @@ class EngineClient:
         if self._connection is not None:
             with contextlib.suppress(RuntimeError):  # no running loop: nothing was registered on one
                 asyncio.get_running_loop().remove_reader(self._connection.fileno())
+                self._outgoing.close()
             self._connection.close()
             self._connection = None

@@ -6,11 +6,9 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +24,7 @@ from resnet_server.common import event_loop
 from resnet_server.common.config import host_port
 from resnet_server.common.devices import cpu_bf16_unit
 from resnet_server.common.errors import StartupError
+from resnet_server.common.lifetime import exit_at_once
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION
 from resnet_server.common.preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
@@ -134,7 +133,8 @@ class App:
         return self.port
 
     async def load(self) -> None:
-        """Connect to every engine and wait until each has warmed up, then report SERVING."""
+        """Connect to every engine and wait until each has warmed up, then report SERVING (once a replica is
+        in rotation: a replacement front-end may find every engine's device out of it)."""
         config = self.config
         replicas = await self._connect_engines()
         limits = Limits(config.max_images_per_request, config.max_pixels)
@@ -145,7 +145,10 @@ class App:
         self.classifier.attach(self.core, info)
         self.inference.attach(self.core, LABELS, info)
         self._suggest_bf16(replicas)
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if self.core.router.any_healthy():
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        else:  # every engine answered, none with its device in rotation: SERVING when one rejoins
+            self._no_replica_left()
 
     async def _connect_engines(self) -> list[EngineClient]:
         clients = [EngineClient(link, self.owner, self._engine_lost, self._replica_rejoined) for link in self.engines]
@@ -358,11 +361,3 @@ def run(config: FrontendConfig, index: int, engines: Sequence[EngineLink], owner
         print(f"resnet-server: error: {worker}{exc}", file=sys.stderr)
         exit_at_once(1)
 
-
-def exit_at_once(code: int) -> NoReturn:
-    """End the process without joining its threads: other replicas may still be loading or warming up on
-    daemon threads, and the interpreter's shutdown can abort on a thread that is inside torch."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
