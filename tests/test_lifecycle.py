@@ -246,3 +246,75 @@ def test_a_replica_that_fails_to_start_ends_start_up_without_waiting_for_the_oth
     assert ("resnet-server: error: engine cpu#1: replica cpu#1 failed to start on cpu: RuntimeError: disk read "
             "error") in done.stderr.splitlines()
     assert "serving resnet18" not in done.stderr  # the front-end started beside the engines never served
+
+
+def _server(weights_file, metrics_port: int, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1",
+         "--metrics-port", str(metrics_port), "--device", "cpu", "--weights", str(weights_file[0]), *flags],
+        stderr=subprocess.PIPE, text=True)
+
+
+def _started(metrics_port: int, worker: str) -> float:
+    """When the server's child ``worker`` started (0 while it does not answer)."""
+    try:
+        return scraped_value(metrics_port, f'process_start_time_seconds{{worker="{worker}"}}')
+    except (OSError, AssertionError):
+        return 0.0
+
+
+@pytest.mark.slow
+def test_a_device_that_stays_broken_gets_a_new_engine_and_the_server_serves_on(weights_file, faults):
+    metrics_port = free_port()
+    process = _server(weights_file, metrics_port, "--frontends", "1", "--runner", faults.runner,
+                      "--replica-probe-interval", "0.2", "--unhealthy-exit-after", "2")
+    try:
+        port, _ = _port_from_log(process)
+        first_engine = _started(metrics_port, "engine-cpu")
+        assert first_engine > 0
+        with Client(f"127.0.0.1:{port}", timeout=30, attempts=1) as client:
+            faults.set("broken device fell off the bus")  # this engine's batches and probes fail for good
+            codes = [_code_of(client, IMAGE) for _ in range(FAILURES_BEFORE_EVICTION)]
+            assert codes == ["INTERNAL"] * FAILURES_BEFORE_EVICTION
+            # Out of rotation for 2 s, the engine ends and the supervisor starts another; its device works.
+            wait_for(lambda: _started(metrics_port, "engine-cpu") not in (0.0, first_engine), timeout=60)
+            wait_for(lambda: serving(client), timeout=60)
+            assert _code_of(client, IMAGE) == "OK"
+        assert process.poll() is None  # the server itself never stopped
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+class _Log:
+    """A server's log lines as they come (its stderr, read on a thread of their own)."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(process.stderr), daemon=True).start()
+
+    def pids(self, child: str) -> list[int]:
+        """The pid of every ``child`` (resnet-frontend-1, say) the supervisor has started, in order."""
+        marker = f"started {child} (pid "
+        return [int(line.split(marker)[1].split(")")[0]) for line in list(self.lines) if marker in line]
+
+    def serving(self, frontend: int, of: int) -> bool:
+        return any(f"front-end {frontend} of {of})" in line for line in list(self.lines))
+
+
+@pytest.mark.slow
+def test_a_replacement_front_end_that_ends_before_serving_is_replaced_not_the_server_ended(weights_file):
+    process = _server(weights_file, free_port(), "--frontends", "2")
+    log = _Log(process)
+    try:
+        wait_for(lambda: log.serving(1, 2), timeout=120)  # the first front-end 1 has served
+        (first,) = log.pids("resnet-frontend-1")
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: len(log.pids("resnet-frontend-1")) == 2, timeout=60)
+        os.kill(log.pids("resnet-frontend-1")[1], signal.SIGKILL)  # just started: before it serves
+        wait_for(lambda: len(log.pids("resnet-frontend-1")) == 3, timeout=60)
+        assert process.poll() is None  # not "ended before serving; stopping the others"
+        assert not any("before serving; stopping the others" in line for line in log.lines)
+    finally:
+        process.terminate()
+        process.wait(60)

@@ -59,7 +59,7 @@ from resnet_server.engine.replicas import Replica, load_replica
 log = logging.getLogger("server.engine")
 
 OUTBOX_BYTES = 64 << 20  # answers queued for one front-end and not yet written: more, and it is cut off
-SWEEP_SECONDS = 10.0  # slots of an owner not connected at two sweeps this far apart are freed
+LEAKED_AFTER = 10.0  # seconds an owner holds slots with no connection before they are freed
 
 
 class _FrontEnd:
@@ -135,7 +135,7 @@ class Engine:
         self._frontends: set[_FrontEnd] = set()
         self._listener: Listener | None = None
         self._closing = False
-        self._unconnected: set[int] = set()  # owners holding slots but not connected, at the last sweep
+        self._unconnected: dict[int, float] = {}  # owners seen holding slots with no connection, and since when
 
     def start(self, live_owners: Iterable[int]) -> None:
         """Load and warm the model, free the slots of front-ends that ended while no engine ran, then listen."""
@@ -291,12 +291,15 @@ class Engine:
             self._answer(frontend, slots, Released)
 
     def sweep(self) -> int:
-        """Free the slots of owners that hold some and were not connected at this sweep nor the last (a
-        front-end that died with its engine: the replacement engine's start saw it still alive); how many."""
+        """Free the slots of owners that have held some with no connection for LEAKED_AFTER seconds (a
+        front-end that died with its engine: the replacement engine's start saw it still alive); how many.
+        The wait covers a front-end that has taken slots and not yet sent them."""
         with self._lock:
             connected = {frontend.owner for frontend in self._frontends}
+        now = time.monotonic()
         holding = set(np.unique(self.slab.owners).tolist()) - {FREE} - connected
-        leaked, self._unconnected = holding & self._unconnected, holding
+        self._unconnected = {owner: self._unconnected.get(owner, now) for owner in holding}
+        leaked = {owner for owner, since in self._unconnected.items() if now - since >= LEAKED_AFTER}
         freed = self.slab.free_owners(leaked) if leaked else 0
         if freed:
             log.warning("freed %d slots of front-ends that are no longer connected", freed)

@@ -6,7 +6,6 @@ import logging
 import signal
 import sys
 import threading
-import time
 from multiprocessing.connection import Connection
 
 import torch
@@ -19,7 +18,7 @@ from resnet_server.common.metrics import Metrics, serve_child_metrics
 from resnet_server.common.sections import EngineConfig
 from resnet_server.common.statistics import SharedRow
 from resnet_server.common.threads import use_torch_threads
-from resnet_server.engine.core import SWEEP_SECONDS, Engine
+from resnet_server.engine.core import Engine
 
 log = logging.getLogger("server.engine")
 
@@ -64,8 +63,7 @@ def watch(engine: Engine, config: EngineConfig, stop: threading.Event) -> int:
     """Until SIGTERM (0), once a second: end the process at once if a launched batch has gone unanswered for
     --stuck-batch-timeout (a hung device or thread: nothing could drain it), or return 1 once the device has been
     out of rotation for --unhealthy-exit-after; the supervisor then starts a fresh engine (only a new process
-    gets a new CUDA context). Every SWEEP_SECONDS, free the slots of front-ends gone without a word."""
-    swept = time.monotonic()
+    gets a new CUDA context). And free the slots of front-ends gone without a word (Engine.sweep)."""
     while not stop.wait(1.0):
         if config.stuck_batch_timeout and (waited := engine.stuck_for()) >= config.stuck_batch_timeout:
             log.critical("engine %s: a batch has waited %.0fs for its answer (--stuck-batch-timeout %gs); ending "
@@ -76,7 +74,5 @@ def watch(engine: Engine, config: EngineConfig, stop: threading.Event) -> int:
             log.error("engine %s: out of rotation for %.0fs (--unhealthy-exit-after %gs); ending the engine so that "
                       "a new one replaces it", engine.link.name, out, config.unhealthy_exit_after)
             return 1
-        if time.monotonic() - swept >= SWEEP_SECONDS:
-            engine.sweep()
-            swept = time.monotonic()
+        engine.sweep()
     return 0

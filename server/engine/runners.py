@@ -8,10 +8,13 @@
   one replica's batches only (``@cpu#1 fail ...``), then one of:
   ``fail MESSAGE`` (the launch raises RuntimeError), ``fail-late MESSAGE`` (the forward pass runs, then
   waiting for its scores raises), ``oom`` or ``oom-above N`` (out of memory, for every batch or for batches
-  of more than N images), ``hold`` (the batch's scores land only once the file no longer says so); empty or
-  missing: no fault. A first line ``pipeline`` in the file when the engine starts makes it launch batches
-  while others compute, and ``crops`` makes it take the uint8 crops front-ends send a GPU, as on CUDA (the
-  pipeline's order and the crops' path then show on the CPU).
+  of more than N images), ``hold`` (the batch's scores land only once the file no longer says so),
+  ``broken MESSAGE`` (this engine process's device is broken for good, as a CUDA context an illegal address has
+  poisoned: every batch and probe fails as ``fail`` does, in an engine that was running when the line was
+  written; one started after it is healthy, as a fresh process's context is); empty or missing: no fault. A
+  first line ``pipeline`` in the file when the engine starts makes it launch batches while others compute,
+  and ``crops`` makes it take the uint8 crops front-ends send a GPU, as on CUDA (the pipeline's order and the
+  crops' path then show on the CPU).
 
 The instruments keep the model's loading and warm-up (the same start-up, the same log), and are named in
 the engine's ready line.
@@ -103,6 +106,7 @@ class FaultyRunner(ModelRunner):
     def __init__(self, path: Path, replica: str, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.path, self.replica = path, replica
+        self._started = time.time()  # a ``broken`` line written before this is not this process's fault
         shape = self._fault()[0]  # how the engine works on CUDA, asked for at start-up
         if shape == "pipeline":
             self.batches_in_flight = CUDA_BATCHES_IN_FLIGHT
@@ -127,9 +131,15 @@ class FaultyRunner(ModelRunner):
                 return kind, argument
         return "", ""
 
+    def _written_since_start(self) -> bool:
+        try:
+            return self.path.stat().st_mtime >= self._started
+        except FileNotFoundError:
+            return False
+
     def launch(self, inputs: torch.Tensor, temperatures: torch.Tensor) -> PendingScores:
         kind, argument = self._fault()
-        if kind == "fail":
+        if kind == "fail" or (kind == "broken" and self._written_since_start()):
             raise RuntimeError(argument or "injected fault")
         if kind == "oom" or (kind == "oom-above" and len(inputs) > int(argument)):
             raise torch.cuda.OutOfMemoryError(f"injected: out of memory with a batch of {len(inputs)}")

@@ -88,6 +88,9 @@ class _Child:
     quick_ends: int = 0  # how many children before it under this name ended soon after their start, in a row
     started: float = dataclasses.field(default_factory=time.monotonic)
     owner: int = 0  # a front-end's number in the engines' slabs
+    # A front-end started in place of one that had served: ending before it serves says nothing of the
+    # configuration (it may have been waiting for an engine's warm-up), so it is replaced too.
+    replacement: bool = False
 
     def quick_ends_now(self) -> int:
         """``quick_ends`` counting this child, which has just ended: one more if it ended soon after starting."""
@@ -193,7 +196,8 @@ class Supervisor:
 
     def _supervise(self) -> bool:
         """Replace every child that ends after it served, after restart_delay when it is crash-looping; a
-        front-end that ends before serving ends the set. False when a signal comes, True in that case."""
+        first front-end that ends before serving ends the set (a replacement is replaced). False when a signal
+        comes, True in that case."""
         due: dict[str, tuple[float, int]] = {}  # name -> (when to start its replacement, its quick ends)
         while True:
             pause = max(0.0, min(when for when, _ in due.values()) - time.monotonic()) if due else None
@@ -205,7 +209,7 @@ class Supervisor:
                 child.read_reports()
                 if child.process.sentinel not in ready:
                     continue
-                if not child.serving and child.name.startswith("frontend"):
+                if not child.serving and child.name.startswith("frontend") and not child.replacement:
                     return self._ended_before_serving(child)
                 due[child.name] = self._ended(child)
             for name, (when, quick_ends) in list(due.items()):
@@ -253,7 +257,7 @@ class Supervisor:
             frontend_config(self.config, port, self.frontends), index, self.links, owner,
             SharedRow(self.statistics, index), sender, load_first, bool(self.config.metrics_port)))
         child = self._started(f"frontend-{index}", process, receiver, sender, quick_ends)
-        child.owner = owner
+        child.owner, child.replacement = owner, load_first
         return child
 
     def _started(self, name: str, process: BaseProcess, receiver: Connection, sender: Connection,
