@@ -4,6 +4,7 @@ characters, and a JPEG's size is read from its frame header even where PIL canno
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import struct
@@ -17,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from resnet_client.api import classifier_pb2 as pb
+from resnet_client.api import classifier_pb2_grpc as pb_grpc
 from resnet_client.api import grpc_predict_v2_pb2 as oip
 from resnet_server.common.device_decode import DeferredJpeg, decode_batch, defer_or_preprocess
 from resnet_server.common.errors import InvalidInput
@@ -24,6 +26,7 @@ from resnet_server.common.image_header import declared_size
 from resnet_server.common.preprocess import EncodedImage, check_header, preprocess
 from resnet_server.frontend.classify_request import read_classify_request
 from resnet_server.frontend.oip_service import read_infer_request
+from tests.helpers import encode, random_rgb
 
 CLASSIFY = "/resnet.v1.Classifier/Classify"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -196,3 +199,55 @@ def test_marker_jpegs_over_the_limit_are_refused_over_grpc_before_decoding(make_
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "3000x2000 = 6000000 pixels, over the limit of 1000000" in refused.value.details()
     assert running.sample("resnet_images_total", device="cpu", code="INVALID_ARGUMENT") == 16
+
+
+def test_calls_waiting_to_be_decoded_are_bounded_by_the_queue(make_server):
+    running = make_server(preprocess_threads=1, max_queue=4, max_images_per_request=4, decode_on_device="false")
+    png = encode(random_rgb(61, 1200, 1200), "PNG")  # a few tens of milliseconds to decode, one at a time
+
+    async def burst():
+        async with grpc.aio.insecure_channel(running.target) as channel:
+            stub = pb_grpc.ClassifierStub(channel)
+            request = pb.ClassifyRequest(images=[pb.Image(encoded=png)])
+            calls = [stub.Classify(request, timeout=120) for _ in range(40)]
+            answers = await asyncio.gather(*calls, return_exceptions=True)
+        return [grpc.StatusCode.OK if isinstance(answer, pb.ClassifyResponse) else answer.code()
+                for answer in answers]
+
+    codes = asyncio.run(burst())
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 20  # most refused at once, not queued to decode
+
+
+def test_a_stream_whose_answers_are_not_read_stops_being_read(make_server):
+    server = make_server(runner="free")  # answers at once: only the stream's window holds them back
+    image = pb.Image(raw=pb.RawTensor(dtype=pb.RawTensor.UINT8, shape=[224, 224, 3], data=bytes(224 * 224 * 3)))
+    request = pb.ClassifyRequest(images=[image], return_probabilities=True, return_logits=True)
+    sent = 3000
+    before = server.sample("resnet_requests_total", device="cpu", code="OK")
+
+    async def send_and_never_read() -> int:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stream = pb_grpc.ClassifierStub(channel).ClassifyStream(timeout=120)
+            written = 0
+
+            async def write_all() -> None:
+                nonlocal written
+                for _ in range(sent):
+                    await stream.write(request)
+                    written += 1
+
+            writer = asyncio.ensure_future(write_all())
+            # Nothing is read: the server answers what fits its window and gRPC's buffers, then stops reading.
+            last = -1
+            while written != last and not writer.done():
+                last = written
+                await asyncio.sleep(2)
+            writer.cancel()
+            stream.cancel()
+            return written
+
+    written = asyncio.run(send_and_never_read())
+    answered_unread = server.sample("resnet_requests_total", device="cpu", code="OK") - before
+    # The window's 64 and what gRPC buffers of answers written and unread (a few megabytes), not all it was sent.
+    assert written < sent / 2 and answered_unread < sent / 2

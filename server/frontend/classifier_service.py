@@ -77,11 +77,16 @@ async def abort_with(context: grpc.aio.ServicerContext, rid: str, exc: Exception
     await context.abort(*caller_status(rid, exc))
 
 
+STREAM_WINDOW = 64  # requests of one stream started and not yet answered: past it, the stream's reader waits
+
+
 async def in_order(requests: AsyncIterator[R], handle: Callable[[R], Awaitable[T]]) -> AsyncIterator[T]:
-    """Start handle(request) for each request as it arrives and yield the results in request order. A stream
-    holds as many requests in flight as its client sends: what bounds them is the server's queue (--max-queue),
-    which refuses the excess at once, as it refuses unary calls, however the client lays its requests out."""
-    pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
+    """Start handle(request) for each request as it arrives and yield the results in request order. The server's
+    queue (--max-queue) bounds the images in flight, refusing the excess at once as it refuses unary calls; and
+    at most STREAM_WINDOW requests of a stream are started and unanswered: a client that sends and does not read
+    its answers finds the stream's reading paused (gRPC's flow control then holds its sends), not its answers
+    piling up in the server."""
+    pending: asyncio.Queue[asyncio.Task | None] = asyncio.Queue(STREAM_WINDOW)
 
     async def read_requests() -> None:
         try:

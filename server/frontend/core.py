@@ -170,18 +170,19 @@ class InferenceCore:
         image too large to hand an engine process as it came (its slab's ``inline_bytes``) is preprocessed
         here, in those threads; for an engine on a GPU only as far as its uint8 crop, which the engine
         normalises with its batch (``takes_crops``)."""
-        # Every invalid image's reason, so the caller can drop just those.
+        # Every invalid image's reason, so the caller can drop just those (those its decoding finds: a second
+        # refusal, once the first ones are dropped).
         invalid = cheap_problems(images, self.limits.max_pixels)
-        work = [(i, decode) for i, image in enumerate(images)
-                if i not in invalid and (decode := decoder_for(image, replica)) is not None]
-        if not work and not invalid:  # raw pixels that fit their slots: nothing to decode (most calls)
+        if invalid:  # refused before anything is decoded: a refused call costs no decoding
+            raise InvalidImages(invalid, len(images))
+        work = [(i, decode) for i, image in enumerate(images) if (decode := decoder_for(image, replica)) is not None]
+        if not work:  # raw pixels that fit their slots: nothing to decode (most calls)
             return list(images)
-        # A call that would be refused is refused before it is decoded (submit() decides for the rest); one
-        # refused already for some images is decoded only to name every invalid one.
-        if work and not invalid:
-            replica.check_room(len(images))
+        # A call that would be refused is refused before it is decoded (submit() decides for the rest).
+        with replica.room_for(len(images)):
+            decoded = await self._decode(images, work, replica.takes_crops)
         admitted: list[ModelInput] = list(images)
-        for (index, _), model_input in zip(work, await self._decode(images, work, replica.takes_crops), strict=True):
+        for (index, _), model_input in zip(work, decoded, strict=True):
             if isinstance(model_input, InvalidInput):
                 invalid[index] = str(model_input)
             elif isinstance(model_input, BaseException):

@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
@@ -113,6 +113,7 @@ class EngineClient:
         self.slab = Slab(link.slab_fd, link.layout)
         self.inline_bytes = link.layout.inline_bytes  # larger images are preprocessed here, not sent as they came
         self.pending = 0  # images routed here and not yet answered (InferenceCore keeps it)
+        self._decoding = 0  # images of calls routed here being decoded (room_for)
         self.info: EngineInfo | None = None
         self._on_lost, self._on_back = on_lost, on_back
         self._connection: Connection | None = None
@@ -187,11 +188,19 @@ class EngineClient:
         self._outgoing = _Outgoing(self._loop, connection.fileno(), self._lost)
         self._loop.add_reader(connection.fileno(), self._read)
 
-    def check_room(self, count: int) -> None:
-        """Overloaded now if the engine's slab has fewer than ``count`` free slots, so that a call that would be
-        refused is refused before its images are decoded (submit() decides, taking them)."""
-        if self.slab.free_count() < count:
+    @contextlib.contextmanager
+    def room_for(self, count: int) -> Iterator[None]:
+        """Room for ``count`` images held while they are decoded: Overloaded now if the engine's slab has fewer
+        free slots than those and the images this front-end is decoding for it already, so that a call that
+        would be refused is refused before its images are decoded, and calls waiting for the decoding threads
+        are bounded as the queue is (submit() then takes the slots)."""
+        if self.slab.free_count() - self._decoding < count:
             raise self._full()
+        self._decoding += count
+        try:
+            yield
+        finally:
+            self._decoding -= count
 
     def _full(self) -> Overloaded:
         # --max-queue is the slab's slot count: the engine-wide limit, across every front-end, held in one place.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 from resnet_server.common.errors import Unavailable
@@ -21,8 +22,9 @@ class EngineHandle(Protocol):
     pending: int  # images routed here and not yet answered; kept by the core, on the event loop
     inline_bytes: int  # the most bytes an image goes as it came; larger ones are preprocessed first
 
-    def check_room(self, count: int) -> None:
-        """Overloaded if the engine has no room for ``count`` more images (its --max-queue)."""
+    def room_for(self, count: int) -> AbstractContextManager[None]:
+        """Room held for ``count`` images while they are decoded; Overloaded if the engine has none (its
+        --max-queue, less what is being decoded for it)."""
 
     def submit(self, items: Sequence[WorkItem]) -> None:
         """Queue ``items`` on the engine, all or none (Overloaded); each item's future is settled with its answer."""
