@@ -24,10 +24,13 @@ FROM ${BASE_IMAGE} AS runtime
 # g++: --compile builds its kernels at start-up (inductor's C++ on the CPU, Triton's launchers on CUDA). It adds
 # about 370 MB; --build-arg COMPILER=false leaves it out (then --compile fails at start-up, saying why).
 # /var/cache/resnet: the place for --compile-cache; a volume mounted there (compose's) starts out owned by resnet.
+# tini runs as PID 1 (the ENTRYPOINT): it passes docker stop's SIGTERM on from the first instant (a PID 1 with no
+# handler yet ignores it) and reaps orphans (inductor's compile workers after an engine dies) that would otherwise
+# pile up as zombies.
 ARG COMPILER=true
-RUN if [ "$COMPILER" = "true" ]; then \
-      apt-get update -q && apt-get install -y -q --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*; \
-    fi \
+RUN apt-get update -q \
+ && apt-get install -y -q --no-install-recommends tini $([ "$COMPILER" = "true" ] && echo g++) \
+ && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --create-home resnet \
  && mkdir -p /var/cache/resnet && chown resnet:resnet /var/cache/resnet
 ENV PATH=/opt/venv/bin:$PATH \
@@ -39,7 +42,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 EXPOSE 50051 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
   CMD ["resnet-client", "health", "--server", "127.0.0.1:50051", "--timeout", "3"]
-ENTRYPOINT ["resnet-server"]
+ENTRYPOINT ["tini", "--", "resnet-server"]
 USER resnet
 COPY --from=builder /opt/venv /opt/venv
 # TORCH_HOME: writable by the server (weights download there once); compose mounts a volume on it.

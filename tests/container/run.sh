@@ -87,6 +87,16 @@ check_compile() {
     return 1
   fi
   echo "ok: --compile in the image: $runs"
+  # tini is PID 1 (docker stop's SIGTERM reaches the server at once; orphans are reaped), and the server drains
+  # and exits 0 on it, well within docker stop's 10 s.
+  local init; init=$(docker exec $name cat /proc/1/comm)
+  local started=$SECONDS; docker stop $name >/dev/null
+  local stopped=$((SECONDS - started)) code; code=$(docker inspect -f '{{.State.ExitCode}}' $name)
+  if [ "$init" != tini ] || [ "$stopped" -ge 9 ] || [ "$code" != 0 ]; then
+    echo "FAILED: PID 1 is '$init', docker stop took ${stopped}s, exit code $code" >&2
+    return 1
+  fi
+  echo "ok: PID 1 is tini; docker stop took ${stopped}s, exit code 0"
   docker rm -f $name >/dev/null
 }
 
