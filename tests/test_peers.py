@@ -69,7 +69,7 @@ def test_peers_that_close_at_once_or_never_speak_do_not_stop_front_ends_connecti
 
 
 def raw_entry(slot: int, top_k: int) -> SlotEntry:
-    return SlotEntry(slot, ImageKind.RAW, "uint8", PIXELS.shape, PIXELS.nbytes, 1.0, top_k, None, "slow-reader")
+    return SlotEntry(slot, ImageKind.RAW, "uint8", PIXELS.shape, PIXELS.nbytes, 1.0, top_k, None, 0)
 
 
 def test_a_front_end_that_stops_reading_holds_up_no_one_else_and_is_cut_off(engines):
@@ -83,7 +83,8 @@ def test_a_front_end_that_stops_reading_holds_up_no_one_else_and_is_cut_off(engi
         slots = slab.take(128, owner)
         for slot in slots:
             slab.input(slot, PIXELS.nbytes)[:] = PIXELS.tobytes()
-        send(slow, Submit([raw_entry(slot, 1000) for slot in slots]))  # 16 batches of 8 answers of 1000 scores
+        # 16 batches of 8 answers of 1000 scores each
+        send(slow, Submit([raw_entry(slot, 1000) for slot in slots], ["slow-reader"]))
         wait_for(lambda: scraped_value(engine_set.engine_metrics_port(),
                                        'resnet_batch_size_sum{device="cpu"}') >= 128, timeout=120)
         with Client(frontend.target, timeout=5, attempts=1) as client:  # answered while those lie unread

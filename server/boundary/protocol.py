@@ -63,7 +63,7 @@ class SlotEntry(msgspec.Struct, array_like=True, frozen=True):
     temperature: float
     top_k: int
     deadline: float | None  # time.monotonic() after which the caller no longer waits (machine-wide clock)
-    request_id: str
+    call: int  # its call's request id: Submit.request_ids[call] (an id once a call, not once an image)
 
 
 class EngineInfo(msgspec.Struct, frozen=True):
@@ -100,6 +100,7 @@ class Ready(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.READY)):
 
 class Submit(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.SUBMIT)):
     entries: list[SlotEntry]
+    request_ids: list[str]  # one a call, for the engine's log lines about its batch
 
 
 class Cancel(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.CANCEL)):

@@ -213,7 +213,7 @@ class Engine:
                           frontend.owner)
 
     def _submit(self, frontend: _FrontEnd, message: Submit) -> None:
-        items = [self._item(frontend, entry) for entry in message.entries]
+        items = [self._item(frontend, entry, message.request_ids[entry.call]) for entry in message.entries]
         with self._lock:
             frontend.items.update((item.future.slot, item) for item in items)
         try:
@@ -221,7 +221,7 @@ class Engine:
         except ServingError as exc:
             self._fail(items, exc)
 
-    def _item(self, frontend: _FrontEnd, entry: SlotEntry) -> WorkItem:
+    def _item(self, frontend: _FrontEnd, entry: SlotEntry, request_id: str) -> WorkItem:
         slot, nbytes = entry.slot, entry.nbytes
         if entry.kind is ImageKind.RAW:
             model_input = RawImage(entry.dtype, entry.shape, SlotBytes(self._input_rows, slot, nbytes))
@@ -233,7 +233,7 @@ class Engine:
             model_input = DeferredJpeg(torch.frombuffer(self.slab.input(slot, nbytes), dtype=torch.uint8),
                                        self.config.max_pixels)
         return WorkItem(model_input, entry.temperature, entry.top_k, entry.deadline, Ticket(frontend, slot),
-                        entry.request_id)
+                        request_id)
 
     def _cancel(self, frontend: _FrontEnd, message: Cancel) -> None:
         with self._lock:

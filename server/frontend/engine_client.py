@@ -122,6 +122,7 @@ class EngineClient:
         self._in_rotation = False
         self._waiting: dict[int, WorkItem] = {}  # by slot: items sent and not yet answered
         self._unsent: list[SlotEntry] = []  # submitted in this turn of the event loop; sent together at its end
+        self._unsent_ids: list[str] = []  # their calls' request ids (SlotEntry.call)
         self._slot_of: dict[WorkItem, int] = {}
         self._reconnecting: asyncio.Task | None = None
         self._closed = False
@@ -222,17 +223,18 @@ class EngineClient:
         if not self._unsent:  # the first submit of this turn of the loop
             self._loop.call_soon(self._send_unsent)
         self._unsent += entries
+        self._unsent_ids.append(items[0].request_id)  # a call's items share its id
         for slot, item in zip(slots, items, strict=True):
             self._waiting[slot], self._slot_of[item] = item, slot
 
     def _send_unsent(self) -> None:
         """One message for every call submitted since the last: a message and its wake-up of the engine cost
         about as much as the rest of a call's hand-off, and under load many calls start in one turn of the loop."""
-        entries, self._unsent = self._unsent, []
+        entries, ids, self._unsent, self._unsent_ids = self._unsent, self._unsent_ids, [], []
         if not entries or self._connection is None:  # lost meanwhile: _lost has failed these calls already
             return
         try:
-            self._outgoing.write(Submit(entries))
+            self._outgoing.write(Submit(entries, ids))
         except OSError:
             self._lost()  # fails these items too: UNAVAILABLE, and the client retries
 
@@ -252,7 +254,7 @@ class EngineClient:
         nbytes = len(data) if isinstance(data, bytes) else data.nbytes
         self.slab.input(slot, nbytes)[:] = data
         return SlotEntry(slot, kind, dtype, shape, nbytes, item.temperature, item.top_k, item.deadline,
-                         item.request_id)
+                         len(self._unsent_ids))
 
     def withdraw(self, items: Sequence[WorkItem]) -> None:
         """The caller has gone: ask the engine to drop what it has not computed (it answers 'released')."""
@@ -328,7 +330,7 @@ class EngineClient:
         self._outgoing.close()
         self._connection.close()
         self._connection = None
-        waiting, self._waiting, self._slot_of, self._unsent = self._waiting, {}, {}, []
+        waiting, self._waiting, self._slot_of, self._unsent, self._unsent_ids = self._waiting, {}, {}, [], []
         self.slab.give_back(list(waiting), self._slab_owner)
         error = Unavailable(f"the engine of {self.name} ended with this call in flight; retry")
         for item in waiting.values():
