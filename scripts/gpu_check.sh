@@ -57,11 +57,10 @@ if [ -d .whl/gpu ]; then
 fi
 # Triton's perf_analyzer, if carried: the binary in .whl/gpu/bin, the libraries it links in .whl/gpu/lib.
 [ -x .whl/gpu/bin/perf_analyzer ] && export PATH="$PWD/.whl/gpu/bin:$PATH"
-# The checkout's server/ and client/ are the packages resnet_server and resnet_client (pyproject's package-dir):
-# links by those names let it run as installed, with no pip install of the project on the lent machine.
-packages=$(mktemp -d); ln -s "$PWD/server" "$packages/resnet_server"; ln -s "$PWD/client" "$packages/resnet_client"
-trap 'kill -TERM "${server_pid:-}" 2>/dev/null; rm -rf "$packages"' EXIT  # the links only, not the checkout
-export PYTHONPATH="$packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The checkout's server/ and client/ hold the packages resnet_server and resnet_client: on the path, they run as
+# installed, with no pip install of the project on the lent machine.
+trap 'kill -TERM "${server_pid:-}" 2>/dev/null' EXIT
+export PYTHONPATH="$PWD/server:$PWD/client:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 frontends=$(python -c 'from resnet_server.common.config import ServerConfig; from resnet_server.supervisor.launcher import frontend_count
 print(frontend_count(ServerConfig(), 1))') || exit 1  # what --frontends auto starts here, one device
 # The server as a command, not a function: started in the background it is then the process stop signals.

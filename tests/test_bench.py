@@ -531,8 +531,8 @@ def link_distributions(site: Path, names: list[str]) -> None:
 
 def test_gpu_check_runs_on_a_lent_machines_python_with_what_gpu_carry_carries(tmp_path, monkeypatch):
     """A lent GPU machine's Python has torch, torchvision, numpy, pillow and pytest; the checkout and what
-    scripts/gpu_carry.py gathers travel to it. With only those, scripts/gpu_check.sh imports the project (server/
-    and client/ as resnet_server and resnet_client) and collects the CUDA tests. On 2026-11-28 a lent machine's
+    scripts/gpu_carry.py gathers travel to it. With only those, scripts/gpu_check.sh imports the project (the
+    packages in server/ and client/) and collects the CUDA tests. On 2026-11-28 a lent machine's
     call ended in 19 s: every step's ModuleNotFoundError (the project), and prometheus_client and msgspec were
     not carried."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as when run as a script: it imports perf_analyzer

@@ -1,4 +1,4 @@
-"""The committed gRPC code in client/api/ must be exactly what proto/ generates now."""
+"""The committed gRPC code in client/resnet_client/api/ must be exactly what proto/ generates now."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from tests.helpers import ROOT, load_script
 
 def test_generated_code_is_fresh(tmp_path):
     fresh = {path.name: path.read_text() for path in load_script("gen_proto").generate(tmp_path)}
-    committed = {path.name: path.read_text() for path in (ROOT / "client" / "api").glob("*_pb2*.py*")}
+    committed = {path.name: path.read_text() for path in (ROOT / "client" / "resnet_client" / "api").glob("*_pb2*.py*")}
     assert fresh.keys() == committed.keys()
     stale = [name for name in fresh if fresh[name] != committed[name]]
     assert not stale, f"stale generated files {stale}: run python scripts/gen_proto.py"
@@ -17,5 +17,6 @@ def test_client_package_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, client, client.cli; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
+    code = ("import sys, resnet_client, resnet_client.cli; "
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)

@@ -116,8 +116,8 @@ def test_a_front_end_process_loads_none_of_the_engines_modules():
 
 
 def test_what_pip_installs_is_named_for_the_project(tmp_path):
-    """The folders are server/ and client/; the wheel holds resnet_server and resnet_client, never a top-level
-    package called server or client that another distribution's could overwrite."""
+    """The folders server/ and client/ hold the packages; the wheel holds resnet_server and resnet_client, never a
+    top-level package called server or client that another distribution's could overwrite."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("resnet_grpc-*.whl")
@@ -127,3 +127,21 @@ def test_what_pip_installs_is_named_for_the_project(tmp_path):
     assert top_level == {"resnet_server", "resnet_client"}
     assert "resnet-server = resnet_server.cli:main" in entry_points
     assert "resnet-client = resnet_client.cli:main" in entry_points
+
+
+def test_an_editable_install_puts_plain_folders_on_the_path(tmp_path):
+    """What ``pip install -e`` installs (the build backend's editable wheel, built here as pip builds it): a .pth
+    of the two folders that hold the packages, which editors, type checkers and drawing tools follow, and no
+    import-hook finder, which they cannot."""
+    built = subprocess.run([sys.executable, "-c", "from hatchling.build import build_editable; "
+                            f"print(build_editable({str(tmp_path)!r}))"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    wheel = tmp_path / built.stdout.strip().splitlines()[-1]
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (pth,) = [name for name in names if name.endswith(".pth")]
+        paths = archive.read(pth).decode().split()
+    assert not [name for name in names if "finder" in name], names
+    assert sorted(paths) == sorted([str(ROOT / "client"), str(ROOT / "server")])
+    for folder, package in (("server", "resnet_server"), ("client", "resnet_client")):
+        assert (ROOT / folder / package / "__init__.py").exists()

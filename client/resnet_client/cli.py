@@ -1,7 +1,7 @@
 """resnet-client: classify images, show model info, check health (and bench, calibrate).
 
 Any failure exits non-zero with one stderr line naming the gRPC status code and the message. `classify`
-sends its files in requests of a few (client/files.py): a file that fails gets its own line and the rest are
+sends its files in requests of a few (files.py): a file that fails gets its own line and the rest are
 still classified; it exits 1 if any file failed.
 """
 
