@@ -5,12 +5,15 @@ engine. Real engine processes, real slabs; the front-ends' side through the real
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import secrets
 import signal
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Listener
 
 import grpc
 import numpy as np
@@ -19,9 +22,21 @@ import torch
 import torchvision
 
 from resnet_client import ClassifierError, Client
-from resnet_server.boundary.link import connect
-from resnet_server.boundary.protocol import ImageKind, SlotEntry, Submit, send
-from resnet_server.boundary.slab import Slab, connection_owner
+from resnet_server.boundary.link import accept_hello, connect
+from resnet_server.boundary.protocol import (
+    Answer,
+    Done,
+    EngineInfo,
+    EngineLink,
+    ImageKind,
+    Ready,
+    SlotEntry,
+    Submit,
+    frame,
+    receive_at_engine,
+    send,
+)
+from resnet_server.boundary.slab import SLOT_INPUT_BYTES, Slab, SlabLayout, connection_owner, create_slab_memory
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.preprocess import RawImage
 from resnet_server.common.work import Ticket, WorkItem
@@ -223,3 +238,44 @@ def test_a_stuck_batch_ends_its_engine(engines, faults):
     assert lost.value.code == grpc.StatusCode.UNAVAILABLE  # its engine ended: the caller may retry elsewhere
     engine.join(10)
     assert engine.exitcode == 1
+
+
+def test_one_message_the_front_end_cannot_handle_leaves_the_others_read_with_it_handled():
+    """An engine stand-in (the protocol's real messages, by hand) answers a slot the front-end never sent, then
+    the front-end's own call, in one write: the call is answered."""
+    layout = SlabLayout(4, SLOT_INPUT_BYTES)
+    key, address = secrets.token_bytes(32), f"\0resnet-test-{secrets.token_hex(6)}"
+    listener = Listener(address, "AF_UNIX")
+    link = EngineLink("cpu", address, key, layout, create_slab_memory(layout))
+    info = EngineInfo("cpu", "cpu", "test", "", 8, False, True, 5.0, 1, "a stand-in", False)
+
+    def stand_in() -> None:
+        connection = listener.accept()
+        accept_hello(connection, key)
+        send(connection, Ready(info))
+        (entry,) = receive_at_engine(connection).entries
+        unknown = Done([Answer(entry.slot + 1, [(0, 1.0)], 0.0)], (0.0, 0.0, 0.0), True)
+        answer = Done([Answer(entry.slot, [(3, 0.5)], 0.0)], (0.0, 0.0, 0.0), True)
+        os.write(connection.fileno(), frame(unknown) + frame(answer))
+        with contextlib.suppress(EOFError):
+            connection.recv_bytes()  # until the front-end closes
+        connection.close()
+
+    engine = threading.Thread(target=stand_in, daemon=True)
+    engine.start()
+
+    async def call():
+        handle = EngineClient(link, 3002, on_lost=lambda: None, on_back=lambda: None)
+        await handle.open()
+        item = WorkItem(RawImage("uint8", PIXELS.shape, PIXELS.tobytes()), 1.0, 1, None,
+                        asyncio.get_running_loop().create_future())
+        handle.submit([item])
+        try:
+            return await asyncio.wait_for(item.future, 30)
+        finally:
+            handle.stop()
+
+    try:
+        assert asyncio.run(call()).top_k == [(3, 0.5)]
+    finally:
+        listener.close()
