@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection, Listener
 import numpy as np
 import torch
 
-from resnet_server.boundary.link import accept_hello, shut_down
+from resnet_server.boundary.link import SEND_SECONDS, accept_hello, shut_down
 from resnet_server.boundary.protocol import (
     Answer,
     Cancel,
@@ -114,6 +114,11 @@ class _FrontEnd:
             log.warning("cut off front-end %d: %s", self.owner, reason)
         shut_down(self.connection)
 
+    def flush(self, timeout: float) -> None:
+        """Write what is queued, for at most ``timeout`` seconds, and send nothing after it."""
+        self._outbox.put(None)
+        self._sender.join(timeout)
+
     def close(self) -> None:
         """On its reader's thread, once it has gone: end the sender, then close the socket."""
         self.cut_off(None)
@@ -161,12 +166,18 @@ class Engine:
                           replica.runner.takes_crops)
 
     def stop(self, grace: float) -> None:
-        """Take no new front-end, finish what is queued, and answer it."""
+        """Take no new front-end, finish what is queued, and answer it: the answers written before it returns
+        (the senders are daemon threads, which the process's end would cut short)."""
         self._closing = True
         if self._listener is not None:
             self._listener.close()
         if self.replica is not None:
             self.replica.batcher.stop(grace)
+        deadline = time.monotonic() + SEND_SECONDS
+        with self._lock:
+            frontends = list(self._frontends)
+        for frontend in frontends:
+            frontend.flush(max(0.0, deadline - time.monotonic()))
 
     def _accept(self) -> None:
         """Accept until the listener is closed; each connection's handshake runs on its own thread."""
