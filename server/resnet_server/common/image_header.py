@@ -35,14 +35,14 @@ def image_format(data: bytes) -> str | None:
     return kind
 
 
-def declared_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) as the image's header declares them; None for bytes of no format we decode (their
-    decoder refuses them unread); InvalidInput for an image of such a format whose header says no size."""
+def declared_size(data: bytes) -> tuple[int, int]:
+    """(width, height) as the image's header declares them; InvalidInput for bytes of no format we decode, and
+    for an image of such a format whose header says no size."""
     kind = image_format(data)
     if kind == "JPEG":
         return jpeg_size(data)
-    if kind is None:
-        return None
+    if kind is None:  # refused by its signature, no decoder asked
+        raise InvalidInput(f"cannot decode image ({len(data)} bytes): not a JPEG, PNG, GIF or WEBP file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)

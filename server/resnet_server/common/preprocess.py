@@ -284,11 +284,9 @@ def decode(data: bytes, max_pixels: int) -> torch.Tensor:
 
 
 def _undecodable(data: bytes, exc: Exception) -> InvalidInput:
-    """The error for bytes the decoder refused: for a file of a known format (a truncated JPEG, say), the
-    decoder's own reason; otherwise that it is none of the formats taken."""
+    """The error for bytes of a known format (check_header refused the others) that the decoder refused, a
+    truncated JPEG say: the decoder's own reason."""
     kind = image_format(data)
-    if kind is None:
-        return InvalidInput(f"cannot decode image ({len(data)} bytes): not a JPEG, PNG, GIF or WEBP file")
     # torchvision prefixes its reason with the function and source line: "decode_jpeg, file.cpp:171, reason".
     reason = str(exc).splitlines()[0].rsplit(", ", 1)[-1].strip()[:200] if str(exc) else type(exc).__name__
     return InvalidInput(f"cannot decode {kind} image ({len(data)} bytes): {reason}")
@@ -297,12 +295,10 @@ def _undecodable(data: bytes, exc: Exception) -> InvalidInput:
 def _check_declared_size(data: bytes, max_pixels: int) -> None:
     """Read only the header (server.common.image_header) so a decompression bomb is refused unopened."""
     try:
-        size = declared_size(data)
+        width, height = declared_size(data)
     except Image.DecompressionBombError:
         raise InvalidInput(f"image declares more pixels than the limit of {max_pixels}") from None
-    if size is None:  # no format we decode: refused by its signature, no decoder asked
-        raise InvalidInput(f"cannot decode image ({len(data)} bytes): not a JPEG, PNG, GIF or WEBP file")
-    _check_pixels(size[1], size[0], max_pixels)
+    _check_pixels(height, width, max_pixels)
 
 
 def _check_pixels(height: int, width: int, max_pixels: int) -> None:

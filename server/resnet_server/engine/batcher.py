@@ -103,8 +103,8 @@ class Batcher:
         self.name = name
         # Answering runs on the worker's and the finisher's threads: a failure there fails those items, never
         # the thread (a dead finisher would leave the device looking alive and answering nothing).
-        self._deliver = self._guarded(answers.deliver, answers.fail)
         self._fail = self._guarded(answers.fail)
+        self._deliver = self._guarded(answers.deliver, self._fail)
         self._on_dropped = self._guarded(answers.dropped)
         self._setup = setup
         self._compute: ComputeFn | None = None  # the runner's forward pass (its launch)
@@ -163,14 +163,14 @@ class Batcher:
 
     def _guarded(self, answer: Callable, fallback: Callable | None = None) -> Callable:
         """``answer`` made safe to call on the batcher's threads: if it raises, the error is logged and the items
-        are failed through ``fallback`` (where given), which answers only items not answered yet."""
+        are failed through ``fallback`` (where given, guarded itself), which answers only items not answered yet."""
         def call(items: list[WorkItem], *args) -> None:
             try:
                 answer(items, *args)
             except Exception:
                 log.exception("answering %d images on %s failed", len(items), self.name)
                 if fallback is not None:
-                    self._guarded(fallback)(items, ComputeFailed(f"answering failed on {self.name}"))
+                    fallback(items, ComputeFailed(f"answering failed on {self.name}"))
         return call
 
     def start(self) -> None:

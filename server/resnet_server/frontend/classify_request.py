@@ -11,17 +11,16 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from google.protobuf.message import DecodeError
-
 from resnet_client.api import classifier_pb2 as pb
 from resnet_server.common.preprocess import EncodedImage, ImageInput, RawImage
 from resnet_server.frontend.wire import (
     LENGTH_DELIMITED,
     MOST_OTHER_FIELDS,
     TooMany,
+    Unreadable,
     WireError,
-    fallback_allowed,
     fields,
+    parse_whole,
     pull_out,
 )
 
@@ -42,9 +41,6 @@ class ReadRequest(NamedTuple):
     unreadable: str | None = None
 
 
-NOT_A_REQUEST = "the request is not a resnet.v1.ClassifyRequest"
-
-
 def too_many_images(most: int) -> str:
     return f"request has more than {most} images, the limit of {most} (--max-images-per-request)"
 
@@ -59,12 +55,11 @@ def read_classify_request(data: bytes, max_images: int) -> ReadRequest:
     except TooMany:
         return _refused(too_many_images(max_images))
     except WireError as exc:
-        if not fallback_allowed(data):
-            return _refused(f"{NOT_A_REQUEST} as this server reads one ({exc}, in {len(data)} bytes)")
+        walk_error = exc
     try:
-        request = pb.ClassifyRequest.FromString(data)
-    except DecodeError as exc:
-        return _refused(f"{NOT_A_REQUEST}: {exc}")
+        request = parse_whole(pb.ClassifyRequest, data, walk_error)
+    except Unreadable as exc:
+        return _refused(str(exc))
     if len(request.images) > max_images:
         return _refused(too_many_images(max_images))
     return ReadRequest([image_input(image) for image in request.images], request)

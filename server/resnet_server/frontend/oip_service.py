@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 from typing import NamedTuple
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from resnet_client.api import classifier_pb2 as pb
 from resnet_client.api import grpc_predict_v2_pb2 as oip
@@ -32,7 +31,7 @@ from resnet_server.common.statistics import BatchTotals, Duration, ModelStatisti
 from resnet_server.common.work import ImageOutput
 from resnet_server.frontend.classifier_service import answer, caller_status, in_order, request_id
 from resnet_server.frontend.core import DEFAULT_TOP_K, ClassifyCall, InferenceCore
-from resnet_server.frontend.wire import TooMany, WireError, fallback_allowed, pull_out
+from resnet_server.frontend.wire import TooMany, Unreadable, WireError, parse_whole, pull_out
 
 INPUT_NAME = "input"
 PROBABILITIES = "probabilities"
@@ -41,7 +40,6 @@ OUTPUT_TYPES = {PROBABILITIES: "FP32", "top_k_indices": "INT64", "top_k_probabil
                 "top_k_labels": "BYTES"}
 RAW_INPUT_CONTENTS = oip.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
 MOST_RAW_INPUT_CONTENTS = 8  # the model takes one input; the reader refuses a request with more entries unread
-NOT_A_REQUEST = "the request is not an inference.ModelInferRequest"
 
 
 class DeclaredInput(NamedTuple):
@@ -83,12 +81,11 @@ def read_infer_request(data: bytes) -> InferRequest:
         return _refused(f"raw_input_contents has more than {MOST_RAW_INPUT_CONTENTS} entries; the model takes one "
                         f"input, {INPUT_NAME!r}")
     except WireError as exc:
-        if not fallback_allowed(data):
-            return _refused(f"{NOT_A_REQUEST} as this server reads one ({exc}, in {len(data)} bytes)")
+        walk_error = exc
     try:
-        message = oip.ModelInferRequest.FromString(data)
-    except DecodeError as exc:
-        return _refused(f"{NOT_A_REQUEST}: {exc}")
+        message = parse_whole(oip.ModelInferRequest, data, walk_error)
+    except Unreadable as exc:
+        return _refused(str(exc))
     contents = list(message.raw_input_contents)
     del message.raw_input_contents[:]
     return InferRequest(message, contents)
@@ -112,7 +109,7 @@ def parse_bytes_tensor(raw: bytes, most: int) -> list[bytes]:
     offset = 0
     while offset < len(raw):
         if len(elements) == most:
-            raise InvalidInput(f"BYTES input holds more than {most} elements, the limit of images a request")
+            raise _too_many_elements(most)
         if offset + 4 > len(raw):
             raise InvalidInput("BYTES input is malformed: a 4-byte length prefix is cut short")
         (length,) = struct.unpack_from("<I", raw, offset)
@@ -122,6 +119,10 @@ def parse_bytes_tensor(raw: bytes, most: int) -> list[bytes]:
         elements.append(bytes(raw[offset:offset + length]))  # decoders take bytes
         offset += length
     return elements
+
+
+def _too_many_elements(most: int) -> InvalidInput:
+    return InvalidInput(f"BYTES input holds more than {most} elements, the limit of images a request")
 
 
 def serialize_bytes_tensor(elements: list[bytes]) -> bytes:
@@ -187,8 +188,8 @@ def input_images(request: oip.ModelInferRequest, raw_input_contents: list, max_i
 def _bytes_images(shape: tuple[int, ...], raw: bytes | None, contents, max_images: int) -> list[ImageInput]:
     if len(shape) != 1:
         raise InvalidInput(f"BYTES input must have shape [N], got {list(shape)}")
-    if raw is None and len(contents.bytes_contents) > max_images:
-        raise InvalidInput(f"BYTES input holds more than {max_images} elements, the limit of images a request")
+    if raw is None and len(contents.bytes_contents) > max_images:  # counted before they are listed
+        raise _too_many_elements(max_images)
     elements = parse_bytes_tensor(raw, max_images) if raw is not None else list(contents.bytes_contents)
     if len(elements) != shape[0]:
         raise InvalidInput(f"BYTES input declares shape {list(shape)} but holds {len(elements)} elements")

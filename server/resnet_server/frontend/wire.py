@@ -17,9 +17,11 @@ is a flood (millions of empty fields) that would cost protobuf gigabytes too.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+M = TypeVar("M", bound=Message)
 LENGTH_DELIMITED = 2
 MOST_OTHER_FIELDS = 64  # a message's fields besides the pulled one: a handful in any real request
 FALLBACK_BYTES = 1 << 20  # the largest request handed to protobuf's own parse when the walk gives up
@@ -27,6 +29,10 @@ FALLBACK_BYTES = 1 << 20  # the largest request handed to protobuf's own parse w
 
 class WireError(Exception):
     """Wire bytes left to protobuf's own parse."""
+
+
+class Unreadable(Exception):
+    """Why a request is refused unread; its message is the caller's INVALID_ARGUMENT."""
 
 
 class TooMany(Exception):
@@ -60,9 +66,17 @@ def pull_out(message_type: type[Message], view: memoryview, start: int, end: int
         raise WireError(str(exc)) from None
 
 
-def fallback_allowed(data: bytes) -> bool:
-    """Whether a request the walk gave up on may go to protobuf's own parse (see the module's docstring)."""
-    return len(data) <= FALLBACK_BYTES
+def parse_whole(message_type: type[M], data: bytes, walk_error: WireError) -> M:
+    """Protobuf's own parse of a request the walk gave up on (``walk_error`` says why); Unreadable where the
+    request is too large for that (see the module's docstring) or protobuf refuses it."""
+    name = message_type.DESCRIPTOR.full_name
+    not_one = f"the request is not {'an' if name[0] in 'aeiou' else 'a'} {name}"
+    if len(data) > FALLBACK_BYTES:
+        raise Unreadable(f"{not_one} as this server reads one ({walk_error}, in {len(data)} bytes)")
+    try:
+        return message_type.FromString(data)
+    except DecodeError as exc:
+        raise Unreadable(f"{not_one}: {exc}") from None
 
 
 def fields(view: memoryview, position: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
