@@ -39,8 +39,9 @@ from resnet_server.boundary.protocol import (
 from resnet_server.boundary.slab import SLOT_INPUT_BYTES, Slab, SlabLayout, connection_owner, create_slab_memory
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.preprocess import RawImage
-from resnet_server.common.work import Ticket, WorkItem
+from resnet_server.common.work import WorkItem
 from resnet_server.engine.batcher import Answers, Batcher
+from resnet_server.engine.core import Ticket
 from resnet_server.engine.runners import FreeRunner
 from resnet_server.frontend.engine_client import EngineClient
 from tests.helpers import EngineSet, base_config, free_port, random_rgb, scraped_value, wait_for

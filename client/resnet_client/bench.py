@@ -129,7 +129,7 @@ def _closed_loop(spec: LoadSpec) -> list[tuple[float, str]]:
                 window.record(sent, code)
 
         threads = [threading.Thread(target=loop, args=(clients[i % len(clients)],), daemon=True)
-                   for i in range(spec.concurrency)]
+                   for i in range(spec.concurrency or 0)]  # run only with a concurrency
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -146,6 +146,9 @@ async def _async_clients(stack: contextlib.AsyncExitStack, spec: LoadSpec) -> li
 
 async def _open_loop(spec: LoadSpec) -> list[tuple[float, str]]:
     """Requests sent at Poisson arrival times, ``spec.rate`` a second, whether or not earlier ones returned."""
+    if not spec.rate:
+        raise ValueError("an open loop needs a rate")
+    rate = spec.rate
     async with contextlib.AsyncExitStack() as stack:
         clients = await _async_clients(stack, spec)
         # Each client's stub and call metadata, worked out once: metadata() reads the TLS files it is given.
@@ -161,13 +164,13 @@ async def _open_loop(spec: LoadSpec) -> list[tuple[float, str]]:
                 code = _code(error)
             window.record(sent, code)
 
-        tasks = []
+        tasks: list[asyncio.Task[None]] = []
         rng = random.Random(os.getpid())
         next_at = time.monotonic()
         while next_at < window.stop_at:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             tasks.append(asyncio.ensure_future(one(*senders[len(tasks) % len(senders)])))
-            next_at += rng.expovariate(spec.rate)
+            next_at += rng.expovariate(rate)
         await asyncio.gather(*tasks)
     return window.records
 
@@ -187,7 +190,7 @@ async def _stream_loop(spec: LoadSpec) -> list[tuple[float, str]]:
                 call = open_stream(timeout=spec.warmup + spec.duration + client.timeout, metadata=metadata)
                 await _stream_requests(call, spec.request, window)
 
-        await asyncio.gather(*(loop(clients[i % len(clients)]) for i in range(spec.concurrency)))
+        await asyncio.gather(*(loop(clients[i % len(clients)]) for i in range(spec.concurrency or 0)))
     return window.records
 
 
@@ -198,7 +201,7 @@ async def _stream_requests(call, request: bytes, window: _Window) -> None:
         while window.open():
             sent = time.monotonic()
             await call.write(request)
-            if await call.read() is grpc.aio.EOF:
+            if await call.read() is grpc.aio.EOF:  # type: ignore[attr-defined]  # missing from grpc-stubs
                 raise EOFError("the stream ended without an answer")
             window.record(sent, "OK")
         await call.done_writing()
@@ -301,7 +304,7 @@ def _key(series: str, labels: str) -> tuple[str, str] | None:
     if series == _CPU:
         return _CPU, _process_kind(_label(labels, "worker"))
     if series in _BY_LABEL:
-        series += ":" + _label(labels, _BY_LABEL[series])
+        series += ":" + (_label(labels, _BY_LABEL[series]) or "")
     elif not series.endswith(("_sum", "_count")):
         return None
     device = _label(labels, "device")
@@ -514,7 +517,8 @@ def run_bench(args: argparse.Namespace) -> int:
     loads = args.sweep or [args.rate if args.rate else (args.concurrency or 1)]
     if problem := usage_problem(args, loads):
         return complain(problem, 2)
-    image = make_image(args.input, *args.image_size, args.image)
+    width, height = args.image_size
+    image = make_image(args.input, width, height, args.image)
     request = pb.ClassifyRequest(images=[image] * args.images_per_request, top_k=1).SerializeToString()
     if failure := first_call_failure(args, request):
         return complain(f"the first call, before any load, failed: {failure}", 1)

@@ -14,6 +14,9 @@ from .errors import ClassifierError
 from .messages import Classification, ImageLike, build_request, parse_response
 
 DEFAULT_TIMEOUT = 30.0
+# What grpc.intercept_channel takes: an interceptor of any of the four call shapes.
+Interceptor = (grpc.UnaryUnaryClientInterceptor | grpc.UnaryStreamClientInterceptor
+               | grpc.StreamUnaryClientInterceptor | grpc.StreamStreamClientInterceptor)
 
 
 def _connect(channels, target, tls_ca, tls_cert, tls_key, token, attempts, own_connection, **extra):
@@ -40,7 +43,7 @@ class Client:
     def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None, attempts: int = DEFAULT_ATTEMPTS, own_connection: bool = False,
-                 interceptors: Sequence[object] = ()) -> None:
+                 interceptors: Sequence[Interceptor] = ()) -> None:
         self._config, channel = _connect(grpc, target, tls_ca, tls_cert, tls_key, token, attempts, own_connection)
         self._channel = grpc.intercept_channel(channel, *interceptors) if interceptors else channel
         self.timeout = timeout
@@ -92,7 +95,7 @@ class AsyncClient:
     def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None, attempts: int = DEFAULT_ATTEMPTS, own_connection: bool = False,
-                 interceptors: Sequence[object] = ()) -> None:
+                 interceptors: Sequence[Interceptor] = ()) -> None:
         self._config, self._channel = _connect(grpc.aio, target, tls_ca, tls_cert, tls_key, token, attempts,
                                                own_connection, interceptors=list(interceptors) or None)
         self.timeout = timeout

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import grpc
 
 # Trailing metadata of a request refused for some of its images: their positions, comma-separated. The status
@@ -43,7 +46,9 @@ def invalid_images_message(reasons: dict[int, str], total: int) -> str:
 
 def _invalid_images(error: grpc.RpcError, message: str) -> dict[int, str]:
     trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    listed = next((value for key, value in trailers or () if key == INVALID_IMAGES_KEY), "")
+    # (key, value) pairs, whichever API made them; grpc-stubs types each as a _Metadatum, which only the sync one is.
+    pairs = cast("Sequence[tuple[str, str]]", trailers or ())
+    listed = next((value for key, value in pairs if key == INVALID_IMAGES_KEY), "")
     positions = [int(text) for text in listed.split(",") if text.strip().isdigit()]
     if len(positions) == 1 and not message.startswith("images["):  # a lone image: the message is its reason
         return {positions[0]: message}

@@ -58,7 +58,7 @@ def classify_files(client: Client, paths: Sequence[str], *, images_per_request: 
 
 def _classify_chunk(client: Client, paths: Sequence[str], options: dict) -> list[FileResult]:
     """One request for the chunk's readable files; unreadable ones get their FileError in place."""
-    results: list[FileResult | None] = [None] * len(paths)
+    results: dict[int, FileResult] = {}
     readable: dict[int, bytes] = {}
     for index, path in enumerate(paths):
         try:
@@ -66,14 +66,14 @@ def _classify_chunk(client: Client, paths: Sequence[str], options: dict) -> list
         except OSError as exc:
             results[index] = FileError(None, str(exc))
     if readable:
-        for index, result in zip(readable, _classify(client, list(readable.values()), options), strict=True):
-            results[index] = result
-    return results
+        results.update(zip(readable, _classify(client, list(readable.values()), options), strict=True))
+    return [results[index] for index in range(len(paths))]
 
 
 def _classify(client: Client, images: list[bytes], options: dict) -> list[FileResult]:
     try:
-        return client.classify(images, **options)
+        classified: list[FileResult] = list(client.classify(images, **options))
+        return classified
     except ClassifierError as exc:
         if exc.code not in PER_IMAGE_CODES:
             raise

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+Number = TypeVar("Number", int, float)
 
 
-def _number(text: str, kind: type[int] | type[float]) -> int | float:
+def _number(text: str, kind: type[Number]) -> Number:
     try:
         return kind(text)
     except ValueError:

@@ -24,6 +24,7 @@ import struct
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -133,8 +134,9 @@ ToFrontEnd = Ready | Done | Failed | Released | Health
 
 trace = logging.getLogger("server.protocol")
 _encoder = msgspec.msgpack.Encoder()
-_to_engine = msgspec.msgpack.Decoder(ToEngine)
-_to_frontend = msgspec.msgpack.Decoder(ToFrontEnd)
+_to_engine: msgspec.msgpack.Decoder[ToEngine] = msgspec.msgpack.Decoder(ToEngine)
+_to_frontend: msgspec.msgpack.Decoder[ToFrontEnd] = msgspec.msgpack.Decoder(ToFrontEnd)
+Message = TypeVar("Message")  # what one side reads: ToEngine or ToFrontEnd
 
 
 def send(connection: Connection, message: ToEngine | ToFrontEnd) -> None:
@@ -167,18 +169,18 @@ _LONG_LENGTH = struct.Struct("!Q")  # or -1 and then this one for a message of 2
 FIRST_READ_BYTES = 1 << 16  # under malloc's mmap threshold: the buffer is made once, never mapped per read
 
 
-class MessageReader:
+class MessageReader(Generic[Message]):
     """The messages one socket holds, read with one system call however many have arrived (``recv_bytes``
     makes two a message: its length, then its body). Under load an engine's answers and a front-end's
     submits come several to a wake-up; each system call costs as much as decoding a message."""
 
-    def __init__(self, connection: Connection, decoder: msgspec.msgpack.Decoder) -> None:
+    def __init__(self, connection: Connection, decoder: msgspec.msgpack.Decoder[Message]) -> None:
         self._fd = connection.fileno()
         self._decode = decoder.decode
         self._buffer = memoryview(bytearray(FIRST_READ_BYTES))
         self._kept = 0  # bytes of a message not yet whole, at the buffer's start
 
-    def read(self) -> list:
+    def read(self) -> list[Message]:
         """The whole messages read (none if only part of one came); blocks on a blocking socket until some
         bytes come. EOFError once the socket has closed."""
         if self._kept == len(self._buffer):  # one message larger than the buffer: make room for more of it
@@ -186,7 +188,8 @@ class MessageReader:
         count = os.readv(self._fd, [self._buffer[self._kept:]])
         if count == 0:
             raise EOFError("the socket closed")
-        end, position, messages = self._kept + count, 0, []
+        end, position = self._kept + count, 0
+        messages: list[Message] = []
         while (body := self._body_at(position, end)) is not None:
             start, position = body
             messages.append(self._decode(self._buffer[start:position]))
@@ -209,12 +212,12 @@ class MessageReader:
         return (start, start + size) if start + size <= end else None
 
 
-def engine_messages(connection: Connection) -> MessageReader:
+def engine_messages(connection: Connection) -> MessageReader[ToEngine]:
     """What a front-end sends, as the engine reads it (after Hello, which ``receive_at_engine`` takes)."""
     return MessageReader(connection, _to_engine)
 
 
-def frontend_messages(connection: Connection) -> MessageReader:
+def frontend_messages(connection: Connection) -> MessageReader[ToFrontEnd]:
     """What an engine sends, as a front-end reads it (after Ready, which ``receive_at_frontend`` takes)."""
     return MessageReader(connection, _to_frontend)
 
@@ -230,9 +233,15 @@ class EngineLink:
     layout: SlabLayout
     slab_fd: int
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _rebuild_link, (self.name, self.address, self.authkey, self.layout, reduction.DupFd(self.slab_fd))
 
 
-def _rebuild_link(name: str, address: str, authkey: bytes, layout: SlabLayout, fd) -> EngineLink:
+class _Duplicated(Protocol):
+    """What ``reduction.DupFd`` makes of a descriptor, once unpickled in the child."""
+
+    def detach(self) -> int: ...
+
+
+def _rebuild_link(name: str, address: str, authkey: bytes, layout: SlabLayout, fd: _Duplicated) -> EngineLink:
     return EngineLink(name, address, authkey, layout, fd.detach())

@@ -133,7 +133,7 @@ class Slab:
         """``count`` of the slots this process gave back last that are still free, or None. Those another
         front-end took meanwhile leave the list (a scan finds them once they are free again); the free ones found
         stay in it when they are too few."""
-        free = []
+        free: list[int] = []
         while len(free) < count and self._recent:
             slot = self._recent.pop()
             # A slot can be in twice (freed, taken by another's scan, freed again): the second is not free twice.
@@ -178,15 +178,18 @@ class Slab:
     def input_rows(self) -> np.ndarray:
         """Every slot's input area as one strided uint8 [slots, inline bytes] array (the engine gathers a batch's
         images from it with one copy)."""
-        return np.ndarray((self.layout.slots, self.layout.inline_bytes), dtype=np.uint8, buffer=self._memory,
-                          offset=self.layout.header_bytes, strides=(self.layout.slot_bytes, 1))
+        rows: np.ndarray = np.ndarray((self.layout.slots, self.layout.inline_bytes), dtype=np.uint8,
+                                      buffer=self._memory, offset=self.layout.header_bytes,
+                                      strides=(self.layout.slot_bytes, 1))
+        return rows
 
     def output(self, slot: int) -> np.ndarray:
         """float32 [2, 1000]: the slot's probabilities and logits."""
-        return self.outputs[slot]
+        rows: np.ndarray = self.outputs[slot]
+        return rows
 
     def close(self) -> None:
-        self.owners = self.outputs = None
+        del self.owners, self.outputs  # views of the memory, which closes only once none is left
         self._owner_of.release()
         self._view.release()
         with contextlib.suppress(BufferError):  # a view of it is still held somewhere: it goes with the process

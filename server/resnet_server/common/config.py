@@ -15,6 +15,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from resnet_client.flags import (
     int_between,
@@ -132,6 +133,7 @@ class ServerConfig:
 
 
 _FIELD_TYPES = typing.get_type_hints(ServerConfig)
+FlagType = Callable[[str], Any]  # what argparse calls with a flag's text: the value, or an error
 AUTO_BOOLEAN = ("true", "false", "auto")
 
 
@@ -145,7 +147,7 @@ def _has_type(value: object, expected: object) -> bool:
         return isinstance(value, tuple) and all(isinstance(item, str) for item in value)
     if isinstance(expected, types.UnionType):
         return any(_has_type(value, option) for option in typing.get_args(expected))
-    return isinstance(value, expected)
+    return isinstance(expected, type) and isinstance(value, expected)
 
 
 def _one_of(*options: str) -> Callable[[str], str]:
@@ -317,7 +319,7 @@ def tls_problem(cert: str | None, key: str | None, client_ca: str | None) -> str
 
 # (flag, type, help). Defaults come from ServerConfig so they live in one place. The help is also the README's
 # flags table (flags_table(); tests/test_config.py checks that they agree), so it says what a user needs there.
-_FLAGS: list[tuple[str, object, str]] = [
+_FLAGS: list[tuple[str, FlagType, str]] = [
     ("host", bind_address, "gRPC bind address: an address of this machine, 0.0.0.0 or :: for all"),
     ("port", port_number, "gRPC port, 0 to 65535 (0 picks a free one)"),
     ("metrics-host", bind_address, "/metrics bind address; expose it only inside the cluster"),
@@ -450,7 +452,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                 break
         shown = _shown_default(kind, default)
         # A boolean flag alone means true: `--compile` is `--compile true`.
-        optional_value = {"nargs": "?", "const": kind("true")} if kind in (_boolean, _auto_boolean) else {}
+        optional_value: dict[str, Any] = {}
+        if kind in (_boolean, _auto_boolean):
+            optional_value = {"nargs": "?", "const": kind("true")}
         parser.add_argument(f"--{flag}", *_ALIASES.get(flag, ()), dest=_field_name(flag), type=kind, default=default,
                             **optional_value, help=_escaped(f"{help_text} [env {name}; default {shown}]"))
     return parser
@@ -461,7 +465,7 @@ def _escaped(help_text: str) -> str:
     return help_text.replace("%", "%%")
 
 
-def _shown_default(kind: object, default: object) -> str:
+def _shown_default(kind: FlagType, default: object) -> str:
     """A default as a user would type it."""
     if default is None:
         return "none"
@@ -484,7 +488,7 @@ def flags_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def _from_env(name: str, text: str, kind) -> object:
+def _from_env(name: str, text: str, kind: FlagType) -> object:
     try:
         return kind(text)
     except (ValueError, argparse.ArgumentTypeError) as exc:

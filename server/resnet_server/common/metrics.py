@@ -8,6 +8,8 @@ builds its own :class:`CollectorRegistry`, so tests read fresh samples with ``ge
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, PlatformCollector, ProcessCollector
 from prometheus_client import start_http_server as _start_http_server
 
@@ -22,6 +24,13 @@ PREFIX = "resnet_"
 CHILD_METRICS_HOST = "127.0.0.1"  # engines' and front-ends' own endpoints: the supervisor's is the public one
 
 
+class _Labelled(TypedDict):
+    """The keyword arguments every series here shares: its label names and the server's registry."""
+
+    labelnames: list[str]
+    registry: CollectorRegistry
+
+
 class Metrics:
     """All of the server's series, in one registry, and its ModelStatistics totals."""
 
@@ -31,8 +40,8 @@ class Metrics:
         # The process's RSS, CPU, open fds and start time (which the restart alert and panel count), and Python's.
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        by_device = {"labelnames": ["device"], "registry": self.registry}
-        by_code = {"labelnames": ["device", "code"], "registry": self.registry}
+        by_device = _Labelled(labelnames=["device"], registry=self.registry)
+        by_code = _Labelled(labelnames=["device", "code"], registry=self.registry)
         self.request_latency = Histogram(
             PREFIX + "request_duration_seconds", "Server-side latency of a classification request, "
             "from arrival to answer (decode, queue, compute)", buckets=LATENCY_BUCKETS, **by_device)

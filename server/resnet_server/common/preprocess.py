@@ -103,17 +103,21 @@ class SlotBytes(NamedTuple):
     nbytes: int
 
 
+# An image's bytes: in a front-end, its request's (or a view of them); in the engine, where they lie in the slab.
+ImageBytes = bytes | memoryview | SlotBytes
+
+
 class RawImage(NamedTuple):
     dtype: str  # "uint8" or "float32"
     shape: tuple[int, ...]
-    data: bytes | SlotBytes  # SlotBytes in the engine
+    data: ImageBytes
 
 
 class CroppedImage(NamedTuple):
     """An image a front-end decoded, resized and cropped: uint8 [224, 224, 3] bytes (SlotBytes in the engine),
     normalised with its batch on the engine's device. A quarter of the float input's bytes through the slab."""
 
-    data: bytes | SlotBytes
+    data: ImageBytes
 
 
 ImageInput = EncodedImage | RawImage
@@ -150,7 +154,7 @@ def check_raw(image: RawImage, max_pixels: int) -> None:
         if tuple(image.shape) != FLOAT_SHAPE:
             raise InvalidInput(f"raw float32 image must have shape {list(FLOAT_SHAPE)}, got {list(image.shape)}")
         _check_raw_length(image, 4)
-        if not np.isfinite(np.frombuffer(image.data, np.float32)).all():
+        if not np.isfinite(np.frombuffer(_in_process(image.data), np.float32)).all():
             raise InvalidInput("raw float32 image contains NaN or infinity")
     else:
         raise InvalidInput(f"raw tensor dtype must be uint8 or float32, got {image.dtype or 'unspecified'}")
@@ -159,15 +163,14 @@ def check_raw(image: RawImage, max_pixels: int) -> None:
 def raw_batch(images: list[RawImage], device: torch.device) -> list[torch.Tensor]:
     """Raw images that passed :func:`check_raw` as the model's float [3, 224, 224] inputs on ``device``, one
     batched conversion per distinct shape."""
-    results: list[torch.Tensor | None] = [None] * len(images)  # every slot is filled below
+    rows: dict[int, torch.Tensor] = {}
     groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     for index, image in enumerate(images):
         groups.setdefault((image.dtype, tuple(image.shape)), []).append(index)
     for (dtype, shape), indices in groups.items():
         converted = _convert_group([images[i].data for i in indices], dtype, shape, device)
-        for index, row in zip(indices, converted.unbind(0), strict=True):
-            results[index] = row
-    return results
+        rows.update(zip(indices, converted.unbind(0), strict=True))
+    return [rows[index] for index in range(len(images))]
 
 
 def whole_batch(images: list, device: torch.device) -> torch.Tensor | None:
@@ -185,7 +188,7 @@ def whole_batch(images: list, device: torch.device) -> torch.Tensor | None:
     return None
 
 
-def _convert_group(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ...], device: torch.device
+def _convert_group(datas: list[ImageBytes], dtype: str, shape: tuple[int, ...], device: torch.device
                    ) -> torch.Tensor:
     stacked = stack_bytes(datas, dtype, shape, device)
     if dtype == "uint8":  # [B, H, W, 3]: resized as channels-last, which torch's uint8 resize handles natively
@@ -199,12 +202,12 @@ def cropped_batch(images: list[CroppedImage], device: torch.device) -> list[torc
     return list(_crops([image.data for image in images], device).unbind(0))
 
 
-def _crops(datas: list[bytes | SlotBytes], device: torch.device) -> torch.Tensor:
+def _crops(datas: list[ImageBytes], device: torch.device) -> torch.Tensor:
     stacked = stack_bytes(datas, "uint8", CROP_SHAPE, device)
     return normalise(to_device(stacked, device).permute(0, 3, 1, 2))
 
 
-def stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ...], device: torch.device
+def stack_bytes(datas: list[ImageBytes], dtype: str, shape: tuple[int, ...], device: torch.device
                  ) -> torch.Tensor:
     """The images' bytes copied once, into one new [B, *shape] tensor: on a GPU ``device`` when they are slots
     of a slab registered with CUDA (``server.engine.registered_slab``), else on the CPU (pinned, for an upload to a
@@ -213,19 +216,28 @@ def stack_bytes(datas: list[bytes | SlotBytes], dtype: str, shape: tuple[int, ..
     Bytes go through a memoryview: a plain copy that keeps the GIL. A NumPy copy of each image gives the GIL up
     and must win it back, up to a switch interval per image (docs/performance.md, "Figures behind the code")."""
     size, torch_dtype = (len(datas), *shape), getattr(torch, dtype)
-    if all(isinstance(data, SlotBytes) for data in datas):
-        rows = datas[0].rows
+    slots = [data for data in datas if isinstance(data, SlotBytes)]
+    if len(slots) == len(datas):
+        rows = slots[0].rows
         if rows.is_cuda:  # the registered slab as the GPU sees it in place: one gather kernel reads the images
-            return gather_slots(datas, torch.empty(size, dtype=torch_dtype, device=rows.device))
+            return gather_slots(slots, torch.empty(size, dtype=torch_dtype, device=rows.device))
         if device.type == "cuda" and rows.is_pinned():
-            return copy_slots(datas, torch.empty(size, dtype=torch_dtype, device=device))
-        return gather_slots(datas, torch.empty(size, dtype=torch_dtype, pin_memory=device.type == "cuda"))
+            return copy_slots(slots, torch.empty(size, dtype=torch_dtype, device=device))
+        return gather_slots(slots, torch.empty(size, dtype=torch_dtype, pin_memory=device.type == "cuda"))
     batch = torch.empty(size, dtype=torch_dtype, pin_memory=device.type == "cuda")
-    flat, offset = memoryview(batch.numpy()).cast("B"), 0
+    flat, offset = batch.numpy().data.cast("B"), 0
     for data in datas:  # each is exactly one image's bytes: check_raw saw to it on arrival
-        flat[offset:offset + len(data)] = data
-        offset += len(data)
+        image = _in_process(data)
+        flat[offset:offset + len(image)] = image
+        offset += len(image)
     return batch
+
+
+def _in_process(data: ImageBytes) -> bytes | memoryview:
+    """Bytes this process holds as they are (a slab's slots are read a batch at a time, never one by one)."""
+    if isinstance(data, SlotBytes):
+        raise TypeError("an image in a slab slot is read with its batch")
+    return data
 
 
 def gather_slots(slots: list[SlotBytes], batch: torch.Tensor) -> torch.Tensor:

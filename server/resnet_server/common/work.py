@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -40,15 +40,18 @@ class Caller(Protocol):
         """True once the caller has gone (cancelled): the item is then dropped before compute."""
 
 
+CallerT = TypeVar("CallerT", bound=Caller)
+
+
 @dataclass(eq=False)
-class WorkItem:
+class WorkItem(Generic[CallerT]):
     """One queued image and whoever awaits it."""
 
     model_input: ModelInput  # a preprocessed image, or one the replica converts with its batch
     temperature: float
     top_k: int
     deadline: float | None  # time.monotonic() value, or None for no deadline
-    future: Caller
+    future: CallerT
     request_id: str = ""
     enqueued: float = field(default_factory=time.monotonic)
 
@@ -59,17 +62,3 @@ class WorkItem:
         if self.deadline is not None and now >= self.deadline:
             return "deadline"
         return None
-
-
-class Ticket:
-    """An item's caller in another process: no future here, only whether that caller has gone."""
-
-    __slots__ = ("cancelled", "owner", "slot")
-
-    def __init__(self, owner: object, slot: int) -> None:
-        self.owner = owner  # who to answer (server.engine.core's front-end connection)
-        self.slot = slot  # where its image and answer lie (server.boundary.slab)
-        self.cancelled = False
-
-    def done(self) -> bool:
-        return self.cancelled

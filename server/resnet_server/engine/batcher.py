@@ -70,7 +70,6 @@ class Answers:
 
 # (inputs [B, 3, 224, 224] on the CPU or the device, temperatures [B]) -> (probabilities, logits), [B, 1000] on the
 # CPU, when PendingScores.wait() returns.
-ComputeFn = Callable[[torch.Tensor, torch.Tensor], "PendingScores"]
 
 
 @dataclass(eq=False)
@@ -107,8 +106,7 @@ class Batcher:
         self._deliver = self._guarded(answers.deliver, self._fail)
         self._on_dropped = self._guarded(answers.dropped)
         self._setup = setup
-        self._compute: ComputeFn | None = None  # the runner's forward pass (its launch)
-        self._runner: ModelRunner | None = None
+        self._loaded: ModelRunner | None = None  # set up on the worker's thread, before any batch
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
         self.max_batch_size = max_batch_size
@@ -197,6 +195,12 @@ class Batcher:
             self._queue_depth.set(len(self._queue))
             self._cond.notify()
 
+    @property
+    def _runner(self) -> ModelRunner:
+        if self._loaded is None:
+            raise RuntimeError(f"the model of {self.name} is not loaded")
+        return self._loaded
+
     def withdraw(self, items: Sequence[WorkItem]) -> list[WorkItem]:
         """Free the queue slots of a cancelled call's items that have not been taken yet; those items."""
         with self._cond:
@@ -210,9 +214,8 @@ class Batcher:
 
     def _run(self) -> None:
         try:
-            self._runner = self._setup()
-            self._compute = self._runner.launch
-            self._most_in_flight = self._runner.batches_in_flight
+            self._loaded = self._setup()
+            self._most_in_flight = self._loaded.batches_in_flight
         except BaseException as exc:  # handed to start(), which re-raises it in the caller
             self._setup_error = exc
             return
@@ -336,7 +339,9 @@ class Batcher:
 
     def _drop_dead(self, batch: list[WorkItem]) -> list[WorkItem]:
         now = time.monotonic()
-        live, expired, cancelled = [], [], []
+        live: list[WorkItem] = []
+        expired: list[WorkItem] = []
+        cancelled: list[WorkItem] = []
         for item in batch:
             reason = item.is_dead(now)
             if reason is None:
@@ -415,6 +420,7 @@ class Batcher:
         if launched.error is not None:
             raise launched.error
         batch = launched.batch
+        assert launched.scores is not None  # a batch launched without an error has its scores on their way
         probabilities, logits = launched.scores.wait()
         computed = time.monotonic()
         if len(probabilities) != len(batch):
@@ -437,7 +443,7 @@ class Batcher:
         """Launch the batch; on device out-of-memory (raised at launch, when memory is allocated), run it
         in halves, one after the other, before giving up."""
         try:
-            return self._compute(inputs, temperatures)
+            return self._runner.launch(inputs, temperatures)
         except torch.OutOfMemoryError:
             if len(inputs) == 1:
                 raise Overloaded(f"out of memory on {self.name} even for a single image") from None

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
             call_ms[size] = call_percentiles_ms(calls)
     # On this thread, one torch thread: as the server's preprocessing threads run it.
     preprocess_rate, _ = timed_rate(lambda: (preprocess(image, MAX_PIXELS), 1)[1], args.duration)
-    best = max(forward, key=forward.get)
+    best = max(forward, key=lambda size: forward[size])
     serial = 1.0 / (1.0 / forward[best] + 1.0 / preprocess_rate)
     return {"device": ",".join(str(runner.device) for runner in replicas.runners), "replicas": len(replicas.runners),
             "precision": args.precision, "compiled": args.compile,

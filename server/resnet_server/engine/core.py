@@ -15,6 +15,7 @@ model is loaded and warmed, so a front-end that could connect can be served.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import sys
@@ -51,7 +52,7 @@ from resnet_server.common.errors import ServingError
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.preprocess import FLOAT_SHAPE, CroppedImage, RawImage, SlotBytes
 from resnet_server.common.sections import EngineConfig
-from resnet_server.common.work import Ticket, WorkItem
+from resnet_server.common.work import ModelInput, WorkItem
 from resnet_server.engine.batcher import Answers, BatchOutput
 from resnet_server.engine.registered_slab import device_rows, register_slab
 from resnet_server.engine.replicas import Replica, load_replica
@@ -72,7 +73,7 @@ class _FrontEnd:
     def __init__(self, connection: Connection, owner: int) -> None:
         self.connection = connection
         self.owner = owner
-        self.items: dict[int, WorkItem] = {}  # by slot; guarded by the engine's lock
+        self.items: dict[int, Item] = {}  # by slot; guarded by the engine's lock
         self.alive = True
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._queued = 0  # bytes in the outbox; guarded by _lock
@@ -127,6 +128,24 @@ class _FrontEnd:
         self.connection.close()
 
 
+class Ticket:
+    """An item's caller in another process: no future here, only whether that caller has gone."""
+
+    __slots__ = ("cancelled", "owner", "slot")
+
+    def __init__(self, owner: _FrontEnd, slot: int) -> None:
+        self.owner = owner  # who to answer
+        self.slot = slot  # where its image and answer lie (server.boundary.slab)
+        self.cancelled = False
+
+    def done(self) -> bool:
+        return self.cancelled
+
+
+# An image queued in this engine: its caller is a front-end's slot.
+Item = WorkItem[Ticket]
+
+
 class Engine:
     def __init__(self, link: EngineLink, device: torch.device, config: EngineConfig, metrics: Metrics) -> None:
         self.link = link
@@ -135,7 +154,7 @@ class Engine:
         self.metrics = metrics
         self.slab = Slab(link.slab_fd, link.layout)
         self._input_rows = torch.from_numpy(self.slab.input_rows())  # raw images are read from here a batch at once
-        self.replica: Replica | None = None
+        self._replica: Replica | None = None
         self._lock = threading.Lock()
         self._frontends: set[_FrontEnd] = set()
         self._listener: Listener | None = None
@@ -144,7 +163,7 @@ class Engine:
 
     def start(self, live_owners: Iterable[int]) -> None:
         """Load and warm the model, free the slots of front-ends that ended while no engine ran, then listen."""
-        self.replica = load_replica(self.link.name, self.device, self.config, self.metrics, self._rejoined,
+        self._replica = load_replica(self.link.name, self.device, self.config, self.metrics, self._rejoined,
                                     Answers(self._deliver, self._fail, self._released))
         freed = self.slab.free_all_but(set(live_owners))
         if freed:
@@ -156,7 +175,13 @@ class Engine:
             self._input_rows = self._input_rows if on_device is None else on_device
         # No authkey here: the key's challenge runs on each connection's thread (server.boundary.link).
         self._listener = Listener(self.link.address, "AF_UNIX")
-        threading.Thread(target=self._accept, name="engine-accept", daemon=True).start()
+        threading.Thread(target=self._accept, args=(self._listener,), name="engine-accept", daemon=True).start()
+
+    @property
+    def replica(self) -> Replica:
+        if self._replica is None:
+            raise RuntimeError("the engine has not started")
+        return self._replica
 
     def info(self) -> EngineInfo:
         replica = self.replica
@@ -171,19 +196,19 @@ class Engine:
         self._closing = True
         if self._listener is not None:
             self._listener.close()
-        if self.replica is not None:
-            self.replica.batcher.stop(grace)
+        if self._replica is not None:
+            self._replica.batcher.stop(grace)
         deadline = time.monotonic() + SEND_SECONDS
         with self._lock:
             frontends = list(self._frontends)
         for frontend in frontends:
             frontend.flush(max(0.0, deadline - time.monotonic()))
 
-    def _accept(self) -> None:
+    def _accept(self, listener: Listener) -> None:
         """Accept until the listener is closed; each connection's handshake runs on its own thread."""
         while not self._closing:
             try:
-                connection = self._listener.accept()
+                connection = listener.accept()
             except OSError as exc:
                 if self._closing:
                     return
@@ -211,12 +236,16 @@ class Engine:
             frontend.close()
 
     def _read(self, frontend: _FrontEnd) -> None:
-        handlers = {Submit: self._submit, Cancel: self._cancel}
         messages = engine_messages(frontend.connection)
         try:
             while True:
                 for message in messages.read():
-                    handlers[type(message)](frontend, message)
+                    if isinstance(message, Submit):
+                        self._submit(frontend, message)
+                    elif isinstance(message, Cancel):
+                        self._cancel(frontend, message)
+                    else:
+                        raise ValueError(f"{type(message).__name__} after Hello")
         except (EOFError, OSError):
             pass
         except Exception:  # a message it could not handle: this connection ends, the engine goes on
@@ -232,8 +261,9 @@ class Engine:
         except ServingError as exc:
             self._fail(items, exc)
 
-    def _item(self, frontend: _FrontEnd, entry: SlotEntry, request_id: str) -> WorkItem:
+    def _item(self, frontend: _FrontEnd, entry: SlotEntry, request_id: str) -> Item:
         slot, nbytes = entry.slot, entry.nbytes
+        model_input: ModelInput
         if entry.kind is ImageKind.RAW:
             model_input = RawImage(entry.dtype, entry.shape, SlotBytes(self._input_rows, slot, nbytes))
         elif entry.kind is ImageKind.CROP:
@@ -277,26 +307,25 @@ class Engine:
                 return
         frontend.send(message(held))
 
-    def _deliver(self, items: list[WorkItem], output: BatchOutput) -> None:
+    def _deliver(self, items: list[Item], output: BatchOutput) -> None:
         """On the finisher's thread: the batch's scores into its slots, then one message per front-end."""
         slots = [item.future.slot for item in items]
         self.slab.outputs[slots, 0] = output.probabilities
         self.slab.outputs[slots, 1] = output.logits
-        answers = defaultdict(dict)
+        answers: defaultdict[_FrontEnd, dict[int, Answer]] = defaultdict(dict)
         for item, slot, top, queued in zip(items, slots, output.top_k, output.queue_seconds, strict=True):
             answers[item.future.owner][slot] = Answer(slot, top, queued)
         timing = (output.timing.input, output.timing.infer, output.timing.output)
         healthy = self.replica.healthy
         for frontend, answered in answers.items():
-            self._answer(frontend, list(answered), lambda held, answered=answered: Done(
-                [answered[slot] for slot in held], timing, healthy))
+            self._answer(frontend, list(answered), functools.partial(_done, answered, timing, healthy))
 
-    def _fail(self, items: list[WorkItem], exc: BaseException) -> None:
+    def _fail(self, items: list[Item], exc: BaseException) -> None:
         error, message, healthy = type(exc).__name__, str(exc), self.replica.healthy
         for frontend, slots in _slots_by_frontend(items).items():
             self._answer(frontend, slots, lambda held: Failed(held, error, message, healthy))
 
-    def _released(self, items: list[WorkItem]) -> None:
+    def _released(self, items: list[Item]) -> None:
         """Items dropped before compute because their caller went: their slots go back to their front-end."""
         for frontend, slots in _slots_by_frontend(items).items():
             self._answer(frontend, slots, Released)
@@ -330,7 +359,12 @@ class Engine:
             frontend.send(Health(True))
 
 
-def _slots_by_frontend(items: list[WorkItem]) -> dict[_FrontEnd, list[int]]:
+def _done(answered: dict[int, Answer], timing: tuple[float, float, float], healthy: bool, held: list[int]) -> Done:
+    """The answers of those of a front-end's slots that are still held."""
+    return Done([answered[slot] for slot in held], timing, healthy)
+
+
+def _slots_by_frontend(items: list[Item]) -> dict[_FrontEnd, list[int]]:
     grouped = defaultdict(list)
     for item in items:
         grouped[item.future.owner].append(item.future.slot)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -25,7 +25,8 @@ def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     import torch._inductor.config as inductor_config
 
     inductor_config.freezing = True
-    return torch.compile(model, mode=mode, dynamic=False)
+    # A module compiles to a module (OptimizedModule); torch.compile is typed for any callable.
+    return cast(torch.nn.Module, torch.compile(model, mode=mode, dynamic=False))
 
 
 def cuda_graph_state_for_this_thread() -> None:

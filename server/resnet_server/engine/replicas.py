@@ -91,6 +91,12 @@ class _ReplicaSetup:
             raise StartupError(f"{flag} failed on {device}: {type(exc).__name__}: {str(exc)[:300]} ({hint})") from exc
         return self.runner
 
+    def loaded(self) -> tuple[ModelRunner, LoadedWeights]:
+        """What the worker's thread set up, once the batcher has started."""
+        if self.runner is None or self.weights is None:
+            raise RuntimeError(f"replica {self.name} has not been set up")
+        return self.runner, self.weights
+
 
 def load_replica(name: str, device: torch.device, config: EngineConfig, metrics: Metrics,
                  on_rejoin: Callable[[], None], answers: Answers) -> Replica:
@@ -113,7 +119,7 @@ def load_replica(name: str, device: torch.device, config: EngineConfig, metrics:
         log.exception("replica %s failed to start on %s", name, device)
         raise StartupError(f"replica {name} failed to start on {device}: {type(exc).__name__}: {str(exc)[:300]}"
                            ) from exc
-    runner, weights = setup.runner, setup.weights
+    runner, weights = setup.loaded()
     elapsed = time.monotonic() - started
     metrics.load_time.labels(name).set(elapsed)
     metrics.healthy.labels(name).set_function(lambda: 1 if batcher.in_rotation else 0)

@@ -28,7 +28,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch.nn.utils.fusion import fuse_conv_bn_eval
@@ -40,6 +41,8 @@ from resnet_server.common.postprocess import temperature_softmax
 from resnet_server.common.preprocess import FLOAT_SHAPE, CroppedImage, RawImage, cropped_batch, raw_batch, whole_batch
 from resnet_server.common.work import ModelInput
 from resnet_server.engine import inductor
+
+Kind = TypeVar("Kind", DeferredJpeg, RawImage, CroppedImage)  # an input the runner converts a batch at a time
 
 # Batches a CUDA batcher keeps launched and unanswered: one computing on the device, the next queued behind it.
 CUDA_BATCHES_IN_FLIGHT = 2
@@ -64,7 +67,8 @@ class ModelRunner:
         # inductor picks its own layouts): docs/performance.md, "Figures behind the code".
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         model = _fold_batch_norms(model) if fold_batch_norms else model.eval()  # off only to measure what it saves
-        self.model = model.to(device=device, dtype=self.dtype, memory_format=self.memory_format)
+        # Module.to takes memory_format (it converts 4-D parameters); torch's overloads leave it out.
+        self.model = model.to(device=device, dtype=self.dtype, memory_format=self.memory_format)  # type: ignore[call-overload]
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.compiled = compiled
         self.compile_mode = compile_mode if compiled else None
@@ -100,7 +104,7 @@ class ModelRunner:
 
     def _graph(self) -> torch.nn.Module:
         """What runs the forward pass: the model itself, compiled, or traced and frozen."""
-        if self.compiled:
+        if self.compile_mode is not None:  # compiled
             return inductor.compile_model(self.model, self.compile_mode)
         if self.torchscript:  # the softmax too: one call a batch
             example = torch.zeros((1, *FLOAT_SHAPE), dtype=self.dtype, device=self.device)
@@ -113,16 +117,17 @@ class ModelRunner:
     def prepare(self, images: list[ModelInput]) -> tuple[torch.Tensor, dict[int, InvalidInput]]:
         """One batch's inputs as one tensor (on the device when anything was converted there), and the
         images that could not be decoded, by position in ``images``; those are left out of the tensor."""
-        if all(isinstance(image, torch.Tensor) for image in images):
-            return self._stack(images), {}
+        tensors = [image for image in images if isinstance(image, torch.Tensor)]
+        if len(tensors) == len(images):
+            return self._stack(tensors), {}
         with self._on_stream():
             batch = whole_batch(images, self.device)
             if batch is not None:
                 return batch, {}
             converted = self._convert_deferred(images)
             errors = {i: result for i, result in converted.items() if isinstance(result, InvalidInput)}
-            kept = [to_device(converted.get(i, image), self.device)
-                    for i, image in enumerate(images) if i not in errors]
+            kept = [to_device(row, self.device) for i, image in enumerate(images)
+                    if isinstance(row := converted.get(i, image), torch.Tensor)]  # all but the errors
             return (self._stack(kept) if kept else torch.empty((0, *FLOAT_SHAPE))), errors
 
     def _stack(self, rows: list[torch.Tensor]) -> torch.Tensor:
@@ -145,12 +150,18 @@ class ModelRunner:
 
     def _convert_deferred(self, images: list[ModelInput]) -> dict[int, torch.Tensor | InvalidInput]:
         """Deferred JPEGs, raw tensors and crops, each kind converted as one batch on this device, by position."""
-        converted: dict[int, torch.Tensor | InvalidInput] = {}
-        for kind, convert in ((DeferredJpeg, decode_batch), (RawImage, raw_batch), (CroppedImage, cropped_batch)):
-            positions = [i for i, image in enumerate(images) if isinstance(image, kind)]
-            if positions:
-                converted.update(zip(positions, convert([images[i] for i in positions], self.device), strict=True))
-        return converted
+        return {**self._each(images, DeferredJpeg, decode_batch), **self._each(images, RawImage, raw_batch),
+                **self._each(images, CroppedImage, cropped_batch)}
+
+    def _each(self, images: list[ModelInput], kind: type[Kind],
+              convert: Callable[[list[Kind], torch.device], Sequence[torch.Tensor | InvalidInput]]
+              ) -> dict[int, torch.Tensor | InvalidInput]:
+        """The images of one kind, converted as one batch, by position."""
+        chosen = [(i, image) for i, image in enumerate(images) if isinstance(image, kind)]
+        if not chosen:
+            return {}
+        results = convert([image for _, image in chosen], self.device)
+        return {i: result for (i, _), result in zip(chosen, results, strict=True)}
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
@@ -228,7 +239,7 @@ class ModelRunner:
         return torch.empty((size, *FLOAT_SHAPE), dtype=self.dtype, device=self.device,
                            memory_format=self.memory_format).zero_()
 
-    def _capture_one(self, size: int, pool: tuple[int, int]) -> _CapturedBatch:
+    def _capture_one(self, size: int, pool: torch.cuda._POOL_HANDLE) -> _CapturedBatch:
         inputs = self._graph_input(size)
         temperatures = torch.ones(size, dtype=torch.float64, device=self.device)
         graph = torch.cuda.CUDAGraph()

@@ -176,12 +176,13 @@ class InferenceCore:
         if invalid:  # refused before anything is decoded: a refused call costs no decoding
             raise InvalidImages(invalid, len(images))
         work = [(i, decode) for i, image in enumerate(images) if (decode := decoder_for(image, replica)) is not None]
-        if not work:  # raw pixels that fit their slots: nothing to decode (most calls)
-            return list(images)
+        # Raw pixels that fit their slots go as they came; every other image is decoded.
+        admitted: dict[int, ModelInput] = {i: image for i, image in enumerate(images) if isinstance(image, RawImage)}
+        if not work:  # nothing to decode (most calls)
+            return [admitted[index] for index in range(len(images))]
         # A call that would be refused is refused before it is decoded (submit() decides for the rest).
         with replica.room_for(len(images)):
             decoded = await self._decode(images, work, replica.takes_crops)
-        admitted: list[ModelInput] = list(images)
         for (index, _), model_input in zip(work, decoded, strict=True):
             if isinstance(model_input, InvalidInput):
                 invalid[index] = str(model_input)
@@ -191,7 +192,7 @@ class InferenceCore:
                 admitted[index] = model_input
         if invalid:
             raise InvalidImages(invalid, len(images))
-        return admitted
+        return [admitted[index] for index in range(len(images))]
 
     async def _decode(self, images: Sequence[ImageInput], work: list[tuple[int, Callable]],
                       crop_only: bool) -> list[ModelInput | BaseException]:

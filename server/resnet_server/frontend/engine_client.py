@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -37,6 +38,7 @@ from resnet_server.boundary.protocol import (
     SlotEntry,
     Submit,
     ToEngine,
+    ToFrontEnd,
     frame,
     frontend_messages,
 )
@@ -44,7 +46,7 @@ from resnet_server.boundary.slab import Slab, connection_owner
 from resnet_server.common import errors
 from resnet_server.common.device_decode import DeferredJpeg
 from resnet_server.common.errors import Overloaded, ServingError, StartupError, Unavailable
-from resnet_server.common.preprocess import CROP_SHAPE, FLOAT_SHAPE, RawImage
+from resnet_server.common.preprocess import CROP_SHAPE, FLOAT_SHAPE, RawImage, SlotBytes
 from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.work import ImageOutput, WorkItem
 
@@ -95,6 +97,21 @@ class _Outgoing:
         if self._waiting:
             self._loop.remove_writer(self._fd)
             self._waiting.clear()
+@dataclasses.dataclass
+class _Session:
+    """One connection to the engine and what reads and writes it on the front-end's event loop."""
+
+    connection: Connection
+    messages: MessageReader[ToFrontEnd]  # the engine's messages after Ready
+    loop: asyncio.AbstractEventLoop  # the loop that reads them (kept: see InferenceCore)
+    outgoing: _Outgoing
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.connection.fileno())
+        self.outgoing.close()
+        self.connection.close()
+
+
 _ERRORS = {cls.__name__: cls for cls in vars(errors).values()
            if isinstance(cls, type) and issubclass(cls, ServingError)}
 
@@ -109,16 +126,13 @@ class EngineClient:
         self.owner = owner  # this front-end process's number (the supervisor's)
         self._connections = itertools.count()
         self._slab_owner = owner  # this connection's number in the slab (server.boundary.slab.connection_owner)
-        self._outgoing: _Outgoing | None = None
         self.slab = Slab(link.slab_fd, link.layout)
         self.inline_bytes = link.layout.inline_bytes  # larger images are preprocessed here, not sent as they came
         self.pending = 0  # images routed here and not yet answered (InferenceCore keeps it)
         self._decoding = 0  # images of calls routed here being decoded (room_for)
-        self.info: EngineInfo | None = None
+        self._info: EngineInfo | None = None  # the last connection's: kept while it reconnects
         self._on_lost, self._on_back = on_lost, on_back
-        self._connection: Connection | None = None
-        self._messages: MessageReader | None = None  # the engine's messages after Ready
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that reads them (kept: see InferenceCore)
+        self._session: _Session | None = None  # while connected
         self._in_rotation = False
         self._waiting: dict[int, WorkItem] = {}  # by slot: items sent and not yet answered
         self._unsent: list[SlotEntry] = []  # submitted in this turn of the event loop; sent together at its end
@@ -126,12 +140,16 @@ class EngineClient:
         self._slot_of: dict[WorkItem, int] = {}
         self._reconnecting: asyncio.Task | None = None
         self._closed = False
-        self._handlers = {Done: self._on_done, Failed: self._on_failed, Released: self._on_released,
-                          Health: self._on_health}
 
     @property
     def healthy(self) -> bool:
-        return self._connection is not None and self._in_rotation
+        return self._session is not None and self._in_rotation
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise Unavailable(f"the engine of {self.name} has not answered yet")
+        return self._info
 
     @property
     def weights(self) -> SimpleNamespace:
@@ -181,13 +199,13 @@ class EngineClient:
         return False
 
     def _attach(self, connection: Connection, info: EngineInfo, owner: int) -> None:
-        self._connection, self.info, self._in_rotation = connection, info, info.in_rotation
+        self._info, self._in_rotation = info, info.in_rotation
         self._slab_owner = owner
-        self._messages = frontend_messages(connection)
-        self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         os.set_blocking(connection.fileno(), False)  # the loop neither reads nor writes until the socket is ready
-        self._outgoing = _Outgoing(self._loop, connection.fileno(), self._lost)
-        self._loop.add_reader(connection.fileno(), self._read)
+        self._session = _Session(connection, frontend_messages(connection), loop,
+                                 _Outgoing(loop, connection.fileno(), self._lost))
+        loop.add_reader(connection.fileno(), self._read)
 
     @contextlib.contextmanager
     def room_for(self, count: int) -> Iterator[None]:
@@ -210,7 +228,8 @@ class EngineClient:
 
     def submit(self, items: Sequence[WorkItem]) -> None:
         """Send all items or none; Overloaded when the engine's slab has too few free slots."""
-        if self._connection is None:
+        session = self._session
+        if session is None:
             raise Unavailable(f"the engine of {self.name} is restarting; retry")
         slots = self.slab.take(len(items), self._slab_owner)
         if slots is None:
@@ -221,7 +240,7 @@ class EngineClient:
             self.slab.give_back(slots, self._slab_owner)
             raise
         if not self._unsent:  # the first submit of this turn of the loop
-            self._loop.call_soon(self._send_unsent)
+            session.loop.call_soon(self._send_unsent)
         self._unsent += entries
         self._unsent_ids.append(items[0].request_id)  # a call's items share its id
         for slot, item in zip(slots, items, strict=True):
@@ -231,10 +250,10 @@ class EngineClient:
         """One message for every call submitted since the last: a message and its wake-up of the engine cost
         about as much as the rest of a call's hand-off, and under load many calls start in one turn of the loop."""
         entries, ids, self._unsent, self._unsent_ids = self._unsent, self._unsent_ids, [], []
-        if not entries or self._connection is None:  # lost meanwhile: _lost has failed these calls already
+        if not entries or self._session is None:  # lost meanwhile: _lost has failed these calls already
             return
         try:
-            self._outgoing.write(Submit(entries, ids))
+            self._session.outgoing.write(Submit(entries, ids))
         except OSError:
             self._lost()  # fails these items too: UNAVAILABLE, and the client retries
 
@@ -242,15 +261,20 @@ class EngineClient:
         """The image into its slot, as it came (raw pixels, JPEG bytes) or preprocessed here (a uint8 crop for a
         GPU engine, the model's float input for a CPU one)."""
         image = item.model_input
+        data: bytes | memoryview
         if isinstance(image, RawImage):
+            if isinstance(image.data, SlotBytes):
+                raise TypeError("a front-end's raw image holds its request's bytes")
             kind, dtype, shape, data = ImageKind.RAW, image.dtype, tuple(image.shape), image.data
         elif isinstance(image, DeferredJpeg):
-            kind, dtype, shape, data = ImageKind.JPEG, "uint8", (), memoryview(image.data.numpy())
+            kind, dtype, shape, data = ImageKind.JPEG, "uint8", (), image.data.numpy().data
+        elif not isinstance(image, torch.Tensor):
+            raise TypeError(f"a front-end sends no {type(image).__name__}")
         elif image.dtype == torch.uint8:  # preprocess's crop, [224, 224, 3] contiguous
-            kind, dtype, shape, data = ImageKind.CROP, "uint8", CROP_SHAPE, memoryview(image.numpy()).cast("B")
+            kind, dtype, shape, data = ImageKind.CROP, "uint8", CROP_SHAPE, image.numpy().data.cast("B")
         else:  # the model's float32 input
             kind, dtype, shape = ImageKind.FLOAT, "float32", FLOAT_SHAPE
-            data = memoryview(image.contiguous().numpy()).cast("B")
+            data = image.contiguous().numpy().data.cast("B")
         nbytes = len(data) if isinstance(data, bytes) else data.nbytes
         self.slab.input(slot, nbytes)[:] = data
         return SlotEntry(slot, kind, dtype, shape, nbytes, item.temperature, item.top_k, item.deadline,
@@ -260,18 +284,18 @@ class EngineClient:
         """The caller has gone: ask the engine to drop what it has not computed (it answers 'released')."""
         slots = [self._slot_of[item] for item in items if item in self._slot_of]
         self._send_unsent()  # the engine must have them before it is asked to drop them
-        if slots and self._connection is not None:
+        if slots and self._session is not None:
             try:
-                self._outgoing.write(Cancel(slots))
+                self._session.outgoing.write(Cancel(slots))
             except OSError:
                 self._lost()
 
     def _read(self) -> None:
         """Every message the socket holds (the loop calls again while it has more)."""
-        if self._connection is None:
+        if self._session is None:
             return
         try:
-            messages = self._messages.read()
+            messages = self._session.messages.read()
         except BlockingIOError:  # woken with nothing to read after all
             return
         except (EOFError, OSError):
@@ -279,9 +303,21 @@ class EngineClient:
             return
         for message in messages:
             try:
-                self._handlers[type(message)](message)
+                self._handle(message)
             except Exception:  # one message's failure must not drop the others read with it
                 log.exception("handling %s from the engine of %s failed", type(message).__name__, self.name)
+
+    def _handle(self, message: ToFrontEnd) -> None:
+        if isinstance(message, Done):
+            self._on_done(message)
+        elif isinstance(message, Failed):
+            self._on_failed(message)
+        elif isinstance(message, Released):
+            self._on_released(message)
+        elif isinstance(message, Health):
+            self._on_health(message)
+        else:
+            raise ValueError(f"the engine sent {type(message).__name__} after Ready")
 
     def _take(self, slot: int) -> WorkItem:
         item = self._waiting.pop(slot)
@@ -324,12 +360,10 @@ class EngineClient:
 
     def _lost(self) -> None:
         """The engine's socket closed: fail what waits on it, free its slots, and reconnect in the background."""
-        if self._connection is None:
+        session, self._session = self._session, None
+        if session is None:
             return
-        asyncio.get_running_loop().remove_reader(self._connection.fileno())
-        self._outgoing.close()
-        self._connection.close()
-        self._connection = None
+        session.close()
         waiting, self._waiting, self._slot_of, self._unsent, self._unsent_ids = self._waiting, {}, {}, [], []
         self.slab.give_back(list(waiting), self._slab_owner)
         error = Unavailable(f"the engine of {self.name} ended with this call in flight; retry")
@@ -352,9 +386,6 @@ class EngineClient:
         self._closed = True
         if self._reconnecting is not None:
             self._reconnecting.cancel()
-        if self._connection is not None:
-            with contextlib.suppress(RuntimeError):  # no running loop: nothing was registered on one
-                asyncio.get_running_loop().remove_reader(self._connection.fileno())
-                self._outgoing.close()
-            self._connection.close()
-            self._connection = None
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()

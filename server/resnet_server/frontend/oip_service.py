@@ -47,8 +47,8 @@ class DeclaredInput(NamedTuple):
 
     datatype: str
     shape: tuple[int, ...]  # the batch dimension first; -1 where any size goes
-    config_type: int
-    config_format: int
+    config_type: mc.DataType
+    config_format: mc.ModelInput.Format
 
 
 # One model, one statistics, several names; every name accepts every input form. perf_analyzer sends what

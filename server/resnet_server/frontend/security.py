@@ -25,7 +25,7 @@ def server_credentials(cert: str | None, key: str | None, client_ca: str | None)
     --tls-client-ca."""
     if problem := tls_problem(cert, key, client_ca):
         raise StartupError(problem)
-    if not cert:
+    if not (cert and key):  # tls_problem has refused one without the other
         return None
     try:
         pair = (Path(key).read_bytes(), Path(cert).read_bytes())

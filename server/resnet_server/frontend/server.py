@@ -59,7 +59,7 @@ class App:
         self.credentials = server_credentials(network.tls_cert, network.tls_key, network.tls_client_ca)
         self.tokens = load_tokens(network.auth_token_file)
         self.temperature, self.temperature_source = default_temperature(config)
-        self.health = health.aio.HealthServicer()
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # grpc-stubs predates grpc.aio
         self.port = 0
         self.core: InferenceCore | None = None
         self.classifier = ClassifierService()
@@ -92,7 +92,7 @@ class App:
         """The line that says the server is up (scripts and tests wait for it)."""
         config = self.config
         worker = f"; front-end {self.index} of {config.frontends}" if config.frontends > 1 else ""
-        devices = ", ".join(replica.name for replica in self.core.router.replicas)
+        devices = ", ".join(engine.name for engine in self.engines)
         log.info("serving %s on %s (devices %s; event loop %s%s)", MODEL_NAME,
                  host_port(config.network.host, self.port), devices, event_loop.resolved(config.event_loop), worker)
 
@@ -120,7 +120,7 @@ class App:
         add_servicer(oip_grpc.add_GRPCInferenceServiceServicer_to_server, self.inference, self._server,
                      {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request})
         add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.health, self._server)
-        add_servicer(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflection.aio.ReflectionServicer(
+        add_servicer(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflection.aio.ReflectionServicer(  # type: ignore[attr-defined]  # as health.aio
             (*SERVICE_NAMES, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), self._server)
         address = host_port(network.host, network.port)
         try:
@@ -231,7 +231,8 @@ class App:
         """Health says NOT_SERVING so balancers and orchestrators stop sending new work."""
         self._draining = True
         self._change_health(health_pb2.HealthCheckResponse.NOT_SERVING)  # after any change still under way
-        await self._health_update
+        if self._health_update is not None:
+            await self._health_update
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, answer accepted ones within grace, then let the replicas go."""
@@ -267,7 +268,9 @@ def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Ser
     handlers = {name: handler._replace(request_deserializer=deserializers[name]) if name in deserializers else handler
                 for name, handler in generated.handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generated.service, handlers),))
-    server.add_registered_method_handlers(generated.service, {name: handlers[name] for name in deserializers})
+    # grpcio 1.62's API, newer than grpc-stubs.
+    registered = {name: handlers[name] for name in deserializers}
+    server.add_registered_method_handlers(generated.service, registered)  # type: ignore[attr-defined]
 
 
 def _connection_age_options(config: FrontendConfig) -> list[tuple[str, int]]:

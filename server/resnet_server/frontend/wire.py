@@ -43,8 +43,8 @@ class TooMany(Exception):
         self.most = most
 
 
-def pull_out(message_type: type[Message], view: memoryview, start: int, end: int,
-             number: int, most: int) -> tuple[Message, list[memoryview]]:
+def pull_out(message_type: type[M], view: memoryview, start: int, end: int,
+             number: int, most: int) -> tuple[M, list[memoryview]]:
     """The message between ``start`` and ``end`` of ``view``, parsed without its length-delimited field
     ``number``, and that field's values (each occurrence, in order, at most ``most`` of them, else TooMany) as
     views of ``view``."""
