@@ -7,6 +7,7 @@ protobuf < 7, which grpcio 1.85 cannot use), so double_param is sent through our
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import queue
 
 import grpc
@@ -62,17 +63,18 @@ def test_live_ready_and_metadata(triton):
         "probabilities", "top_k_indices", "top_k_probabilities", "top_k_labels"]
 
 
-def test_model_config(triton):
+def test_model_config(triton, weights_file):
     config = triton.get_model_config("resnet18", as_json=True)["config"]
     assert config["name"] == "resnet18" and config["max_batch_size"] == 64
     assert config["input"][0]["dims"] == ["3", "224", "224"] and config["input"][0]["data_type"] == "TYPE_FP32"
     assert config["dynamic_batching"]["preferred_batch_size"] == [8]
     assert config["instance_group"][0]["kind"] == "KIND_CPU"
     assert config["parameters"] == {"default_temperature": {"string_value": "1"},
-                                    "wait_for_callers_ms": {"string_value": "0"}}
+                                    "wait_for_callers_ms": {"string_value": "0"},
+                                    "weights_sha256": {"string_value": sha256(weights_file[0])}}
 
 
-def test_model_config_reports_the_served_settings(make_server):
+def test_model_config_reports_the_served_settings(make_server, weights_file):
     running = make_server(max_batch_size=4, max_batch_delay_ms=2.5, wait_for_callers_ms=30.0, temperature=0.5,
                           max_images_per_request=16)
     with tc.InferenceServerClient(running.target) as triton:
@@ -80,7 +82,12 @@ def test_model_config_reports_the_served_settings(make_server):
     assert config["max_batch_size"] == 16
     assert config["dynamic_batching"] == {"preferred_batch_size": [4], "max_queue_delay_microseconds": "2500"}
     assert config["parameters"] == {"default_temperature": {"string_value": "0.5"},
-                                    "wait_for_callers_ms": {"string_value": "30"}}
+                                    "wait_for_callers_ms": {"string_value": "30"},
+                                    "weights_sha256": {"string_value": sha256(weights_file[0])}}
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_the_uint8_name_declares_raw_pixels_and_serves_the_same_model(triton):

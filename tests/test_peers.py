@@ -238,7 +238,7 @@ def test_a_stuck_batch_ends_its_engine(engines, faults):
         client.classify([PIXELS])
     assert lost.value.code == grpc.StatusCode.UNAVAILABLE  # its engine ended: the caller may retry elsewhere
     engine.join(10)
-    assert engine.exitcode == 1
+    assert engine.exit_code() == 1
 
 
 def test_one_message_the_front_end_cannot_handle_leaves_the_others_read_with_it_handled():
@@ -255,8 +255,8 @@ def test_one_message_the_front_end_cannot_handle_leaves_the_others_read_with_it_
         accept_hello(connection, key)
         send(connection, Ready(info))
         (entry,) = receive_at_engine(connection).entries
-        unknown = Done([Answer(entry.slot + 1, [(0, 1.0)], 0.0)], (0.0, 0.0, 0.0), True)
-        answer = Done([Answer(entry.slot, [(3, 0.5)], 0.0)], (0.0, 0.0, 0.0), True)
+        unknown = Done([Answer(entry.slot + 1, [(0, 1.0)], 0.0)], (0.0, 0.0, 0.0), True, 1)
+        answer = Done([Answer(entry.slot, [(3, 0.5)], 0.0)], (0.0, 0.0, 0.0), True, 1)
         os.write(connection.fileno(), frame(unknown) + frame(answer))
         with contextlib.suppress(EOFError):
             connection.recv_bytes()  # until the front-end closes

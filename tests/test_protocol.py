@@ -41,7 +41,7 @@ def read_until(reader, count: int) -> list:
 
 def test_every_message_waiting_is_read_at_once_in_order(pipe):
     ours, theirs = pipe
-    sent = [Done([Answer(3, [(7, 0.5)], 0.001)], (0.1, 0.2, 0.3), True), Health(False),
+    sent = [Done([Answer(3, [(7, 0.5)], 0.001)], (0.1, 0.2, 0.3), True, 2), Health(False),
             Failed([1, 2], "Overloaded", "full", True), Released([4])]
     for message in sent:
         send(theirs, message)

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -50,6 +49,7 @@ from tests.helpers import (
 )
 from tests.helpers import scrape as scrape_port
 from tests.prom import ALERT_RULES, Prometheus
+from tests.server_process import Workers, gone
 
 IMAGE = encode(random_rgb(31))
 
@@ -57,74 +57,6 @@ IMAGE = encode(random_rgb(31))
 def served_by(worker: int) -> str:
     """The sample of worker ``worker``'s answered requests on the supervisor's merged /metrics."""
     return f'resnet_requests_total{{code="OK",device="cpu",worker="{worker}"}}'
-
-
-class Workers:
-    """``python -m server --frontends 2`` on 127.0.0.1, port 0; its log lines collected as they come."""
-
-    def __init__(self, weights: str, *extra: str) -> None:
-        self.metrics_port = free_port()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "resnet_server", "--frontends", "2", "--host", "127.0.0.1", "--port", "0",
-             "--metrics-port", str(self.metrics_port), "--device", "cpu", "--weights", weights,
-             "--grace-period", "20", *extra],
-            stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self._logged = threading.Condition()
-        threading.Thread(target=self._collect, daemon=True).start()  # also keeps the pipe drained
-
-    def _collect(self) -> None:
-        for line in self.process.stderr:
-            with self._logged:
-                self.lines.append(line)
-                self._logged.notify_all()
-        with self._logged:
-            self.lines.append("")  # the end of the log: the server has exited
-            self._logged.notify_all()
-
-    def read_until(self, count: int, text: str, timeout: float = 120) -> list[str]:
-        """Once ``count`` log lines hold ``text``: those lines."""
-        def found() -> list[str]:
-            return [line for line in self.lines if text in line]
-
-        with self._logged:
-            if not self._logged.wait_for(lambda: len(found()) >= count or self.lines[-1:] == [""], timeout):
-                raise AssertionError(f"no {count} lines with {text!r} within {timeout}s:\n" + "".join(self.lines))
-            if len(found()) < count:
-                raise AssertionError("the server exited early:\n" + "".join(self.lines))
-            return found()[:count]
-
-    def count(self, text: str) -> int:
-        """How many log lines so far hold ``text``."""
-        with self._logged:
-            return sum(text in line for line in self.lines)
-
-    def serving(self, count: int = 2) -> tuple[int, list[int]]:
-        """Once ``count`` front-ends (counting replacements) serve: the shared port and their pids."""
-        pids = [_pid(line) for line in self.read_until(count, "started resnet-frontend")]
-        ports = {int(line.split(" on 127.0.0.1:")[1].split()[0]) for line in self.read_until(count, "serving resnet18")}
-        assert len(ports) == 1
-        return ports.pop(), pids
-
-    def terminate(self, pids: list[int]) -> None:
-        """SIGTERM the supervisor: it drains and exits 0, and every one of ``pids`` has ended."""
-        self.process.send_signal(signal.SIGTERM)
-        assert self.process.wait(timeout=60) == 0
-        assert all(_gone(pid) for pid in pids)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-
-    def engine_pids(self, count: int = 1) -> list[int]:
-        """Once ``count`` engines (counting restarts) have started: their pids."""
-        return [_pid(line) for line in self.read_until(count, "started resnet-engine")]
-
-
-def _pid(line: str) -> int:
-    return int(line.rsplit("pid ", 1)[1].rstrip(")\n"))
 
 
 def statistics_while(triton: tc.InferenceServerClient, done: threading.Event) -> list[int]:
@@ -137,15 +69,6 @@ def statistics_while(triton: tc.InferenceServerClient, done: threading.Event) ->
         assert model.execution_count == sum(batch.compute_infer.count for batch in model.batch_stats)
         counts.append(model.inference_count)
     return counts
-
-
-def _gone(pid: int) -> bool:
-    """The process has ended: no such process, or a zombie waiting to be reaped (by an init that may never)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):  # the second: it ended between the open and the read
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 @needs_promtool
@@ -304,7 +227,7 @@ def test_an_engine_killed_under_load_fails_its_calls_unavailable_is_restarted_an
             workers.process.send_signal(signal.SIGTERM)
             assert all(call.result(timeout=60)[0].top_k for call in calls)
         assert workers.process.wait(timeout=60) == 0
-        assert all(_gone(pid) for pid in [*pids, engine, restarted])
+        assert all(gone(pid) for pid in [*pids, engine, restarted])
         assert set(os.listdir("/dev/shm")) == shared_memory
     finally:
         workers.close()
@@ -318,7 +241,7 @@ def test_no_child_outlives_a_supervisor_killed_with_sigkill(weights_file):
         children = [*pids, *workers.engine_pids()]
         workers.process.kill()
         workers.process.wait()
-        wait_for(lambda: all(_gone(pid) for pid in children), timeout=60)  # each drains (nothing in flight), ends
+        wait_for(lambda: all(gone(pid) for pid in children), timeout=60)  # each drains (nothing in flight), ends
         assert set(os.listdir("/dev/shm")) == shared_memory  # the slab was a memfd: nothing to clean up
     finally:
         workers.close()

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from . import bench, calibrate
 from .channel import DEFAULT_ATTEMPTS, parse_targets
@@ -54,7 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="", help="service name to check (default: the whole server)")
     health.set_defaults(run=run_health)
 
-    for sub in (classify, info, health):
+    reload = commands.add_parser("reload", help="load new weights while serving (the server runs with "
+                                                "--model-control explicit); returns once every device serves them")
+    reload.add_argument("--weights", metavar="FILE", default=None,
+                        help="a ResNet18 state_dict saved by torch.save, or a safetensors file, sent to the server "
+                             "(default: the server reads its own --weights again)")
+    reload.set_defaults(run=run_reload)
+
+    for sub in (classify, info, health, reload):
         add_connection_flags(sub)
     _add_optional_commands(commands)
     return parser
@@ -121,7 +129,7 @@ def run_info(args: argparse.Namespace) -> int:
         "wait_for_callers_ms": info.batching.wait_for_callers_ms, "max_queue": info.batching.max_queue,
         "max_pixels": info.input.max_pixels, "max_images_per_request": info.input.max_images_per_request,
         "encodings": list(info.input.encodings), "raw_formats": list(info.input.raw_formats),
-        "labels": len(info.labels),
+        "labels": len(info.labels), "weights_version": info.weights_version, "weights_sha256": info.weights_sha256,
     }
     if args.json:
         print(json.dumps({**summary, "labels": list(info.labels)}))
@@ -131,6 +139,19 @@ def run_info(args: argparse.Namespace) -> int:
             if key == "warning" and not value:  # only weights that need one (random) have a warning
                 continue
             print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def run_reload(args: argparse.Namespace) -> int:
+    try:
+        weights = Path(args.weights).read_bytes() if args.weights else None
+    except OSError as exc:
+        print(f"resnet-client: error: {exc}", file=sys.stderr)
+        return 1
+    with connect(args) as client:
+        client.reload(weights)
+        info = client.model_info()
+    print(f"serving weights version {info.weights_version} (sha256 {info.weights_sha256})")
     return 0
 
 

@@ -9,11 +9,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .api import classifier_pb2 as pb
 from .api import classifier_pb2_grpc as pb_grpc
+from .api import grpc_predict_v2_pb2 as oip
+from .api import grpc_predict_v2_pb2_grpc as oip_grpc
 from .channel import DEFAULT_ATTEMPTS, ChannelConfig, parse_targets
 from .errors import ClassifierError
 from .messages import Classification, ImageLike, build_request, parse_response
 
 DEFAULT_TIMEOUT = 30.0
+MODEL = "resnet18"
 # What grpc.intercept_channel takes: an interceptor of any of the four call shapes.
 Interceptor = (grpc.UnaryUnaryClientInterceptor | grpc.UnaryStreamClientInterceptor
                | grpc.StreamUnaryClientInterceptor | grpc.StreamStreamClientInterceptor)
@@ -48,6 +51,7 @@ class Client:
         self._channel = grpc.intercept_channel(channel, *interceptors) if interceptors else channel
         self.timeout = timeout
         self._stub = pb_grpc.ClassifierStub(self._channel)
+        self._repository = oip_grpc.GRPCInferenceServiceStub(self._channel)  # the model repository extension
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def _call(self, method, request, timeout: float | None):
@@ -79,6 +83,12 @@ class Client:
         response = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
         return _health_name(response.status)
 
+    def reload(self, weights: bytes | None = None, *, timeout: float | None = None) -> None:
+        """New weights while the server serves (it runs with ``--model-control explicit``): ``weights`` (a
+        ResNet18 state_dict saved by torch.save, or a safetensors file), or, with none, its ``--weights`` read
+        again. Returns once every device serves them; ClassifierError says why none does."""
+        self._call(self._repository.RepositoryModelLoad, reload_request(weights), timeout)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -100,6 +110,7 @@ class AsyncClient:
                                                own_connection, interceptors=list(interceptors) or None)
         self.timeout = timeout
         self._stub = pb_grpc.ClassifierStub(self._channel)
+        self._repository = oip_grpc.GRPCInferenceServiceStub(self._channel)  # the model repository extension
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def _call(self, method, request, timeout: float | None):
@@ -127,6 +138,10 @@ class AsyncClient:
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         return await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
 
+    async def reload(self, weights: bytes | None = None, *, timeout: float | None = None) -> None:
+        """As Client.reload."""
+        await self._call(self._repository.RepositoryModelLoad, reload_request(weights), timeout)
+
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         response = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
         return _health_name(response.status)
@@ -139,3 +154,9 @@ class AsyncClient:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
+
+
+def reload_request(weights: bytes | None) -> oip.RepositoryModelLoadRequest:
+    """Triton's load of the model, with the file of weights as tritonclient's load_model(files=...) sends it."""
+    files = {"file:1/weights": oip.ModelRepositoryParameter(bytes_param=weights)} if weights is not None else {}
+    return oip.RepositoryModelLoadRequest(model_name=MODEL, parameters=files)

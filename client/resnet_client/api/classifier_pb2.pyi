@@ -77,10 +77,12 @@ class ImageResult(_message.Message):
     def __init__(self, top_k: _Optional[_Iterable[_Union[ClassScore, _Mapping]]] = ..., probabilities: _Optional[_Iterable[float]] = ..., logits: _Optional[_Iterable[float]] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., device: _Optional[str] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class ClassifyResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "weights_version")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ImageResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[ImageResult, _Mapping]]] = ...) -> None: ...
+    weights_version: int
+    def __init__(self, results: _Optional[_Iterable[_Union[ImageResult, _Mapping]]] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
@@ -119,7 +121,7 @@ class BatchingSpec(_message.Message):
     def __init__(self, max_batch_size: _Optional[int] = ..., max_batch_delay_ms: _Optional[float] = ..., max_queue: _Optional[int] = ..., wait_for_callers_ms: _Optional[float] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "labels", "input", "devices", "default_temperature", "temperature_source", "batching", "weights", "warning", "precision")
+    __slots__ = ("name", "version", "labels", "input", "devices", "default_temperature", "temperature_source", "batching", "weights", "warning", "precision", "weights_version", "weights_sha256")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +133,8 @@ class ModelInfo(_message.Message):
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     WARNING_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     labels: _containers.RepeatedScalarFieldContainer[str]
@@ -142,4 +146,6 @@ class ModelInfo(_message.Message):
     weights: str
     warning: str
     precision: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., input: _Optional[_Union[InputSpec, _Mapping]] = ..., devices: _Optional[_Iterable[str]] = ..., default_temperature: _Optional[float] = ..., temperature_source: _Optional[str] = ..., batching: _Optional[_Union[BatchingSpec, _Mapping]] = ..., weights: _Optional[str] = ..., warning: _Optional[str] = ..., precision: _Optional[str] = ...) -> None: ...
+    weights_version: int
+    weights_sha256: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., input: _Optional[_Union[InputSpec, _Mapping]] = ..., devices: _Optional[_Iterable[str]] = ..., default_temperature: _Optional[float] = ..., temperature_source: _Optional[str] = ..., batching: _Optional[_Union[BatchingSpec, _Mapping]] = ..., weights: _Optional[str] = ..., warning: _Optional[str] = ..., precision: _Optional[str] = ..., weights_version: _Optional[int] = ..., weights_sha256: _Optional[str] = ...) -> None: ...

@@ -81,6 +81,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     torch_threads: int
     runs: str  # how its batches run: 'cuda:0 runs fp16 as CUDA graphs at batch sizes 1, 2, ...'
     takes_crops: bool  # images a front-end preprocesses come as uint8 crops (else as the float input)
+    weights_version: int = 1  # of the weights served now: 1 at start, one more with each reload
+    weights_sha256: str = ""
 
 
 class Answer(msgspec.Struct, array_like=True, frozen=True):
@@ -112,6 +114,7 @@ class Done(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.DONE)):
     answers: list[Answer]
     timing: tuple[float, float, float]  # the batch's input, infer and output seconds
     in_rotation: bool
+    weights_version: int  # of the weights that computed the batch
 
 
 class Failed(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.FAILED)):

@@ -75,6 +75,8 @@ class ServerConfig:
     max_images_per_request: int = 64
     max_pixels: int = 40_000_000
     max_message_mb: int = 64
+    model_control: str = "none"  # explicit: the model repository RPCs may reload the weights
+    max_weights_mb: int = 50  # a little over ResNet18's fp32 state_dict (44.7 MiB)
     max_concurrent_streams: int = 128
     max_connection_age: float = 0.0  # 0: connections live as long as their clients keep them
     preprocess_threads: int = 2
@@ -164,14 +166,16 @@ def _one_of(*options: str) -> Callable[[str], str]:
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+MODEL_CONTROL_MODES = ("none", "explicit")
 # The fields that take one of a few values, and those values (what the flags below accept, and what a
 # configuration built in code is checked against).
 _CHOICES = {"precision": PRECISIONS, "compile_mode": COMPILE_MODES, "log_format": LOG_FORMATS,
             "event_loop": EVENT_LOOPS, "log_level": LOG_LEVELS, "cuda_graphs": AUTO_BOOLEAN,
-            "decode_on_device": AUTO_BOOLEAN}
+            "decode_on_device": AUTO_BOOLEAN, "model_control": MODEL_CONTROL_MODES}
 _precision = _one_of(*PRECISIONS)
 _compile_mode = _one_of(*COMPILE_MODES)
 _log_format = _one_of(*LOG_FORMATS)
+_model_control = _one_of(*MODEL_CONTROL_MODES)
 _event_loop = _one_of(*EVENT_LOOPS)
 
 
@@ -352,6 +356,13 @@ _FLAGS: list[tuple[str, FlagType, str]] = [
     ("max-pixels", positive_int, "most pixels (H*W) per image, checked from the header before decoding "
                                  "(decompression bombs)"),
     ("max-message-mb", positive_int, "largest gRPC message received or sent, in MiB"),
+    ("model-control", _model_control, "explicit: the Open Inference Protocol's model repository RPCs "
+                                      "(RepositoryModelLoad, RepositoryModelUnload, RepositoryIndex; `resnet-client "
+                                      "reload`) may load new weights while serving; none: they answer "
+                                      "PERMISSION_DENIED. SIGHUP reloads --weights either way"),
+    ("max-weights-mb", positive_int, "largest file of weights a client may send to load (--model-control explicit), "
+                                     "in MiB; gRPC's receive limit grows to it if --max-message-mb is less, while "
+                                     "inference requests keep --max-message-mb"),
     ("max-concurrent-streams", positive_int, "most concurrent RPCs per HTTP/2 connection"),
     ("max-connection-age", non_negative_float, "seconds after which a connection is asked to reconnect (HTTP/2 "
                                                 "GOAWAY, +-10% jitter; calls in flight get --grace-period), so "

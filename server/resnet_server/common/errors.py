@@ -48,6 +48,10 @@ class NotFound(ServingError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class PermissionDenied(ServingError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unavailable(ServingError):
     code = grpc.StatusCode.UNAVAILABLE
 

@@ -84,6 +84,15 @@ class Metrics:
         self.load_time = Gauge(PREFIX + "model_load_seconds", "Time to load, place and warm up the model",
                                **by_device)
         self.model = Info(PREFIX + "model", "The model served", **by_device)
+        self.weights_version = Gauge(PREFIX + "weights_version", "The version of the weights served: 1 at start, "
+                                     "one more with each reload", **by_device)
+        self.reloads = Counter(PREFIX + "weights_reloads", "Reloads of the weights on this device, by outcome "
+                               "(loaded; failed: these weights could not be made ready; aborted: another device's "
+                               "could not, and this one keeps serving the old)", labelnames=["device", "outcome"],
+                               registry=self.registry)
+        self.reload_time = Gauge(PREFIX + "weights_reload_seconds", "The last reload's time from its start to the "
+                                 "swap (loading and preparing beside the served weights, then waiting for a pause "
+                                 "between batches)", **by_device)
         self.gpu_allocated = Gauge(PREFIX + "gpu_memory_allocated_bytes", "CUDA memory held by tensors",
                                    **by_device)
         self.gpu_reserved = Gauge(PREFIX + "gpu_memory_reserved_bytes", "CUDA memory reserved by the caching "

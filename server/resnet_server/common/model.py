@@ -4,11 +4,14 @@ Weights come from torchvision's ImageNet checkpoint (cached under ``TORCH_HOME``
 file (a plain ``state_dict``, a checkpoint dict holding one under ``state_dict`` or ``model``,
 or ``nn.DataParallel`` keys prefixed ``module.``), or from a seeded random initialisation.
 Files are read with ``weights_only=True`` (no pickle code runs) and ``map_location`` onto the
-serving device, so a checkpoint saved on any GPU loads anywhere.
+serving device, so a checkpoint saved on any GPU loads anywhere; a safetensors file (told by its header, not
+its name) is read with the safetensors library. Every weights' identity is a SHA-256: of the file, or of the
+tensors for ImageNet's and the random ones.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,15 +43,46 @@ class LoadedWeights:
     state_dict: Mapping[str, torch.Tensor]
     source: str  # what GetModelInfo reports, e.g. "imagenet" or the file path
     warning: str = ""
+    sha256: str = ""  # the file's, or the tensors' (weights_sha256)
+
+
+@dataclass(frozen=True)
+class ServedWeights:
+    """The weights the server serves, as the supervisor tells the front-ends: where they come from, their version
+    and SHA-256, and whether the model is loaded at all (an unload makes it not ready until the next load)."""
+
+    source: str  # --weights (a path, imagenet or random), or a file of weights a client sent
+    version: int
+    sha256: str = ""  # "" until an engine has loaded them
+    loaded: bool = True
 
 
 def load_weights(spec: str, device: torch.device) -> LoadedWeights:
     """Resolve ``--weights`` (imagenet, random or a path) to a state_dict on ``device``."""
     if spec == "imagenet":
-        return LoadedWeights(_imagenet_state_dict(device), "imagenet:" + IMAGENET_WEIGHTS.name)
+        state = _imagenet_state_dict(device)
+        return LoadedWeights(state, "imagenet:" + IMAGENET_WEIGHTS.name, sha256=tensors_sha256(state))
     if spec == "random":
-        return LoadedWeights(random_state_dict(), f"random(seed={RANDOM_SEED})", RANDOM_WARNING)
-    return LoadedWeights(load_state_dict_file(Path(spec), device), str(spec))
+        state = random_state_dict()
+        return LoadedWeights(state, f"random(seed={RANDOM_SEED})", RANDOM_WARNING, tensors_sha256(state))
+    return LoadedWeights(load_state_dict_file(Path(spec), device), str(spec), sha256=file_sha256(Path(spec)))
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tensors_sha256(state: Mapping[str, torch.Tensor]) -> str:
+    """Of each tensor's name and bytes, in name order (a state_dict has no file of its own to hash)."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        digest.update(name.encode())
+        digest.update(state[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def random_state_dict(seed: int = RANDOM_SEED) -> dict[str, torch.Tensor]:
@@ -73,6 +107,8 @@ def load_state_dict_file(path: Path, device: torch.device) -> dict[str, torch.Te
     """Read a checkpoint file safely and return a clean ResNet18 state_dict."""
     if not path.is_file():
         raise WeightsError(f"weights file {path} does not exist (use imagenet, random or a file path)")
+    if _is_safetensors(path):
+        return _load_safetensors(path, device)
     try:
         loaded = torch.load(path, map_location=device, weights_only=True)
     except Exception as exc:  # pickle.UnpicklingError for code-carrying files, zip errors, ...
@@ -81,6 +117,34 @@ def load_state_dict_file(path: Path, device: torch.device) -> dict[str, torch.Te
             f"and dicts are accepted, never pickled code. Save it with torch.save(model.state_dict(), path)"
         ) from exc
     return _unwrap_state_dict(loaded, path)
+
+
+def _is_safetensors(path: Path) -> bool:
+    """A safetensors file starts with its header's length (8 bytes, little-endian) and then the header, a JSON
+    object; a torch.save file is a zip archive (PK) or, in the legacy format, a pickle."""
+    with path.open("rb") as file:
+        start = file.read(9)
+    return len(start) == 9 and start[8:9] == b"{"
+
+
+def _load_safetensors(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path, device=str(device))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise WeightsError(f"cannot load {path} as safetensors ({type(exc).__name__}: {exc})") from exc
+
+
+def check_weights_file(path: Path) -> str:
+    """Read the file as the engines will and check it is a ResNet18 state_dict (on no device: the shapes only
+    are compared); its SHA-256. WeightsError names what is wrong, the first wrong key first of all."""
+    state = load_state_dict_file(path, torch.device("cpu"))
+    with torch.device("meta"):
+        model = resnet18(weights=None)
+    check_state_dict(model, state, path.name)
+    return file_sha256(path)
 
 
 def _unwrap_state_dict(loaded: object, path: Path) -> dict[str, torch.Tensor]:

@@ -61,6 +61,7 @@ class EngineConfig:
     uses_cuda_graphs: bool  # --cuda-graphs resolved (ServerConfig.uses_cuda_graphs)
     largest_batch: int  # the histograms' and statistics' widest batch
     observability: Observability
+    weights_version: int = 1  # of ``weights``: 1 at start, one more with each reload
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ class FrontendConfig:
     max_queue: int
     largest_batch: int
     observability: Observability
+    model_control: str = "none"
+    max_weights_mb: int = 50
+    uploads: str = ""  # the supervisor's folder for weights a client sends ("" for a front-end run alone)
 
 
 def _section(kind: type, config: ServerConfig, **given: object):
@@ -97,12 +101,14 @@ def observability(config: ServerConfig) -> Observability:
     return _section(Observability, config)
 
 
-def engine_config(config: ServerConfig) -> EngineConfig:
-    return _section(EngineConfig, config, observability=observability(config))
+def engine_config(config: ServerConfig, weights: str | None = None, weights_version: int = 1) -> EngineConfig:
+    """An engine's section, serving ``weights`` (those served now, after a reload; else --weights)."""
+    return _section(EngineConfig, config, observability=observability(config), weights=weights or config.weights,
+                    weights_version=weights_version)
 
 
-def frontend_config(config: ServerConfig, port: int, frontends: int) -> FrontendConfig:
+def frontend_config(config: ServerConfig, port: int, frontends: int, uploads: str = "") -> FrontendConfig:
     """A front-end's section, on ``port`` (the one the supervisor bound first, shared by all) as one of
-    ``frontends``."""
+    ``frontends``; weights a client sends go to ``uploads``."""
     return _section(FrontendConfig, config, network=_section(Network, config, port=port), frontends=frontends,
-                    observability=observability(config))
+                    observability=observability(config), uploads=uploads)

@@ -30,6 +30,7 @@ class ImageOutput:
     queue_seconds: float
     timing: BatchTiming  # its batch's compute, in parts
     device: str
+    weights_version: int = 1  # of the weights that computed it
 
 
 class Caller(Protocol):

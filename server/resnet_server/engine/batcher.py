@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,6 +55,7 @@ class BatchOutput:
     top_k: list[list[tuple[int, float]]]
     queue_seconds: list[float]
     timing: BatchTiming  # the batch's compute, in parts
+    weights_version: int  # of the weights that computed it
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,17 @@ class _Launched:
     started: float  # time.monotonic() when the worker took it
     prepared: float = 0.0
     scores: PendingScores | None = None
+    error: BaseException | None = None
+    weights_version: int = 0
+
+
+@dataclass(eq=False)
+class _Swap:
+    """New weights to put in place between two batches, on the worker's thread (see Batcher.swap)."""
+
+    action: Callable[[], None]
+    version: int
+    done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
 
@@ -117,6 +129,8 @@ class Batcher:
         self._waits_to_skip = 0
         self._skip_after_ran_out = 1  # waits to skip once the next wait runs out (see MOST_WAITS_SKIPPED)
         self._queue: collections.deque[WorkItem] = collections.deque()
+        self._swaps: list[_Swap] = []  # guarded by _cond
+        self.weights_version = 1  # of the weights the next batch runs with: set only on the worker's thread
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
@@ -195,6 +209,10 @@ class Batcher:
             self._queue_depth.set(len(self._queue))
             self._cond.notify()
 
+    def use_runner(self, runner: ModelRunner) -> None:
+        """Run every later batch on ``runner`` (in a swap: on the worker's thread, between two batches)."""
+        self._loaded = runner
+
     @property
     def _runner(self) -> ModelRunner:
         if self._loaded is None:
@@ -223,8 +241,11 @@ class Batcher:
             self._ready.set()
         self._finisher.start()
         while (batch := self._next_batch()) is not None:
-            if not batch:  # out of rotation, no work, and the time to probe has come
-                self._probe()
+            if self._swaps:
+                self._swap_weights()
+            if not batch:  # weights to swap, or out of rotation, no work, and the time to probe has come
+                if self._probe_due():
+                    self._probe()
                 continue
             live = self._drop_dead(batch)
             if live:
@@ -240,7 +261,7 @@ class Batcher:
                 while self._in_flight >= self._most_in_flight:
                     self._cond.wait()
                 while not self._queue and not self._stopping:
-                    if not self._cond.wait(self._time_to_probe()):
+                    if self._swaps or not self._cond.wait(self._time_to_probe()):
                         return []
                 if not self._queue:
                     return None
@@ -254,6 +275,33 @@ class Batcher:
             batch = [self._queue.popleft() for _ in range(size)]
             self._queue_depth.set(len(self._queue))
             return batch
+
+    def swap(self, action: Callable[[], None], version: int, timeout: float) -> None:
+        """Run ``action`` (it puts new weights in place) on the worker's thread between two batches, so that no
+        batch mixes versions; every batch launched after it is answered as ``version``. Raises what the action
+        raised, or TimeoutError if the worker did not get to it within ``timeout`` seconds."""
+        swap = _Swap(action, version)
+        with self._cond:
+            self._swaps.append(swap)
+            self._cond.notify_all()
+        if not swap.done.wait(timeout):
+            raise TimeoutError(f"replica {self.name} did not reach a pause between batches in {timeout:g}s")
+        if swap.error is not None:
+            raise swap.error
+
+    def _swap_weights(self) -> None:
+        with self._cond:
+            swaps, self._swaps = self._swaps, []
+        for swap in swaps:
+            try:
+                swap.action()
+                self.weights_version = swap.version
+            except Exception as exc:  # noqa: BLE001 - handed to the caller of swap(), which says why it failed
+                swap.error = exc
+            swap.done.set()
+
+    def _probe_due(self) -> bool:
+        return not self.in_rotation and bool(self._probe_interval) and time.monotonic() >= self._next_probe
 
     def _time_to_probe(self) -> float | None:
         """Seconds until the next probe is due; None (wait for work alone) while in rotation or not probing."""
@@ -358,7 +406,7 @@ class Batcher:
     def _launch(self, batch: list[WorkItem]) -> None:
         """Prepare the batch and start its forward pass; it is answered in launch order (on CUDA by the
         finisher). A failure here is answered the same way, so every batch's outcome is counted in one place."""
-        launched = _Launched(batch, time.monotonic())
+        launched = _Launched(batch, time.monotonic(), weights_version=self.weights_version)
         try:
             launched.batch, inputs = self._prepare(batch)
             if not launched.batch:  # every image was refused: each has had its answer
@@ -430,7 +478,7 @@ class Batcher:
                              time.monotonic() - computed)
         # NumPy views of the host results: indexing a row is then plain Python work, not a torch call per image.
         return BatchOutput(probabilities.numpy(), logits.numpy(), tops,
-                           [launched.started - item.enqueued for item in batch], timing)
+                           [launched.started - item.enqueued for item in batch], timing, launched.weights_version)
 
     def _prepare(self, batch: list[WorkItem]) -> tuple[list[WorkItem], torch.Tensor]:
         """Stack the batch's inputs, decoding deferred JPEGs; an image that cannot be decoded fails alone."""

@@ -155,6 +155,7 @@ class Engine:
         self.slab = Slab(link.slab_fd, link.layout)
         self._input_rows = torch.from_numpy(self.slab.input_rows())  # raw images are read from here a batch at once
         self._replica: Replica | None = None
+        self._reload_started = 0.0
         self._lock = threading.Lock()
         self._frontends: set[_FrontEnd] = set()
         self._listener: Listener | None = None
@@ -165,6 +166,7 @@ class Engine:
         """Load and warm the model, free the slots of front-ends that ended while no engine ran, then listen."""
         self._replica = load_replica(self.link.name, self.device, self.config, self.metrics, self._rejoined,
                                     Answers(self._deliver, self._fail, self._released))
+        self.metrics.weights_version.labels(self.replica.name).set(self.config.weights_version)
         freed = self.slab.free_all_but(set(live_owners))
         if freed:
             log.info("freed %d slots of front-ends that have ended", freed)
@@ -183,12 +185,35 @@ class Engine:
             raise RuntimeError("the engine has not started")
         return self._replica
 
+    def stage(self, source: str) -> str:
+        """Make the weights at ``source`` ready beside those served (the batches go on meanwhile); their SHA-256."""
+        self._reload_started = time.monotonic()
+        try:
+            return self.replica.stage(source).sha256
+        except Exception:
+            self.metrics.reloads.labels(self.replica.name, "failed").inc()
+            raise
+
+    def commit(self, version: int) -> None:
+        """Serve the staged weights as ``version`` from the next batch on."""
+        replica = self.replica
+        replica.commit(version)
+        self.metrics.weights_version.labels(replica.name).set(version)
+        self.metrics.reloads.labels(replica.name, "loaded").inc()
+        self.metrics.reload_time.labels(replica.name).set(time.monotonic() - self._reload_started)
+
+    def abort(self) -> None:
+        """Drop the staged weights: the served ones stay."""
+        if self.replica.staged is not None:
+            self.replica.staged = None
+            self.metrics.reloads.labels(self.replica.name, "aborted").inc()
+
     def info(self) -> EngineInfo:
         replica = self.replica
         return EngineInfo(replica.name, str(replica.device), replica.weights.source, replica.weights.warning,
                           replica.batcher.max_batch_size, replica.decode_on_device, replica.healthy,
                           sys.getswitchinterval() * 1000, replica.torch_threads, replica.runner.describe(),
-                          replica.runner.takes_crops)
+                          replica.runner.takes_crops, replica.batcher.weights_version, replica.weights.sha256)
 
     def stop(self, grace: float) -> None:
         """Take no new front-end, finish what is queued, and answer it: the answers written before it returns
@@ -318,7 +343,8 @@ class Engine:
         timing = (output.timing.input, output.timing.infer, output.timing.output)
         healthy = self.replica.healthy
         for frontend, answered in answers.items():
-            self._answer(frontend, list(answered), functools.partial(_done, answered, timing, healthy))
+            self._answer(frontend, list(answered),
+                         functools.partial(_done, answered, timing, healthy, output.weights_version))
 
     def _fail(self, items: list[Item], exc: BaseException) -> None:
         error, message, healthy = type(exc).__name__, str(exc), self.replica.healthy
@@ -359,9 +385,10 @@ class Engine:
             frontend.send(Health(True))
 
 
-def _done(answered: dict[int, Answer], timing: tuple[float, float, float], healthy: bool, held: list[int]) -> Done:
+def _done(answered: dict[int, Answer], timing: tuple[float, float, float], healthy: bool, version: int,
+          held: list[int]) -> Done:
     """The answers of those of a front-end's slots that are still held."""
-    return Done([answered[slot] for slot in held], timing, healthy)
+    return Done([answered[slot] for slot in held], timing, healthy, version)
 
 
 def _slots_by_frontend(items: list[Item]) -> dict[_FrontEnd, list[int]]:

@@ -12,7 +12,7 @@ import torch
 
 from resnet_server.boundary.protocol import EngineLink
 from resnet_server.common.errors import StartupError
-from resnet_server.common.lifetime import die_with_supervisor, exit_at_once
+from resnet_server.common.lifetime import die_with_supervisor, exit_at_once, report_stopped
 from resnet_server.common.logs import configure_logging
 from resnet_server.common.metrics import Metrics, serve_child_metrics
 from resnet_server.common.sections import EngineConfig
@@ -24,7 +24,7 @@ log = logging.getLogger("server.engine")
 
 
 def engine_main(link: EngineLink, device: str, config: EngineConfig, live_owners: list[int],
-                statistics: SharedRow | None, with_metrics: bool, reports: Connection) -> None:
+                statistics: SharedRow | None, with_metrics: bool, reports: Connection, orders: Connection) -> None:
     """An engine process: report where its /metrics listens (``with_metrics``), load, report ("ready", info) to
     the supervisor, serve until SIGTERM, then drain."""
     die_with_supervisor()
@@ -50,13 +50,39 @@ def engine_main(link: EngineLink, device: str, config: EngineConfig, live_owners
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     reports.send(("ready", engine.info()))
     log.info("engine %s ready on %s", link.name, device)
+    threading.Thread(target=follow_orders, args=(engine, orders, reports), name="engine-orders", daemon=True).start()
     exit_code = watch(engine, config, stop)
     engine.stop(config.grace_period)
     if http is not None:
         http.shutdown()
     log.info("engine %s stopped", link.name)
+    report_stopped(reports, exit_code)
     if exit_code:
         raise SystemExit(exit_code)
+
+
+def follow_orders(engine: Engine, orders: Connection, reports: Connection) -> None:
+    """The supervisor's reload, in two steps on every engine: ("prepare", version, source) loads the weights
+    beside those served and answers ("prepared", (version, sha256)) or ("prepare-failed", (version, why));
+    then ("commit", version) swaps them in between two batches and answers ("committed", version) (or
+    "commit-failed"), or ("abort", version) drops them."""
+    while True:
+        try:
+            kind, version, *rest = orders.recv()
+        except (EOFError, OSError):  # the supervisor has gone: die_with_supervisor ends the process
+            return
+        try:
+            if kind == "prepare":
+                reports.send(("prepared", (version, engine.stage(rest[0]))))
+            elif kind == "commit":
+                engine.commit(version)
+                reports.send(("committed", version))
+            else:
+                engine.abort()
+        except Exception as exc:  # noqa: BLE001 - told to the supervisor, which fails the reload saying why
+            log.warning("engine %s: %s of weights version %d failed: %s: %s", engine.link.name, kind, version,
+                        type(exc).__name__, exc)
+            reports.send((f"{kind}-failed", (version, f"{type(exc).__name__}: {engine.link.name}: {exc}")))
 
 
 def watch(engine: Engine, config: EngineConfig, stop: threading.Event) -> int:

@@ -37,6 +37,19 @@ def max_batch_size(config: EngineConfig, device: torch.device) -> int:
     return min(DEFAULT_MAX_BATCH_SIZE.get(device.type, DEFAULT_MAX_BATCH_SIZE["cpu"]), config.max_queue)
 
 
+# How long a swap may wait for the batch in progress (a CPU batch takes up to seconds; a GPU's milliseconds).
+SWAP_SECONDS = 60.0
+
+
+@dataclass
+class _Staged:
+    """New weights made ready beside the served ones, and what puts them in place."""
+
+    weights: LoadedWeights
+    runner: ModelRunner
+    put_in_place: Callable[[], None]
+
+
 @dataclass
 class Replica:
     name: str
@@ -46,10 +59,37 @@ class Replica:
     weights: LoadedWeights
     decode_on_device: bool = False  # JPEGs go to the batcher undecoded, decoded there in one batch
     torch_threads: int = 1  # the OpenMP team of its worker thread (replica_torch_threads)
+    setup: _ReplicaSetup | None = None  # how its runner was built: a compiled one is built again for new weights
+    staged: _Staged | None = None
 
     @property
     def healthy(self) -> bool:
         return self.batcher.in_rotation
+
+    def stage(self, source: str) -> LoadedWeights:
+        """Load ``source`` and make it ready beside the weights served now, which serve on meanwhile: copied into
+        the served precision and layout (eager, CUDA graphs), or a new runner compiled and warmed up (inductor's
+        cache makes that fast). WeightsError if the weights are not a ResNet18's."""
+        weights = load_weights(source, self.device)
+        model = build_model(weights, self.device)
+        if self.runner.swaps_in_place:
+            tensors = self.runner.staged(model)
+            runner = self.runner
+            self.staged = _Staged(weights, runner, lambda: runner.load_staged(tensors))
+        else:
+            if self.setup is None:
+                raise RuntimeError(f"replica {self.name} cannot build a new runner")
+            runner = self.setup.warmed(model)
+            self.staged = _Staged(weights, runner, lambda: self.batcher.use_runner(runner))
+        return weights
+
+    def commit(self, version: int) -> None:
+        """Put the staged weights in place between two batches: every later batch runs as ``version``."""
+        staged, self.staged = self.staged, None
+        if staged is None:
+            raise RuntimeError(f"replica {self.name} has no weights staged")
+        self.batcher.swap(staged.put_in_place, version, SWAP_SECONDS)
+        self.weights, self.runner = staged.weights, staged.runner
 
 
 class _ReplicaSetup:
@@ -71,25 +111,30 @@ class _ReplicaSetup:
         self.weights = load_weights(config.weights, device)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = config.cudnn_benchmark
-        self.runner = build_runner(config.runner, self.name, build_model(self.weights, device), device,
-                                   config.precision, config.channels_last, compiled=config.compile,
-                                   compile_mode=config.compile_mode, compile_cache=config.compile_cache,
-                                   torchscript=config.torchscript,
-                                   cuda_graphs=config.uses_cuda_graphs)
+        self.runner = self.warmed(build_model(self.weights, device))
+        return self.runner
+
+    def warmed(self, model: torch.nn.Module) -> ModelRunner:
+        """A runner of ``model`` as the flags say, warmed up at every bucket."""
+        config, device = self.config, self.device
+        runner = build_runner(config.runner, self.name, model, device, config.precision, config.channels_last,
+                              compiled=config.compile, compile_mode=config.compile_mode,
+                              compile_cache=config.compile_cache, torchscript=config.torchscript,
+                              cuda_graphs=config.uses_cuda_graphs)
         sizes = bucket_sizes(self.batch_limit, device.type == "cuda")
         try:
-            self.runner.warm_up(sizes)
+            runner.warm_up(sizes)
         except Exception as exc:
             # A setup problem, named by its flag: no C++ compiler for CPU kernels or an unsupported GPU (--compile),
             # an operation CUDA cannot capture or the memory the graphs need (--cuda-graphs).
             if config.compile:
                 flag, hint = "--compile", "inductor needs a C++ compiler for CPU devices; or run without --compile"
-            elif self.runner.cuda_graphs:
+            elif runner.cuda_graphs:
                 flag, hint = "--cuda-graphs", "or run with --cuda-graphs false"
             else:
                 raise
             raise StartupError(f"{flag} failed on {device}: {type(exc).__name__}: {str(exc)[:300]} ({hint})") from exc
-        return self.runner
+        return runner
 
     def loaded(self) -> tuple[ModelRunner, LoadedWeights]:
         """What the worker's thread set up, once the batcher has started."""
@@ -131,7 +176,8 @@ def load_replica(name: str, device: torch.device, config: EngineConfig, metrics:
         log.warning("%s", weights.warning)
     decode_on_device = config.decode_on_device == "true" or (
         config.decode_on_device == "auto" and device.type == "cuda")
-    return Replica(name, device, runner, batcher, weights, decode_on_device, setup.torch_threads)
+    batcher.weights_version = config.weights_version
+    return Replica(name, device, runner, batcher, weights, decode_on_device, setup.torch_threads, setup)
 
 
 def replica_torch_threads(config: EngineConfig, device: torch.device) -> int:

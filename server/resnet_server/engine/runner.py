@@ -66,7 +66,8 @@ class ModelRunner:
         # channels_last speeds up convolutions on CUDA (tensor cores) and on the CPU too (oneDNN, eager; compiled,
         # inductor picks its own layouts): docs/performance.md, "Figures behind the code".
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        model = _fold_batch_norms(model) if fold_batch_norms else model.eval()  # off only to measure what it saves
+        self.fold_batch_norms = fold_batch_norms  # off only to measure what it saves
+        model = _fold_batch_norms(model) if fold_batch_norms else model.eval()
         # Module.to takes memory_format (it converts 4-D parameters); torch's overloads leave it out.
         self.model = model.to(device=device, dtype=self.dtype, memory_format=self.memory_format)  # type: ignore[call-overload]
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -82,6 +83,31 @@ class ModelRunner:
         self.buckets: list[int] = []  # the batch sizes warmed up, filled by warm_up
         self.sizes_run: set[int] = set()  # every batch size the network has run since warm-up (tests check it)
         self._batch_buffer: torch.Tensor | None = None  # see _stack
+
+    @property
+    def swaps_in_place(self) -> bool:
+        """New weights can be copied into the tensors served now: eager and CUDA graphs (a captured graph reads
+        them where they lie); a compiled or TorchScript network has the old ones frozen into its graph."""
+        return not (self.compiled or self.torchscript)
+
+    @torch.no_grad()
+    def staged(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """``model``'s tensors as this runner serves its own (folded, in its precision and memory format, on its
+        device), by name: beside the served ones until ``load_staged``."""
+        prepared = _fold_batch_norms(model) if self.fold_batch_norms else model.eval()
+        prepared = prepared.to(device=self.device, dtype=self.dtype, memory_format=self.memory_format)  # type: ignore[call-overload]  # as in __init__
+        if self.cuda:  # made on this thread's stream: done before the runner's stream may read them
+            torch.cuda.synchronize(self.device)
+        return prepared.state_dict()
+
+    @torch.no_grad()
+    def load_staged(self, staged: dict[str, torch.Tensor]) -> None:
+        """Copy staged tensors into the served ones, on the runner's stream: after every batch launched before."""
+        with self._on_stream():
+            for name, tensor in self.model.state_dict().items():
+                tensor.copy_(staged[name])
+        if self.stream is not None:  # the staged tensors are freed next: the copies must have read them
+            self.stream.synchronize()
 
     def describe(self) -> str:
         """How batches run, for the start-up log: '<device> runs fp16 as CUDA graphs at batch sizes 1, 2, ...'."""

@@ -23,6 +23,7 @@ from resnet_server.common.errors import InvalidImages, InvalidInput, ServingErro
 from resnet_server.common.work import ImageOutput
 from resnet_server.frontend.classify_request import ReadRequest
 from resnet_server.frontend.core import ClassifyCall, InferenceCore
+from resnet_server.frontend.model_control import ModelControl
 
 log = logging.getLogger("server.service")
 T = TypeVar("T")
@@ -139,10 +140,11 @@ def to_result(output: ImageOutput, labels: list[str], request: pb.ClassifyReques
 class ClassifierService(pb_grpc.ClassifierServicer):
     """Answers UNAVAILABLE until :meth:`attach` hands it the loaded core."""
 
-    def __init__(self) -> None:
+    def __init__(self, control: ModelControl) -> None:
         self._core: InferenceCore | None = None
         self._info = pb.ModelInfo()
         self._labels: list[str] = []
+        self._control = control
 
     def attach(self, core: InferenceCore, model_info: pb.ModelInfo) -> None:
         self._core = core
@@ -156,7 +158,8 @@ class ClassifierService(pb_grpc.ClassifierServicer):
 
     async def _classify(self, request: ReadRequest, context, rid: str) -> pb.ClassifyResponse:
         outputs = await self._ready_core().classify(to_call(request, context, rid))
-        return pb.ClassifyResponse(results=[to_result(output, self._labels, request.fields) for output in outputs])
+        return pb.ClassifyResponse(results=[to_result(output, self._labels, request.fields) for output in outputs],
+                                   weights_version=max(output.weights_version for output in outputs))
 
     async def Classify(self, request, context):
         rid = request_id(context)
@@ -176,4 +179,10 @@ class ClassifierService(pb_grpc.ClassifierServicer):
 
     async def _model_info(self) -> pb.ModelInfo:
         self._ready_core()
-        return self._info
+        served = self._control.served
+        info = pb.ModelInfo()
+        info.CopyFrom(self._info)
+        info.weights_version, info.weights_sha256 = served.version, served.sha256
+        if self._control.uploads is not None and served.source.startswith(str(self._control.uploads)):
+            info.weights = "a file a client sent (RepositoryModelLoad)"
+        return info

@@ -81,6 +81,7 @@ class InferenceCore:
         self._on_no_replica_left = on_no_replica_left
         self.limits = limits
         self.default_temperature = default_temperature
+        self.unloaded: str | None = None  # why calls are refused UNAVAILABLE: the model is unloaded
         self._metrics = metrics
         # Made on the loop that serves: asking for the running loop costs a system call each time (getpid, on
         # Python 3.11), and a call asked for it twice.
@@ -94,6 +95,8 @@ class InferenceCore:
     async def classify(self, call: ClassifyCall) -> list[ImageOutput]:
         """Classify every image of one call on one replica; raises ServingError subclasses."""
         started = time.monotonic()
+        if self.unloaded is not None:
+            raise Unavailable(self.unloaded)
         try:
             replica = self.router.choose()
         except Unavailable:

@@ -332,7 +332,8 @@ class EngineClient:
             self.slab.give_back([answer.slot], self._slab_owner)
             if not item.future.done():
                 item.future.set_result(ImageOutput(probabilities, logits, answer.top_k, item.temperature,
-                                                   answer.queue_seconds, batch_timing, self.name))
+                                                   answer.queue_seconds, batch_timing, self.name,
+                                                   done.weights_version))
         self._set_rotation(done.in_rotation)
 
     def _on_failed(self, failed: Failed) -> None:

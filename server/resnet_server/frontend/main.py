@@ -5,23 +5,31 @@ from __future__ import annotations
 from multiprocessing.connection import Connection
 
 from resnet_server.boundary.protocol import EngineLink
-from resnet_server.common.lifetime import die_with_supervisor
+from resnet_server.common.lifetime import die_with_supervisor, report_stopped
 from resnet_server.common.logs import configure_logging
 from resnet_server.common.metrics import Metrics, serve_child_metrics
+from resnet_server.common.model import ServedWeights
 from resnet_server.common.sections import FrontendConfig
 from resnet_server.common.statistics import SharedRow
+from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.server import run
 
 
 def frontend_main(config: FrontendConfig, index: int, engines: list[EngineLink], owner: int, statistics: SharedRow,
-                   reports: Connection, load_first: bool, with_metrics: bool) -> None:
+                   pipes: tuple[Connection, Connection], load_first: bool, with_metrics: bool,
+                   served: ServedWeights) -> None:
     """A front-end process: a gRPC server (server.frontend.server.run) over the engines, reporting where its /metrics
     listens (``with_metrics``), its port once bound, then that it serves. A replacement connects before it binds
-    (``load_first``): until then its siblings take every new connection."""
+    (``load_first``): until then its siblings take every new connection. ``pipes``: its reports to the supervisor
+    and the supervisor's orders to it; ``served``: the weights every engine serves now."""
+    reports, orders = pipes
     die_with_supervisor()
     configure_logging(config.observability.log_level, config.observability.log_format)
     metrics = Metrics(config.largest_batch, statistics)
     if with_metrics:
         reports.send(("metrics", serve_child_metrics(metrics.registry).server_port))
-    raise SystemExit(run(config, index, engines, owner, metrics, on_bound=lambda port: reports.send(("bound", port)),
-                         on_serving=lambda: reports.send(("serving", 0)), load_first=load_first))
+    control = ModelControl(served, config.uploads, reports, orders)
+    code = run(config, index, engines, owner, metrics, on_bound=lambda port: reports.send(("bound", port)),
+               on_serving=lambda: reports.send(("serving", 0)), load_first=load_first, control=control)
+    report_stopped(reports, code)
+    raise SystemExit(code)

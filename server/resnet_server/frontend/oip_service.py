@@ -25,12 +25,14 @@ from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 from resnet_client.api import model_config_pb2 as mc
 from resnet_server import __version__
 from resnet_server.common.errors import InvalidInput, NotFound, Unavailable
-from resnet_server.common.model import MODEL_NAME, MODEL_VERSION
+from resnet_server.common.model import MODEL_NAME
 from resnet_server.common.preprocess import CROP, EncodedImage, ImageInput, RawImage
 from resnet_server.common.statistics import BatchTotals, Duration, ModelStatistics, Totals
 from resnet_server.common.work import ImageOutput
 from resnet_server.frontend.classifier_service import answer, caller_status, in_order, request_id
 from resnet_server.frontend.core import DEFAULT_TOP_K, ClassifyCall, InferenceCore
+from resnet_server.frontend.model_control import ModelControl
+from resnet_server.frontend.repository_service import RepositoryService
 from resnet_server.frontend.wire import TooMany, Unreadable, WireError, parse_whole, pull_out
 
 INPUT_NAME = "input"
@@ -95,11 +97,13 @@ def _refused(reason: str) -> InferRequest:
     return InferRequest(oip.ModelInferRequest(), [], reason)
 
 
-def check_model(name: str, version: str) -> None:
+def check_model(name: str, version: str, served: int) -> None:
+    """The model's name, and its version if one is asked for: the weights served now (``served``)."""
     if name not in DECLARED_INPUTS:
         raise NotFound(f"unknown model {name!r}; this server serves {' and '.join(map(repr, DECLARED_INPUTS))}")
-    if version not in ("", MODEL_VERSION):
-        raise NotFound(f"unknown version {version!r} of {name}; only version {MODEL_VERSION} is served")
+    if version not in ("", str(served)):
+        raise NotFound(f"version {version!r} of {name} is not served; version {served} is (each reload of the "
+                       "weights serves the next)")
 
 
 def parse_bytes_tensor(raw: bytes, most: int) -> list[bytes]:
@@ -231,7 +235,8 @@ def requested_outputs(request: oip.ModelInferRequest, top_k_asked: bool) -> list
 
 def build_response(request: oip.ModelInferRequest, outputs: list[ImageOutput], names: list[str],
                    labels: list[str]) -> oip.ModelInferResponse:
-    response = oip.ModelInferResponse(model_name=request.model_name, model_version=MODEL_VERSION, id=request.id)
+    version = max(output.weights_version for output in outputs)  # one version, unless a reload split the call
+    response = oip.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
     batch = len(outputs)
     k = len(outputs[0].top_k)
     for name in names:
@@ -256,18 +261,28 @@ def _stack_probabilities(outputs: list[ImageOutput]) -> bytes:
 class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
     """Answers UNAVAILABLE (and ready=false) until :meth:`attach` hands it the loaded core."""
 
-    def __init__(self, statistics: ModelStatistics) -> None:
+    def __init__(self, statistics: ModelStatistics, control: ModelControl, repository: RepositoryService) -> None:
         self._core: InferenceCore | None = None
         self._labels: list[str] = []
-        self._configs: dict[str, mc.ModelConfig] = {}
+        self._info: pb.ModelInfo | None = None
         self._statistics = statistics
+        self._control = control
+        self._repository = repository
 
     def attach(self, core: InferenceCore, labels: list[str], info: pb.ModelInfo) -> None:
-        self._core, self._labels = core, labels
-        self._configs = {name: model_config(info, name) for name in DECLARED_INPUTS}
+        self._core, self._labels, self._info = core, labels, info
 
     def _ready(self) -> bool:
-        return self._core is not None and self._core.router.any_healthy()
+        return self._core is not None and self._core.router.any_healthy() and self._core.unloaded is None
+
+    @property
+    def _version(self) -> int:
+        return self._control.served.version
+
+    def _configs(self) -> dict[str, mc.ModelConfig]:
+        if self._info is None:
+            return {}
+        return {name: model_config(self._info, name, self._control.served.sha256) for name in DECLARED_INPUTS}
 
     async def ServerLive(self, request, context):
         return oip.ServerLiveResponse(live=True)
@@ -277,39 +292,41 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         async def ready():
-            check_model(request.name, request.version)
+            check_model(request.name, request.version, self._version)
             return oip.ModelReadyResponse(ready=self._ready())
         return await answer(context, request_id(context), ready)
 
     async def ServerMetadata(self, request, context):
         return oip.ServerMetadataResponse(name="resnet-grpc", version=__version__,
-                                          extensions=["model_configuration", "parameters", "statistics"])
+                                          extensions=["model_configuration", "model_repository", "parameters",
+                                                      "statistics"])
 
     async def ModelMetadata(self, request, context):
         async def metadata():
-            check_model(request.name, request.version)
-            return model_metadata(request.name)
+            check_model(request.name, request.version, self._version)
+            return model_metadata(request.name, self._version)
         return await answer(context, request_id(context), metadata)
 
     async def ModelConfig(self, request, context):
         async def config():
-            check_model(request.name, request.version)
-            return oip.ModelConfigResponse(config=self._configs.get(request.name, mc.ModelConfig()))
+            check_model(request.name, request.version, self._version)
+            return oip.ModelConfigResponse(config=self._configs().get(request.name, mc.ModelConfig()))
         return await answer(context, request_id(context), config)
 
     async def ModelStatistics(self, request, context):
         async def statistics():
             if request.name:  # an empty name asks for every model: this one, once, by its first name
-                check_model(request.name, request.version)
+                check_model(request.name, request.version, self._version)
             totals = await asyncio.to_thread(self._statistics.snapshot)  # may wait on a sibling front-end's write
-            return oip.ModelStatisticsResponse(model_stats=[model_statistics(totals, request.name or MODEL_NAME)])
+            return oip.ModelStatisticsResponse(model_stats=[model_statistics(totals, request.name or MODEL_NAME,
+                                                                             self._version)])
         return await answer(context, request_id(context), statistics)
 
     async def _infer(self, read: InferRequest, context, rid: str) -> oip.ModelInferResponse:
         if read.unreadable is not None:
             raise InvalidInput(read.unreadable)
         request = read.message
-        check_model(request.model_name, request.model_version)
+        check_model(request.model_name, request.model_version, self._version)
         top_k = top_k_parameter(request.parameters)
         names = requested_outputs(request, top_k is not None)
         if top_k is None and any(name in TOP_K_OUTPUTS for name in names):
@@ -342,19 +359,30 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
         async for response in in_order(request_iterator, one):
             yield response
 
+    async def RepositoryIndex(self, request, context):
+        async def index():
+            return self._repository.index(request)
+        return await answer(context, request_id(context), index)
 
-def model_metadata(name: str) -> oip.ModelMetadataResponse:
+    async def RepositoryModelLoad(self, request, context):
+        return await answer(context, request_id(context), lambda: self._repository.load(request, self._configs()))
+
+    async def RepositoryModelUnload(self, request, context):
+        return await answer(context, request_id(context), lambda: self._repository.unload(request))
+
+
+def model_metadata(name: str, version: int) -> oip.ModelMetadataResponse:
     tensor = oip.ModelMetadataResponse.TensorMetadata
     declared = DECLARED_INPUTS[name]
     return oip.ModelMetadataResponse(
-        name=name, versions=[MODEL_VERSION], platform="pytorch_libtorch",
+        name=name, versions=[str(version)], platform="pytorch_libtorch",
         inputs=[tensor(name=INPUT_NAME, datatype=declared.datatype, shape=declared.shape)],
         outputs=[tensor(name=PROBABILITIES, datatype="FP32", shape=[-1, 1000]),
                  *(tensor(name=output, datatype=OUTPUT_TYPES[output], shape=[-1, -1]) for output in TOP_K_OUTPUTS)],
     )
 
 
-def model_statistics(totals: Totals, name: str) -> oip.ModelStatistics:
+def model_statistics(totals: Totals, name: str, version: int) -> oip.ModelStatistics:
     def duration(value: Duration) -> oip.StatisticDuration:
         return oip.StatisticDuration(count=value.count, ns=value.ns)
 
@@ -363,7 +391,7 @@ def model_statistics(totals: Totals, name: str) -> oip.ModelStatistics:
                 "compute_output": duration(value.compute_output)}
 
     return oip.ModelStatistics(
-        name=name, version=MODEL_VERSION, last_inference=totals.last_inference_ms,
+        name=name, version=str(version), last_inference=totals.last_inference_ms,
         inference_count=totals.inference_count, execution_count=totals.execution_count,
         inference_stats=oip.InferStatistics(success=duration(totals.success), fail=duration(totals.fail),
                                             queue=duration(totals.queue), **compute(totals.compute)),
@@ -372,16 +400,18 @@ def model_statistics(totals: Totals, name: str) -> oip.ModelStatistics:
     )
 
 
-def model_config(info: pb.ModelInfo, name: str) -> mc.ModelConfig:
+def model_config(info: pb.ModelInfo, name: str, weights_sha256: str = "") -> mc.ModelConfig:
     """Triton's view of the served model under ``name``, from the ModelInfo our own API reports; settings
-    Triton's config has no field for (the default temperature, the wait for closed-loop callers) go in its
-    parameters."""
+    Triton's config has no field for (the default temperature, the wait for closed-loop callers, the weights'
+    SHA-256) go in its parameters."""
     gpus = sorted({int(device.split(":")[1].split("#")[0]) for device in info.devices if device.startswith("cuda")})
     group = (mc.ModelInstanceGroup(name="gpu", kind=mc.ModelInstanceGroup.KIND_GPU, count=1, gpus=gpus) if gpus
              else mc.ModelInstanceGroup(name="cpu", kind=mc.ModelInstanceGroup.KIND_CPU, count=len(info.devices)))
     batching = info.batching
     parameters = {"default_temperature": f"{info.default_temperature:g}",
                   "wait_for_callers_ms": f"{batching.wait_for_callers_ms:g}"}
+    if weights_sha256:
+        parameters["weights_sha256"] = weights_sha256
     declared = DECLARED_INPUTS[name]
     return mc.ModelConfig(
         name=name, platform="pytorch_libtorch", backend="pytorch",

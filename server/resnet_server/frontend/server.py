@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import signal
@@ -26,7 +27,7 @@ from resnet_server.common.devices import cpu_bf16_unit
 from resnet_server.common.errors import StartupError
 from resnet_server.common.lifetime import exit_at_once
 from resnet_server.common.metrics import Metrics
-from resnet_server.common.model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION
+from resnet_server.common.model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION, ServedWeights
 from resnet_server.common.preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
 from resnet_server.common.sections import FrontendConfig
 from resnet_server.common.threads import use_torch_threads
@@ -34,13 +35,16 @@ from resnet_server.frontend.classifier_service import ClassifierService
 from resnet_server.frontend.classify_request import read_classify_request
 from resnet_server.frontend.core import InferenceCore, Limits
 from resnet_server.frontend.engine_client import EngineClient
-from resnet_server.frontend.oip_service import InferenceService, read_infer_request
+from resnet_server.frontend.model_control import ModelControl
+from resnet_server.frontend.oip_service import DECLARED_INPUTS, InferenceService, read_infer_request
+from resnet_server.frontend.repository_service import RepositoryService
 from resnet_server.frontend.router import EngineHandle, Router
 from resnet_server.frontend.security import TokenAuthInterceptor, load_tokens, server_credentials
 from resnet_server.frontend.temperature import default_temperature
 
 log = logging.getLogger("server")
 LABELS = list(IMAGENET_WEIGHTS.meta["categories"])
+UNLOADED = "the model is unloaded (RepositoryModelUnload); load it again (RepositoryModelLoad) to serve"
 SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name,)
 OIP_SERVICE_NAME = oip_pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
@@ -50,7 +54,7 @@ class App:
     series and statistics, made and served by the caller (server.frontend.main, or a test reading them)."""
 
     def __init__(self, config: FrontendConfig, metrics: Metrics, engines: Sequence[EngineLink],
-                 owner: int, index: int = 0) -> None:
+                 owner: int, index: int = 0, control: ModelControl | None = None) -> None:
         self.config, self.index = config, index  # this front-end's index among config.frontends
         self.engines, self.owner = list(engines), owner  # one engine process per device; its number in their slabs
         self.metrics = metrics
@@ -62,8 +66,13 @@ class App:
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # grpc-stubs predates grpc.aio
         self.port = 0
         self.core: InferenceCore | None = None
-        self.classifier = ClassifierService()
-        self.inference = InferenceService(self.metrics.statistics)
+        # What it knows of the weights served, and its way to reload them (none for a front-end run alone).
+        self.control = control or ModelControl(ServedWeights("", 1), "")
+        self.control.on_change(self._weights_changed)
+        self.classifier = ClassifierService(self.control)
+        repository = RepositoryService(self.control, config.model_control == "explicit", config.max_weights_mb << 20,
+                                       list(DECLARED_INPUTS))
+        self.inference = InferenceService(self.metrics.statistics, self.control, repository)
         self._server: grpc.aio.Server | None = None
         self._no_replica = False  # every replica out of rotation: health went NOT_SERVING
         self._give_up: asyncio.TimerHandle | None = None  # runs out --unhealthy-exit-after seconds after that
@@ -102,7 +111,9 @@ class App:
         config, network = self.config, self.config.network
         if self.core is None:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        limit = network.max_message_mb * 1024 * 1024
+        limit = network.max_message_mb << 20
+        if config.model_control == "explicit":  # room for a file of weights (inference requests keep the limit)
+            limit = max(limit, (config.max_weights_mb + 1) << 20)
         interceptors = [TokenAuthInterceptor(self.tokens, network.auth_health)] if self.tokens else []
         self._server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", limit),
@@ -136,7 +147,12 @@ class App:
         """Connect to every engine and wait until each has warmed up, then report SERVING (once a replica is
         in rotation: a replacement front-end may find every engine's device out of it)."""
         config = self.config
+        self.control.listen()
         replicas = await self._connect_engines()
+        served = self.control.served
+        if not served.sha256:  # the weights every engine started with: the first one's say what they are
+            self.control.served = dataclasses.replace(served, source=served.source or replicas[0].weights.source,
+                                                      sha256=replicas[0].info.weights_sha256)
         limits = Limits(config.max_images_per_request, config.max_pixels)
         self.core = InferenceCore(Router(replicas), self.metrics, limits, self.temperature,
                                   config.preprocess_threads, self._no_replica_left)
@@ -145,10 +161,24 @@ class App:
         self.classifier.attach(self.core, info)
         self.inference.attach(self.core, LABELS, info)
         self._suggest_bf16(replicas)
-        if self.core.router.any_healthy():
+        self.core.unloaded = None if self.control.served.loaded else UNLOADED
+        if self.core.router.any_healthy() and self.core.unloaded is None:
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        else:  # every engine answered, none with its device in rotation: SERVING when one rejoins
-            self._no_replica_left()
+        elif self.core.unloaded is None:  # every engine answered, none with its device in rotation: SERVING when one
+            self._no_replica_left()  # rejoins
+        else:
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _weights_changed(self, served: ServedWeights) -> None:
+        """The supervisor says which weights every engine serves now: after an unload, health says NOT_SERVING and
+        calls are refused until the next load."""
+        if self.core is None:
+            return
+        self.core.unloaded = None if served.loaded else UNLOADED
+        if not served.loaded:
+            self._change_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        elif self.core.router.any_healthy() and not self._draining:
+            self._change_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def _connect_engines(self) -> list[EngineClient]:
         clients = [EngineClient(link, self.owner, self._engine_lost, self._replica_rejoined) for link in self.engines]
@@ -207,7 +237,8 @@ class App:
             log.warning("a replica is back in rotation; health reports SERVING again")
             self._no_replica = False
             self._cancel_give_up()
-            self._change_health(health_pb2.HealthCheckResponse.SERVING)
+            if self.core is None or self.core.unloaded is None:
+                self._change_health(health_pb2.HealthCheckResponse.SERVING)
 
     def _cancel_give_up(self) -> None:
         if self._give_up is not None:
@@ -307,13 +338,13 @@ def model_info(config: FrontendConfig, replicas: Sequence[EngineHandle], tempera
 
 async def serve(config: FrontendConfig, index: int, engines: Sequence[EngineLink], owner: int, metrics: Metrics,
                 on_bound: Callable[[int], object] | None = None, on_serving: Callable[[], object] | None = None,
-                load_first: bool = False) -> int:
+                load_first: bool = False, control: ModelControl | None = None) -> int:
     """Run until SIGTERM or SIGINT (exit code 0), or until no replica has been in rotation for
     --unhealthy-exit-after seconds (1), then drain within the grace period. ``on_bound`` and ``load_first``: see
     App.start; ``on_serving`` hears when health says SERVING; ``metrics``: a front-end's (see App)."""
     use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (common.threads)
     sys.setswitchinterval(config.switch_interval_ms / 1000)
-    app = App(config, metrics, engines, owner, index)
+    app = App(config, metrics, engines, owner, index, control)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, app.request_stop, f"{sig.name} received")
@@ -353,12 +384,12 @@ async def _unless_stopped(work: Awaitable[object], stop: asyncio.Event) -> bool:
 
 def run(config: FrontendConfig, index: int, engines: Sequence[EngineLink], owner: int, metrics: Metrics,
         on_bound: Callable[[int], object] | None = None, on_serving: Callable[[], object] | None = None,
-        load_first: bool = False) -> int:
+        load_first: bool = False, control: ModelControl | None = None) -> int:
     """Serve until stopped and drain; serve()'s exit code, or exit 1 at once with the error in one line if
     start-up fails."""
     try:
-        return event_loop.run(serve(config, index, engines, owner, metrics, on_bound, on_serving, load_first),
-                              config.event_loop)
+        return event_loop.run(serve(config, index, engines, owner, metrics, on_bound, on_serving, load_first,
+                                    control), config.event_loop)
     except StartupError as exc:
         worker = f"front-end {index}: " if config.frontends > 1 else ""
         print(f"resnet-server: error: {worker}{exc}", file=sys.stderr)

@@ -23,32 +23,43 @@ replaced after a growing pause (``restart_delay``). A child that ends before it 
 bind or load, and a new one would fail the same way) makes the supervisor stop the rest and exit 1.
 Children are forked from multiprocessing's fork server, a fresh process that imported torch and the engine's and
 front-end's modules once but never touched a device: none inherits CUDA state, and a child (a replacement
-above all) starts without importing torch again.
+above all) starts without importing torch again. The children's lives do not hang on the fork server's: each is
+watched on a pidfd of its own (``server.supervisor.child_process``), and a fork server that has ended is started
+again by the next child's start. A start that fails (the fork server ended mid-request, no memory to fork) is
+logged in one line and tried again after ``restart_delay``, as a child that ended would be.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import multiprocessing
 import os
 import secrets
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 from resnet_server.boundary.protocol import EngineLink
 from resnet_server.boundary.slab import SLOT_INPUT_BYTES, SlabLayout, create_slab_memory
 from resnet_server.common.config import ServerConfig, host_port
 from resnet_server.common.devices import replica_names
+from resnet_server.common.model import ServedWeights
 from resnet_server.common.sections import engine_config, frontend_config
 from resnet_server.common.statistics import SharedRow, shared_rows
 from resnet_server.engine.main import engine_main
 from resnet_server.frontend.main import frontend_main
+from resnet_server.supervisor.child_process import ChildProcess
+from resnet_server.supervisor.reloads import Outcome, Reloads
 
 log = logging.getLogger("server.supervisor")
 # What the fork server imports before it forks any child; importing them must touch no device and start no thread.
@@ -80,8 +91,9 @@ class _Child:
     ("serving", 0), an engine's ("ready", info), and either's ("metrics", port) where its /metrics listens."""
 
     name: str  # the key it is supervised by: "frontend-N" or "engine-N"
-    process: BaseProcess
+    process: ChildProcess
     reports: Connection | None  # None once the child has closed its end (it has ended)
+    orders: Connection  # the supervisor's to it: reloads (server.supervisor.reloads)
     port: int = 0
     metrics_port: int = 0
     serving: bool = False
@@ -91,22 +103,41 @@ class _Child:
     # A front-end started in place of one that had served: ending before it serves says nothing of the
     # configuration (it may have been waiting for an engine's warm-up), so it is replaced too.
     replacement: bool = False
+    stopped_with: int | None = None  # the code it said it would exit with, after its drain
+
+    def ended_cleanly(self) -> bool:
+        """It exited 0, or ended by SIGTERM before it could take it as a drain signal (still starting: it had
+        accepted no call); where the fork server could not say, by what the child said as it stopped."""
+        code = self.process.exit_code()
+        return code in (0, -signal.SIGTERM) if code is not None else self.stopped_with == 0
 
     def quick_ends_now(self) -> int:
         """``quick_ends`` counting this child, which has just ended: one more if it ended soon after starting."""
         return self.quick_ends + 1 if time.monotonic() - self.started < STABLE_SECONDS else 0
 
-    def read_reports(self) -> None:
-        """Take every report waiting; at end-of-file, stop listening (the child has ended)."""
+    def read_reports(self) -> list[tuple[str, object]]:
+        """Take every report waiting; at end-of-file, stop listening (the child has ended). Those about reloads
+        (a front-end's request, an engine's answer), in order, for the supervisor to act on."""
+        reports, reloads = self.reports, []
+        if reports is None:
+            return []
         try:
-            while self.reports is not None and self.reports.poll():
-                kind, value = self.reports.recv()
+            while reports.poll():
+                kind, value = reports.recv()
                 self.serving |= kind in ("serving", "ready")
                 self.port = value if kind == "bound" else self.port
                 self.metrics_port = value if kind == "metrics" else self.metrics_port
+                self.stopped_with = value if kind == "stopped" else self.stopped_with
+                if kind not in ("serving", "ready", "bound", "metrics", "stopped"):
+                    reloads.append((kind, value))
         except EOFError:
-            self.reports.close()
+            reports.close()
             self.reports = None
+        return reloads
+
+    def order(self, message: tuple[object, ...]) -> None:
+        with contextlib.suppress(OSError):  # it has ended: what it was told no longer matters
+            self.orders.send(message)
 
 
 class Supervisor:
@@ -125,6 +156,11 @@ class Supervisor:
                                  layout, create_slab_memory(layout))
                       for index, name in enumerate(replica_names(devices))]
         self.children: dict[str, _Child] = {}
+        # Weights a client sends are written here by the front-end that took them (the engines read them here).
+        self.uploads = Path(tempfile.mkdtemp(prefix="resnet-weights-"))
+        self.reloads = Reloads(ServedWeights(config.weights, 1), config.weights, self.uploads, self._engine_names,
+                               self._order, self._restart, self._announce)
+        self.due: dict[str, tuple[float, int]] = {}  # a child to start -> (when, its quick ends before it)
         self._owners = itertools.count(1)
         self.port = 0
         self.failure = ""  # why the set stopped, when a child ended before it served
@@ -140,6 +176,42 @@ class Supervisor:
     def close(self) -> None:
         for link in self.links:
             os.close(link.slab_fd)
+        shutil.rmtree(self.uploads, ignore_errors=True)
+
+    def _engine_names(self) -> list[str]:
+        return [name for name in self.children if name.startswith("engine")]
+
+    def _order(self, name: str, message: tuple[object, ...]) -> None:
+        if (child := self.children.get(name)) is not None:
+            child.order(message)
+
+    def _restart(self, name: str) -> None:
+        if (child := self.children.get(name)) is not None:
+            child.process.send(signal.SIGTERM)
+
+    def _announce(self, served: ServedWeights) -> None:
+        for name, child in self.children.items():
+            if name.startswith("frontend"):
+                child.order(("weights", served))
+
+    def reload(self) -> None:
+        """SIGHUP's: every engine loads the weights from --weights again (even an unchanged file)."""
+        self.reloads.load(None, lambda outcome: None)  # its outcome is logged
+
+    def _act_on(self, child: _Child, reports: list[tuple[str, object]]) -> None:
+        """A front-end's request to load or unload, or an engine's answer to an order of a reload."""
+        for kind, value in reports:
+            if kind == "load" and isinstance(value, tuple):
+                ticket, source = value
+                self.reloads.load(source, functools.partial(self._reply, child.name, ticket))
+            elif kind == "unload":
+                self.reloads.unload()
+                self._reply(child.name, value, Outcome("OK", "unloaded"))
+            else:
+                self.reloads.on_report(child.name, kind, value)
+
+    def _reply(self, frontend: str, ticket: object, outcome: Outcome) -> None:
+        self._order(frontend, ("answer", (ticket, outcome.code, outcome.message)))
 
     def run(self) -> bool:
         """Start everything and keep it running; False when a signal comes, True when a child ended before it
@@ -148,10 +220,10 @@ class Supervisor:
         # The front-ends start beside the engines: waiting for the engines first adds a front-end's own start
         # (imports, gRPC, the port) to the time to SERVING. An engine or front-end that ends before it is ready
         # ends the set, as before.
-        first = self._start_frontend(0, self.config.port)
-        if (failed := self._wait_until(lambda: bool(first.port))) is not None:
+        self._start_frontend(0, self.config.port)
+        if (failed := self._wait_until(lambda: self._port_of("frontend-0") != 0)) is not None:
             return failed
-        self.port = first.port
+        self.port = self._port_of("frontend-0")
         for index in range(1, self.frontends):
             self._start_frontend(index, self.port)
         if (failed := self._wait_until(self._engines_warm)) is not None:
@@ -171,137 +243,177 @@ class Supervisor:
             self._start_engine(index)
 
     def _engines_warm(self) -> bool:
-        return all(self.children[f"engine-{index}"].serving for index in range(len(self.links)))
+        return all((child := self.children.get(f"engine-{index}")) is not None and child.serving
+                   for index in range(len(self.links)))
+
+    def _port_of(self, name: str) -> int:
+        child = self.children.get(name)
+        return child.port if child is not None else 0
 
     def _wait_until(self, done: Callable[[], bool]) -> bool | None:
         """Wait for start-up reports until ``done()``; None then, False on a signal, True if a child ended."""
         while not done():
-            ready = self._wait(None)
+            ready = self._wait()
             if self._signalled(ready):
                 return False
             for child in list(self.children.values()):
-                child.read_reports()
+                self._act_on(child, child.read_reports())
                 if child.process.sentinel in ready and not done():
                     return self._ended_before_serving(child)
+            self._start_due()
         return None
 
-    def _wait(self, timeout: float | None) -> list:
+    def _wait(self) -> list:
+        """Until a report, a child's end, a signal, or the time to start a child that is due."""
+        pause = max(0.0, min(when for when, _ in self.due.values()) - time.monotonic()) if self.due else None
         listening = [child.reports for child in self.children.values() if child.reports is not None]
         sentinels = [child.process.sentinel for child in self.children.values()]
         signals = [self.stop_signal.reader] if self.stop_signal is not None else []
-        return wait([*signals, *listening, *sentinels], timeout)
+        return wait([*signals, *listening, *sentinels], pause)
+
+    def _start_due(self) -> None:
+        for name, (when, quick_ends) in list(self.due.items()):
+            if when <= time.monotonic():
+                del self.due[name]
+                kind, index = name.split("-")
+                if kind == "engine":
+                    self._start_engine(int(index), quick_ends)
+                else:
+                    self._start_frontend(int(index), self.port, load_first=bool(self.port), quick_ends=quick_ends)
 
     def _signalled(self, ready: list) -> bool:
-        return self.stop_signal is not None and self.stop_signal.reader in ready
+        """Whether SIGTERM or SIGINT has come (stop); a SIGHUP starts a reload of --weights."""
+        if self.stop_signal is None or self.stop_signal.reader not in ready:
+            return False
+        received = self.stop_signal.received()
+        if signal.SIGHUP in received:
+            log.info("SIGHUP received: reloading the weights from %s", self.config.weights)
+            self.reload()
+        return bool(received & {signal.SIGTERM, signal.SIGINT})
 
     def _supervise(self) -> bool:
         """Replace every child that ends after it served, after restart_delay when it is crash-looping; a
         first front-end that ends before serving ends the set (a replacement is replaced). False when a signal
         comes, True in that case."""
-        due: dict[str, tuple[float, int]] = {}  # name -> (when to start its replacement, its quick ends)
         while True:
-            pause = max(0.0, min(when for when, _ in due.values()) - time.monotonic()) if due else None
-            ready = self._wait(pause)
+            ready = self._wait()
             if self._signalled(ready):
                 log.info("signal received: stopping %d front-ends, then %d engines", self.frontends, len(self.links))
                 return False
             for child in list(self.children.values()):
-                child.read_reports()
+                self._act_on(child, child.read_reports())
                 if child.process.sentinel not in ready:
                     continue
                 if not child.serving and child.name.startswith("frontend") and not child.replacement:
                     return self._ended_before_serving(child)
-                due[child.name] = self._ended(child)
-            for name, (when, quick_ends) in list(due.items()):
-                if when <= time.monotonic():
-                    del due[name]
-                    kind, index = name.split("-")
-                    if kind == "engine":
-                        self._start_engine(int(index), quick_ends)
-                    else:
-                        self._start_frontend(int(index), self.port, load_first=True, quick_ends=quick_ends)
+                self.due[child.name] = self._ended(child)
+            self._start_due()
 
     def _ended_before_serving(self, child: _Child) -> bool:
-        child.process.join()
-        self.failure = f"{child.process.name} (pid {child.process.pid}) ended with code {child.process.exitcode} " \
-                       "before serving"
+        self.failure = f"{child.process.name} (pid {child.process.pid}) {child.process.describe_end()} before serving"
         log.error("%s; stopping the others", self.failure)
         return True
 
     def _ended(self, child: _Child) -> tuple[float, int]:
         """A child has ended: when to start its replacement, and its quick ends."""
-        child.process.join()
         del self.children[child.name]
+        child.process.close()
+        child.orders.close()
+        self.reloads.engine_ended(child.name)
         quick_ends = child.quick_ends_now()
         delay = restart_delay(quick_ends)
         looping = f" (ended {quick_ends} times in a row within {STABLE_SECONDS:.0f} s of starting)" if delay else ""
-        log.error("%s (pid %d) ended with code %s; starting a new one in %.0f s%s", child.process.name,
-                  child.process.pid, child.process.exitcode, delay, looping)
+        log.error("%s (pid %d) %s; starting a new one in %.0f s%s", child.process.name, child.process.pid,
+                  child.process.describe_end(), delay, looping)
         return time.monotonic() + delay, quick_ends
 
-    def _start_engine(self, index: int, quick_ends: int = 0) -> _Child:
-        link, config = self.links[index], self.config
+    def _start_engine(self, index: int, quick_ends: int = 0) -> _Child | None:
+        link, config, served = self.links[index], self.config, self.reloads.served
         receiver, sender = _children.Pipe(duplex=False)
+        orders, to_child = _children.Pipe(duplex=False)
         live_owners = [child.owner for child in self.children.values() if child.owner]
         process = _children.Process(target=engine_main, name=f"resnet-engine-{link.name}", args=(
-            link, str(self.devices[index]), engine_config(config), live_owners,
-            SharedRow(self.statistics, self.frontends + index), bool(config.metrics_port), sender))
-        return self._started(f"engine-{index}", process, receiver, sender, quick_ends)
+            link, str(self.devices[index]), engine_config(config, served.source, served.version), live_owners,
+            SharedRow(self.statistics, self.frontends + index), bool(config.metrics_port), sender, orders))
+        return self._started(f"engine-{index}", process, (receiver, sender), (orders, to_child), quick_ends)
 
-    def _start_frontend(self, index: int, port: int, load_first: bool = False, quick_ends: int = 0) -> _Child:
+    def _start_frontend(self, index: int, port: int, load_first: bool = False, quick_ends: int = 0) -> _Child | None:
         """Start front-end ``index``; it writes its statistics into row ``index`` (a replacement goes on from
         its predecessor's counts)."""
         receiver, sender = _children.Pipe(duplex=False)
+        orders, to_child = _children.Pipe(duplex=False)
         owner = next(self._owners)
         process = _children.Process(target=frontend_main, name=f"resnet-frontend-{index}", args=(
-            frontend_config(self.config, port, self.frontends), index, self.links, owner,
-            SharedRow(self.statistics, index), sender, load_first, bool(self.config.metrics_port)))
-        child = self._started(f"frontend-{index}", process, receiver, sender, quick_ends)
-        child.owner, child.replacement = owner, load_first
+            frontend_config(self.config, port, self.frontends, str(self.uploads)), index, self.links, owner,
+            SharedRow(self.statistics, index), (sender, orders), load_first, bool(self.config.metrics_port),
+            self.reloads.served))
+        child = self._started(f"frontend-{index}", process, (receiver, sender), (orders, to_child), quick_ends)
+        if child is not None:
+            child.owner, child.replacement = owner, load_first
         return child
 
-    def _started(self, name: str, process: BaseProcess, receiver: Connection, sender: Connection,
-                 quick_ends: int) -> _Child:
-        process.start()
+    def _started(self, name: str, process: BaseProcess, reports: tuple[Connection, Connection],
+                 orders: tuple[Connection, Connection], quick_ends: int) -> _Child | None:
+        """``process`` started (None if it could not be: it is then due again, as if it had ended at once), with
+        ``reports`` from it and ``orders`` to it: pipes (the parent's end, the child's end)."""
+        (receiver, sender), (child_orders, to_child) = reports, orders
+        try:
+            started = ChildProcess(process)
+        except (OSError, EOFError) as exc:  # the fork server ended mid-request, or the system is out of processes
+            for end in (receiver, sender, child_orders, to_child):
+                end.close()
+            delay = restart_delay(quick_ends + 1)
+            log.error("%s could not start (%s: %s); trying again in %.0f s", process.name, type(exc).__name__, exc,
+                      delay)
+            self.due[name] = (time.monotonic() + delay, quick_ends + 1)
+            return None
         sender.close()  # the child holds the only sending end now: when it ends, ours reads end-of-file
-        log.info("started %s (pid %d)", process.name, process.pid)
-        self.children[name] = child = _Child(name, process, receiver, quick_ends=quick_ends)
+        child_orders.close()
+        log.info("started %s (pid %d)", process.name, started.pid)
+        self.children[name] = child = _Child(name, started, receiver, to_child, quick_ends=quick_ends)
         return child
 
     def stop(self) -> bool:
         """Front-ends first (they drain within the grace period), engines last; True if all exited cleanly."""
         children = list(self.children.values())
-        frontends = [child.process for child in children if child.name.startswith("frontend")]
-        engines = [child.process for child in children if child.name.startswith("engine")]
+        frontends = [child for child in children if child.name.startswith("frontend")]
+        engines = [child for child in children if child.name.startswith("engine")]
         frontends_clean = _stop_all(frontends, self.config.grace_period)
         return _stop_all(engines, self.config.grace_period) and frontends_clean
 
 
-def _stop_all(children: list[BaseProcess], grace: float) -> bool:
+def _stop_all(children: list[_Child], grace: float) -> bool:
     """SIGTERM every live child and wait for each to drain (within its grace period; one still alive 5 s
-    after that is killed). True if every child exited 0."""
+    after that is killed). True if every child ended cleanly."""
     for child in children:
-        if child.is_alive():
-            child.terminate()
+        if child.process.alive():
+            child.process.send(signal.SIGTERM)
     for child in children:
-        child.join(grace + 5)
-        if child.is_alive():
-            child.kill()
-            child.join()
-    # A child ended by this SIGTERM before it could take it as a drain signal was still starting: it had
-    # accepted no call, so nothing was lost.
-    return all(child.exitcode in (0, -signal.SIGTERM) for child in children)
+        if not child.process.join(grace + 5):
+            child.process.send(signal.SIGKILL)
+            child.process.join()
+        child.read_reports()
+    return all(child.ended_cleanly() for child in children)
 
 
 class SignalPipe:
-    """SIGTERM and SIGINT made readable: a socket that becomes ready when either arrives, to wait on beside
-    the children's sentinels."""
+    """SIGTERM and SIGINT (stop) and SIGHUP (reload) made readable: a socket that becomes ready when one
+    arrives, to wait on beside the children's sentinels; Python writes each signal's number to it."""
 
     def __init__(self) -> None:
         self.reader, self._writer = socket.socketpair()
+        self.reader.setblocking(False)
         self._writer.setblocking(False)
         self._previous_fd = signal.set_wakeup_fd(self._writer.fileno())
-        self._previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._previous = {sig: signal.signal(sig, lambda *_: None)
+                          for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+
+    def received(self) -> set[int]:
+        """The signals that have come since the last call."""
+        try:
+            return set(self.reader.recv(4096))
+        except BlockingIOError:
+            return set()
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

@@ -1,0 +1,89 @@
+"""A front-end's side of reloading the weights: it asks the supervisor, which runs the reload over every engine
+(server.supervisor.reloads), and hears from it which weights every engine serves.
+
+Requests go up the front-end's report pipe, ("load", (ticket, source or None)) and ("unload", ticket); the
+supervisor's orders come down a pipe of their own: ("answer", (ticket, status code, message)) and
+("weights", ServedWeights), read on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from resnet_server.common.model import ServedWeights
+
+log = logging.getLogger("server.model_control")
+
+
+class ModelControl:
+    """What this front-end knows of the weights served, and its requests to change them."""
+
+    def __init__(self, served: ServedWeights, uploads: str, reports: Connection | None = None,
+                 orders: Connection | None = None) -> None:
+        self.served = served
+        self.uploads = Path(uploads) if uploads else None  # where a client's weights are written for the engines
+        self._reports, self._orders = reports, orders
+        self._tickets = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[tuple[str, str]]] = {}
+        self._listeners: list[Callable[[ServedWeights], None]] = []
+
+    @property
+    def connected(self) -> bool:
+        """Whether a supervisor runs reloads for this front-end (a front-end run alone, in a test, has none)."""
+        return self._reports is not None and self._orders is not None
+
+    def on_change(self, listener: Callable[[ServedWeights], None]) -> None:
+        self._listeners.append(listener)
+
+    def listen(self) -> None:
+        """Read the supervisor's orders on the running event loop from now on."""
+        if self._orders is not None:
+            asyncio.get_running_loop().add_reader(self._orders.fileno(), self._read)
+
+    def close(self) -> None:
+        if self._orders is not None:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):  # no loop any more, or closed already
+                asyncio.get_running_loop().remove_reader(self._orders.fileno())
+        for waiting in self._waiting.values():
+            waiting.cancel()
+
+    async def load(self, source: str | None) -> tuple[str, str]:
+        """Reload every engine from ``source`` (None: --weights); once all serve it or none does, the outcome:
+        a gRPC status code's name and a message."""
+        return await self._ask("load", source)
+
+    async def unload(self) -> tuple[str, str]:
+        return await self._ask("unload", None)
+
+    async def _ask(self, kind: str, source: str | None) -> tuple[str, str]:
+        if self._reports is None:
+            return "UNAVAILABLE", "this front-end runs without a supervisor: nothing can reload its engines"
+        ticket = next(self._tickets)
+        answered = self._waiting[ticket] = asyncio.get_running_loop().create_future()
+        try:
+            self._reports.send((kind, (ticket, source) if kind == "load" else ticket))
+            return await answered
+        finally:
+            del self._waiting[ticket]
+
+    def _read(self) -> None:
+        assert self._orders is not None
+        try:
+            kind, value = self._orders.recv()
+        except (EOFError, OSError):  # the supervisor has gone: this process ends with it
+            asyncio.get_running_loop().remove_reader(self._orders.fileno())
+            return
+        if kind == "answer":
+            ticket, code, message = value
+            if (waiting := self._waiting.get(ticket)) is not None and not waiting.done():
+                waiting.set_result((code, message))
+        elif kind == "weights":
+            self.served = value
+            for listener in self._listeners:
+                listener(value)

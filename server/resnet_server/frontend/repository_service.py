@@ -1,0 +1,140 @@
+"""Triton's model repository extension over the one model served: RepositoryIndex, RepositoryModelLoad (new
+weights while serving: from --weights again, or a file the client sends) and RepositoryModelUnload.
+
+Off unless the server runs with ``--model-control explicit``: then each answers PERMISSION_DENIED naming the
+flag. Weights a client sends are bounded (``--max-weights-mb``), written to the supervisor's private folder and
+read there as the engines will read them (``torch.load(weights_only=True)`` or safetensors: no pickled code
+runs) before any engine is asked: a file that is not a ResNet18 state_dict is refused naming its first wrong key,
+and nothing changes on any device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from concurrent.futures import Executor
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from resnet_client.api import grpc_predict_v2_pb2 as oip
+from resnet_client.api import model_config_pb2 as mc
+from resnet_server.common.errors import InvalidInput, NotFound, PermissionDenied, ServingError
+from resnet_server.common.model import WeightsError, check_weights_file
+from resnet_server.frontend.model_control import ModelControl
+
+FILE_PREFIX = "file:"  # a parameter holding a file's bytes, as tritonclient's load_model(files=...) sends it
+
+
+class RepositoryService:
+    """The three RPCs' work; InferenceService answers them with it."""
+
+    def __init__(self, control: ModelControl, explicit: bool, max_weights_bytes: int, names: list[str],
+                 executor: Executor | None = None) -> None:
+        self.control = control
+        self.explicit = explicit
+        self.max_weights_bytes = max_weights_bytes
+        self.names = names
+        self._executor = executor
+
+    def index(self, request: oip.RepositoryIndexRequest) -> oip.RepositoryIndexResponse:
+        self._allowed()
+        served = self.control.served
+        if request.ready and not served.loaded:
+            return oip.RepositoryIndexResponse()
+        state, reason = ("READY", "") if served.loaded else ("UNAVAILABLE", "unloaded")
+        return oip.RepositoryIndexResponse(models=[
+            oip.RepositoryIndexResponse.ModelIndex(name=name, version=str(served.version), state=state, reason=reason)
+            for name in self.names])
+
+    async def load(self, request: oip.RepositoryModelLoadRequest, configs: dict[str, mc.ModelConfig]
+                   ) -> oip.RepositoryModelLoadResponse:
+        self._allowed()
+        self._known(request.model_name)
+        if (served := configs.get(request.model_name)) is not None:  # none until the model has loaded once
+            _check_config(request, served)
+        path = await self._received_weights(request)
+        code, message = await self.control.load(str(path) if path is not None else None)
+        _raise_unless_ok(code, message)
+        return oip.RepositoryModelLoadResponse()
+
+    async def unload(self, request: oip.RepositoryModelUnloadRequest) -> oip.RepositoryModelUnloadResponse:
+        self._allowed()
+        self._known(request.model_name)
+        code, message = await self.control.unload()
+        _raise_unless_ok(code, message)
+        return oip.RepositoryModelUnloadResponse()
+
+    def _allowed(self) -> None:
+        if not self.explicit:
+            raise PermissionDenied("the model repository is read-only: start the server with --model-control "
+                                   "explicit to load and unload models (or send it SIGHUP to reload --weights)")
+
+    def _known(self, name: str) -> None:
+        if name not in self.names:
+            raise NotFound(f"unknown model {name!r}; this server serves {' and '.join(map(repr, self.names))}")
+
+    async def _received_weights(self, request: oip.RepositoryModelLoadRequest) -> Path | None:
+        """The file of weights the request carries, written where the engines read it and checked; None if it
+        carries none (reload from --weights)."""
+        files = [(key, value.bytes_param) for key, value in request.parameters.items() if key.startswith(FILE_PREFIX)]
+        if not files:
+            return None
+        if len(files) > 1:
+            raise InvalidInput(f"{len(files)} files sent; send one file of weights (a ResNet18 state_dict saved "
+                               "by torch.save, or a safetensors file)")
+        (name, data), = files
+        if len(data) > self.max_weights_bytes:
+            raise InvalidInput(f"{name} is {len(data) / 2**20:.1f} MiB, over --max-weights-mb "
+                               f"{self.max_weights_bytes // 2**20}")
+        if self.control.uploads is None:
+            raise InvalidInput("this front-end has no folder for weights a client sends")
+        path = self.control.uploads / f"{uuid.uuid4().hex}.weights"
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._executor, _write_private, path, data)
+            await loop.run_in_executor(self._executor, check_weights_file, path)
+        except WeightsError as exc:  # said of the file as the client named it, not of the server's copy
+            path.unlink(missing_ok=True)
+            raise InvalidInput(str(exc).replace(str(path), name).replace(path.name, name)) from None
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return path
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(data)
+
+
+def _check_config(request: oip.RepositoryModelLoadRequest, served: mc.ModelConfig) -> None:
+    """A ``config`` parameter is accepted where it asks for what is served already; else INVALID_ARGUMENT naming
+    the first field it would change (this server serves one model, as its flags say)."""
+    if "config" not in request.parameters:
+        return
+    asked = mc.ModelConfig()
+    try:
+        json_format.Parse(request.parameters["config"].string_param, asked)
+    except json_format.ParseError as exc:
+        raise InvalidInput(f"config is not a ModelConfig in JSON: {exc}") from None
+    for field, value in asked.ListFields():
+        if getattr(served, field.name) != value:
+            raise InvalidInput(f"config asks for {field.name} {_shown(value)}; this server serves "
+                               f"{_shown(getattr(served, field.name))} and cannot change it at load (its flags "
+                               "decide it)")
+
+
+def _shown(value: object) -> str:
+    return json_format.MessageToJson(value, indent=None) if isinstance(value, Message) else repr(value)
+
+
+def _raise_unless_ok(code: str, message: str) -> None:
+    if code != "OK":
+        error = ServingError(message)
+        error.code = grpc.StatusCode[code]
+        raise error
