@@ -11,8 +11,10 @@ tensors for ImageNet's and the random ones.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,11 @@ class LoadedWeights:
     source: str  # what GetModelInfo reports, e.g. "imagenet" or the file path
     warning: str = ""
     sha256: str = ""  # the file's, or the tensors' (weights_sha256)
+
+    def without_tensors(self) -> LoadedWeights:
+        """What is kept of the weights once a model is built from them: where they came from and what they are
+        (the tensors themselves, a second copy of the model's, would only take memory)."""
+        return dataclasses.replace(self, state_dict={})
 
 
 @dataclass(frozen=True)
@@ -103,14 +110,15 @@ def _imagenet_state_dict(device: torch.device) -> Mapping[str, torch.Tensor]:
         ) from exc
 
 
-def load_state_dict_file(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
-    """Read a checkpoint file safely and return a clean ResNet18 state_dict."""
+def load_state_dict_file(path: Path, device: torch.device, mapped: bool = False) -> dict[str, torch.Tensor]:
+    """Read a checkpoint file safely and return a clean ResNet18 state_dict (``mapped``: its tensors' data mapped
+    from the file, read only when touched, where the file is torch.save's zip archive)."""
     if not path.is_file():
         raise WeightsError(f"weights file {path} does not exist (use imagenet, random or a file path)")
     if _is_safetensors(path):
         return _load_safetensors(path, device)
     try:
-        loaded = torch.load(path, map_location=device, weights_only=True)
+        loaded = torch.load(path, map_location=device, weights_only=True, mmap=mapped and zipfile.is_zipfile(path))
     except Exception as exc:  # pickle.UnpicklingError for code-carrying files, zip errors, ...
         raise WeightsError(
             f"cannot load {path} with weights_only=True ({type(exc).__name__}): only plain tensors "
@@ -140,11 +148,24 @@ def _load_safetensors(path: Path, device: torch.device) -> dict[str, torch.Tenso
 def check_weights_file(path: Path) -> str:
     """Read the file as the engines will and check it is a ResNet18 state_dict (on no device: the shapes only
     are compared); its SHA-256. WeightsError names what is wrong, the first wrong key first of all."""
-    state = load_state_dict_file(path, torch.device("cpu"))
     with torch.device("meta"):
         model = resnet18(weights=None)
-    check_state_dict(model, state, path.name)
+    check_state_dict(model, _shapes(path), path.name)
     return file_sha256(path)
+
+
+def _shapes(path: Path) -> Mapping[str, torch.Tensor]:
+    """The file's tensors, their data left unread where the format allows (what checking them needs): safetensors'
+    header, or torch.load's zip archive mapped rather than read."""
+    if not _is_safetensors(path):
+        return load_state_dict_file(path, torch.device("cpu"), mapped=True)
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, "pt") as file:
+            return {key: torch.empty(file.get_slice(key).get_shape(), device="meta") for key in file.keys()}  # noqa: SIM118 - safe_open is no dict
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise WeightsError(f"cannot load {path} as safetensors ({type(exc).__name__}: {exc})") from exc
 
 
 def _unwrap_state_dict(loaded: object, path: Path) -> dict[str, torch.Tensor]:
@@ -178,8 +199,10 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tens
 
 
 def build_model(weights: LoadedWeights, device: torch.device) -> ResNet:
-    """ResNet18 in eval mode on ``device`` with the given weights."""
-    model = resnet18(weights=None)
+    """ResNet18 in eval mode on ``device`` with the given weights: built on no device and given the weights'
+    own tensors, so that no random initialisation runs and no second copy is made."""
+    with torch.device("meta"):
+        model = resnet18(weights=None)
     check_state_dict(model, weights.state_dict, weights.source)
-    model.load_state_dict(weights.state_dict)
+    model.load_state_dict(weights.state_dict, assign=True)
     return model.eval().to(device)

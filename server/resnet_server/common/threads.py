@@ -16,7 +16,22 @@ had none.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+
 import torch
+
+BACKGROUND_NICENESS = 19
+
+
+def in_the_background() -> None:
+    """The calling thread computes with one torch thread, at the lowest CPU priority (Linux sets a thread's
+    niceness apart from its process's): work that can wait (preparing new weights) then takes only the CPU the
+    batches leave."""
+    use_torch_threads(1)
+    with contextlib.suppress(OSError):  # lowering one's own priority is always allowed; a platform may not offer it
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
 
 
 def use_torch_threads(count: int) -> None:

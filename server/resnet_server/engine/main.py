@@ -17,7 +17,7 @@ from resnet_server.common.logs import configure_logging
 from resnet_server.common.metrics import Metrics, serve_child_metrics
 from resnet_server.common.sections import EngineConfig
 from resnet_server.common.statistics import SharedRow
-from resnet_server.common.threads import use_torch_threads
+from resnet_server.common.threads import in_the_background, use_torch_threads
 from resnet_server.engine.core import Engine
 
 log = logging.getLogger("server.engine")
@@ -65,7 +65,9 @@ def follow_orders(engine: Engine, orders: Connection, reports: Connection) -> No
     """The supervisor's reload, in two steps on every engine: ("prepare", version, source) loads the weights
     beside those served and answers ("prepared", (version, sha256)) or ("prepare-failed", (version, why));
     then ("commit", version) swaps them in between two batches and answers ("committed", version) (or
-    "commit-failed"), or ("abort", version) drops them."""
+    "commit-failed"), or ("abort", version) drops them. Preparing runs in the background (threads): it takes the
+    CPU the batches leave."""
+    in_the_background()
     while True:
         try:
             kind, version, *rest = orders.recv()

@@ -70,8 +70,10 @@ class Replica:
         """Load ``source`` and make it ready beside the weights served now, which serve on meanwhile: copied into
         the served precision and layout (eager, CUDA graphs), or a new runner compiled and warmed up (inductor's
         cache makes that fast). WeightsError if the weights are not a ResNet18's."""
-        weights = load_weights(source, self.device)
-        model = build_model(weights, self.device)
+        loaded = load_weights(source, self.device)
+        model = build_model(loaded, self.device)
+        weights = loaded.without_tensors()
+        del loaded  # the model holds them now: one copy less while the reload is under way
         if self.runner.swaps_in_place:
             tensors = self.runner.staged(model)
             runner = self.runner
@@ -108,10 +110,13 @@ class _ReplicaSetup:
         config, device = self.config, self.device
         # This thread's OpenMP team: set here, since other threads (preprocessing) set theirs to 1.
         use_torch_threads(self.torch_threads)
-        self.weights = load_weights(config.weights, device)
+        loaded = load_weights(config.weights, device)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = config.cudnn_benchmark
-        self.runner = self.warmed(build_model(self.weights, device))
+        model = build_model(loaded, device)
+        self.weights = loaded.without_tensors()
+        del loaded
+        self.runner = self.warmed(model)
         return self.runner
 
     def warmed(self, model: torch.nn.Module) -> ModelRunner:

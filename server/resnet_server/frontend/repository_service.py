@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from concurrent.futures import Executor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -24,6 +24,7 @@ from resnet_client.api import grpc_predict_v2_pb2 as oip
 from resnet_client.api import model_config_pb2 as mc
 from resnet_server.common.errors import InvalidInput, NotFound, PermissionDenied, ServingError
 from resnet_server.common.model import WeightsError, check_weights_file
+from resnet_server.common.threads import in_the_background
 from resnet_server.frontend.model_control import ModelControl
 
 FILE_PREFIX = "file:"  # a parameter holding a file's bytes, as tritonclient's load_model(files=...) sends it
@@ -32,13 +33,13 @@ FILE_PREFIX = "file:"  # a parameter holding a file's bytes, as tritonclient's l
 class RepositoryService:
     """The three RPCs' work; InferenceService answers them with it."""
 
-    def __init__(self, control: ModelControl, explicit: bool, max_weights_bytes: int, names: list[str],
-                 executor: Executor | None = None) -> None:
+    def __init__(self, control: ModelControl, explicit: bool, max_weights_bytes: int, names: list[str]) -> None:
         self.control = control
         self.explicit = explicit
         self.max_weights_bytes = max_weights_bytes
         self.names = names
-        self._executor = executor
+        # Writing and checking a client's file runs in the background: calls being served keep the CPU.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="weights", initializer=in_the_background)
 
     def index(self, request: oip.RepositoryIndexRequest) -> oip.RepositoryIndexResponse:
         self._allowed()
