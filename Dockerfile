@@ -14,7 +14,7 @@ COPY server /src/server
 # One RUN, one layer: on copy-on-write-less storage (vfs) every layer is a full copy of torch.
 RUN python -m venv /opt/venv && mkdir -p /opt/torch \
  && if [ -n "$TORCH_INDEX_URL" ]; then pip install torch torchvision --index-url "$TORCH_INDEX_URL"; fi \
- && pip install "/src[server]" \
+ && pip install "/src[server,tracing]" \
  && if [ "$BAKE_WEIGHTS" = "true" ]; then \
       python -c "from torchvision.models import ResNet18_Weights as W; W.IMAGENET1K_V1.get_state_dict(progress=False)"; \
     fi

@@ -721,3 +721,12 @@ def test_bench_without_pillow_says_what_to_install():
     assert done.returncode == 1
     assert done.stderr == ("resnet-client bench: error: --input jpeg (the default) and png need Pillow: pip install "
                            "'resnet-grpc[tools]', or send --input uint8 or --image FILE\n")
+
+
+def test_tracing_cost_measures_the_three_settings_and_the_traced_ones_export():
+    """scripts/benchmarks/tracing_cost.py end to end, briefly: each setting served, its ratio to tracing off, and
+    the spans of the traced servers at the receiver."""
+    result = run_benchmark("tracing_cost", "--concurrency", "2", "--duration", "1", "--rounds", "1", "--json")
+    assert all(result[name]["images_per_s"] > 0 for name in ("off", "rate 0.01", "rate 1.0"))
+    assert result["off"]["ratio_to_off"] == 1.0 and result["rate 1.0"]["frontend_cpu_ms_a_call"] > 0
+    assert result["spans_received"] > 0  # flushed as the servers stop, at the latest

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="softmax temperature, finite and > 0 (default: the server's)")
     classify.add_argument("--full", action="store_true", help="also return the 1000 probabilities")
     classify.add_argument("--json", action="store_true", help="one JSON object per image per line")
+    classify.add_argument("--trace", action="store_true",
+                          help="start a sampled trace for each call and print its trace id (the server's, when it "
+                               "runs with --otlp-endpoint: find the call in your tracing backend)")
     classify.add_argument("--images-per-request", type=int_between(1, 1000), default=IMAGES_PER_REQUEST,
                           metavar="N", help="files per request (default %(default)s; at most the server's "
                                             "max_images_per_request, see `info`)")
@@ -84,6 +87,8 @@ def result_json(path: str, result: Classification) -> dict:
         "queue_ms": result.queue_ms,
         "compute_ms": result.compute_ms,
     }
+    if result.trace_id:
+        record["trace_id"] = result.trace_id
     if result.probabilities is not None:
         record["probabilities"] = result.probabilities
     return record
@@ -95,7 +100,7 @@ def error_json(path: str, error: FileError) -> dict:
 
 def run_classify(args: argparse.Namespace) -> int:
     failed = 0
-    with connect(args) as client:
+    with connect(args, trace=args.trace) as client:
         for path, result in classify_files(client, args.paths, images_per_request=args.images_per_request,
                                            concurrency=args.concurrency, top_k=args.top_k,
                                            temperature=args.temperature, full=args.full):
@@ -113,7 +118,9 @@ def print_classified(path: str, result: Classification | FileError, as_json: boo
         cause = f"{result.code.name}: {result.message}" if result.code else result.message
         print(f"resnet-client: error: {path}: {cause}", file=sys.stderr, flush=True)
     else:
-        print(f"{path}  (device {result.device}, queue {result.queue_ms:.1f} ms, compute {result.compute_ms:.1f} ms)")
+        traced = f", trace {result.trace_id}" if result.trace_id else ""
+        print(f"{path}  (device {result.device}, queue {result.queue_ms:.1f} ms, compute {result.compute_ms:.1f} ms"
+              f"{traced})")
         for rank, score in enumerate(result.top_k, 1):
             print(f"  {rank:>2}. {score.probability:8.4f}  {score.index:>4}  {score.label}")
 

@@ -14,6 +14,7 @@ from .api import grpc_predict_v2_pb2_grpc as oip_grpc
 from .channel import DEFAULT_ATTEMPTS, ChannelConfig, parse_targets
 from .errors import ClassifierError
 from .messages import Classification, ImageLike, build_request, parse_response
+from .trace_context import outgoing, trace_id
 
 DEFAULT_TIMEOUT = 30.0
 MODEL = "resnet18"
@@ -41,12 +42,15 @@ class Client:
     ``attempts``: tries per classifier call on UNAVAILABLE; ``own_connection``: a connection not shared with
     the process's other clients of the same target (see :class:`client.channel.ChannelConfig`);
     ``interceptors``: gRPC client interceptors (``grpc.UnaryUnaryClientInterceptor`` and its kin) that every
-    call passes through, for tracing or logging of your own."""
+    call passes through, for tracing or logging of your own. Every call carries the caller's OpenTelemetry context
+    where ``opentelemetry-api`` is installed; ``trace``: a call without one starts a trace of its own, sampled,
+    and each Classification names the server's trace id."""
 
     def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None, attempts: int = DEFAULT_ATTEMPTS, own_connection: bool = False,
-                 interceptors: Sequence[Interceptor] = ()) -> None:
+                 interceptors: Sequence[Interceptor] = (), trace: bool = False) -> None:
+        self._trace = trace
         self._config, channel = _connect(grpc, target, tls_ca, tls_cert, tls_key, token, attempts, own_connection)
         self._channel = grpc.intercept_channel(channel, *interceptors) if interceptors else channel
         self.timeout = timeout
@@ -56,14 +60,16 @@ class Client:
 
     def _call(self, method, request, timeout: float | None):
         try:
-            return method(request, timeout=timeout or self.timeout, metadata=self._config.metadata())
+            return method(request, timeout=timeout or self.timeout,
+                          metadata=[*self._config.metadata(), *outgoing(self._trace)])
         except grpc.RpcError as error:
             raise ClassifierError.from_rpc_error(error) from None
 
     def classify(self, images: Iterable[ImageLike], *, top_k: int | None = None, temperature: float | None = None,
                  full: bool = False, logits: bool = False, timeout: float | None = None) -> list[Classification]:
         request = build_request(images, top_k=top_k, temperature=temperature, full=full, logits=logits)
-        return parse_response(self._call(self._stub.Classify, request, timeout))
+        response, call = self._call(self._stub.Classify.with_call, request, timeout)
+        return parse_response(response, trace_id(call.trailing_metadata()))
 
     def classify_stream(self, requests: Iterable[pb.ClassifyRequest], *,
                         timeout: float | None = None) -> Iterator[list[Classification]]:

@@ -65,5 +65,5 @@ def connection(args: argparse.Namespace) -> dict:
             "token": args.token, "attempts": args.attempts}
 
 
-def connect(args: argparse.Namespace) -> Client:
-    return Client(args.server, **connection(args))
+def connect(args: argparse.Namespace, trace: bool = False) -> Client:
+    return Client(args.server, **connection(args), trace=trace)

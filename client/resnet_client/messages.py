@@ -31,6 +31,7 @@ class Classification:
     temperature: float
     queue_ms: float
     compute_ms: float
+    trace_id: str = ""  # of the server's span for the call, when it traces (resnet-client classify --trace)
 
 
 def to_image(image: ImageLike) -> pb.Image:
@@ -55,7 +56,7 @@ def build_request(images: Iterable[ImageLike], *, top_k: int | None = None, temp
     return request
 
 
-def parse_response(response: pb.ClassifyResponse) -> list[Classification]:
+def parse_response(response: pb.ClassifyResponse, trace_id: str = "") -> list[Classification]:
     return [
         Classification(
             top_k=[ClassScore(score.index, score.label, score.probability) for score in result.top_k],
@@ -65,6 +66,7 @@ def parse_response(response: pb.ClassifyResponse) -> list[Classification]:
             temperature=result.temperature,
             queue_ms=result.queue_ms,
             compute_ms=result.compute_ms,
+            trace_id=trace_id,
         )
         for result in response.results
     ]

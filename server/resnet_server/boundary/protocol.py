@@ -115,6 +115,8 @@ class Done(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.DONE)):
     timing: tuple[float, float, float]  # the batch's input, infer and output seconds
     in_rotation: bool
     weights_version: int  # of the weights that computed the batch
+    batch: int = 0  # the batch's number on its engine, counted from 1 (tracing links the calls it served)
+    batch_size: int = 0  # its images, from every front-end
 
 
 class Failed(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.FAILED)):

@@ -77,6 +77,8 @@ class ServerConfig:
     max_message_mb: int = 64
     model_control: str = "none"  # explicit: the model repository RPCs may reload the weights
     max_weights_mb: int = 50  # a little over ResNet18's fp32 state_dict (44.7 MiB)
+    otlp_endpoint: str | None = None  # None: tracing off (unless the SDK's OTEL_EXPORTER_OTLP_* variables say)
+    trace_rate: float = 1.0
     max_concurrent_streams: int = 128
     max_connection_age: float = 0.0  # 0: connections live as long as their clients keep them
     preprocess_threads: int = 2
@@ -176,6 +178,19 @@ _precision = _one_of(*PRECISIONS)
 _compile_mode = _one_of(*COMPILE_MODES)
 _log_format = _one_of(*LOG_FORMATS)
 _model_control = _one_of(*MODEL_CONTROL_MODES)
+
+
+def _endpoint(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name an OTLP receiver, e.g. localhost:4317")
+    return text.strip()
+
+
+def _ratio(text: str) -> float:
+    value = non_negative_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
 _event_loop = _one_of(*EVENT_LOOPS)
 
 
@@ -393,6 +408,12 @@ _FLAGS: list[tuple[str, FlagType, str]] = [
     ("stuck-batch-timeout", non_negative_float, "seconds a launched batch may go unanswered before its engine "
                                                 "is ended and the supervisor starts a new one (a hung device or "
                                                 "thread; 0: never)"),
+    ("otlp-endpoint", _endpoint, "turns tracing on: OpenTelemetry spans of every call to this OTLP receiver, over "
+                                 "HTTP for http(s)://HOST:PORT/v1/traces, else over gRPC (HOST:PORT, or "
+                                 "http(s)://HOST:PORT); the SDK's OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "
+                                 "OTEL_EXPORTER_OTLP_ENDPOINT, _PROTOCOL and OTEL_SERVICE_NAME are honoured too"),
+    ("trace-rate", _ratio, "with tracing on: the share of calls without a caller's traceparent that are traced, 0 "
+                           "to 1 (a caller's sampled flag decides for its own calls)"),
     ("log-level", _log_level, "DEBUG, INFO, WARNING or ERROR"),
     ("log-format", _log_format, "text (readable lines) or json (one object per line: time UTC, level, logger, "
                                 "message, exception)"),

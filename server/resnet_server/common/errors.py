@@ -48,6 +48,10 @@ class NotFound(ServingError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class FailedPrecondition(ServingError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class PermissionDenied(ServingError):
     code = grpc.StatusCode.PERMISSION_DENIED
 

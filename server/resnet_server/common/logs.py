@@ -21,14 +21,51 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if ids := _trace_ids(record):
+            entry["trace_id"], entry["span_id"] = ids
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
 
 
+class TextFormatter(logging.Formatter):
+    """TEXT_FORMAT, and a call's ``trace_id=... span_id=...`` after the message when it has them."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        line = super().formatMessage(record)
+        return f"{line} trace_id={ids[0]} span_id={ids[1]}" if (ids := _trace_ids(record)) else line
+
+
+class TraceIds(logging.Filter):
+    """Gives each record written while a call's span is current (server.frontend.tracing) its trace and span
+    ids."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from opentelemetry import trace
+
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            record.trace_ids = (f"{context.trace_id:032x}", f"{context.span_id:016x}")
+        return True
+
+
+def _trace_ids(record: logging.LogRecord) -> tuple[str, str] | None:
+    ids = getattr(record, "trace_ids", None)
+    return ids if isinstance(ids, tuple) else None
+
+
+def log_trace_ids() -> None:
+    """From now on (tracing is on), log lines about a call carry its trace and span ids."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(TraceIds())
+
+
 def configure_logging(level: str, log_format: str) -> None:
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     logging.basicConfig(level=level.upper(), handlers=[handler])
     # Python warnings (torch's, torchvision's) go through logging too, so a JSON log stays JSON.
     logging.captureWarnings(True)

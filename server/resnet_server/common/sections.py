@@ -89,6 +89,8 @@ class FrontendConfig:
     model_control: str = "none"
     max_weights_mb: int = 50
     uploads: str = ""  # the supervisor's folder for weights a client sends ("" for a front-end run alone)
+    otlp_endpoint: str | None = None
+    trace_rate: float = 1.0
 
 
 def _section(kind: type, config: ServerConfig, **given: object):

@@ -31,6 +31,8 @@ class ImageOutput:
     timing: BatchTiming  # its batch's compute, in parts
     device: str
     weights_version: int = 1  # of the weights that computed it
+    batch: int = 0  # its batch's number on its device (counted from 1; 0: not known)
+    batch_size: int = 0  # the images of its batch, from every caller
 
 
 class Caller(Protocol):

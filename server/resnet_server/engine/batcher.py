@@ -56,6 +56,7 @@ class BatchOutput:
     queue_seconds: list[float]
     timing: BatchTiming  # the batch's compute, in parts
     weights_version: int  # of the weights that computed it
+    number: int = 0  # the batch's number on this device, counted from 1
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class _Launched:
     scores: PendingScores | None = None
     error: BaseException | None = None
     weights_version: int = 0
+    number: int = 0
 
 
 @dataclass(eq=False)
@@ -131,6 +133,7 @@ class Batcher:
         self._queue: collections.deque[WorkItem] = collections.deque()
         self._swaps: list[_Swap] = []  # guarded by _cond
         self.weights_version = 1  # of the weights the next batch runs with: set only on the worker's thread
+        self._launches = 0  # batches launched (on the worker's thread)
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
@@ -406,7 +409,8 @@ class Batcher:
     def _launch(self, batch: list[WorkItem]) -> None:
         """Prepare the batch and start its forward pass; it is answered in launch order (on CUDA by the
         finisher). A failure here is answered the same way, so every batch's outcome is counted in one place."""
-        launched = _Launched(batch, time.monotonic(), weights_version=self.weights_version)
+        self._launches += 1
+        launched = _Launched(batch, time.monotonic(), weights_version=self.weights_version, number=self._launches)
         try:
             launched.batch, inputs = self._prepare(batch)
             if not launched.batch:  # every image was refused: each has had its answer
@@ -478,7 +482,8 @@ class Batcher:
                              time.monotonic() - computed)
         # NumPy views of the host results: indexing a row is then plain Python work, not a torch call per image.
         return BatchOutput(probabilities.numpy(), logits.numpy(), tops,
-                           [launched.started - item.enqueued for item in batch], timing, launched.weights_version)
+                           [launched.started - item.enqueued for item in batch], timing, launched.weights_version,
+                           launched.number)
 
     def _prepare(self, batch: list[WorkItem]) -> tuple[list[WorkItem], torch.Tensor]:
         """Stack the batch's inputs, decoding deferred JPEGs; an image that cannot be decoded fails alone."""

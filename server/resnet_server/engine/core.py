@@ -343,8 +343,8 @@ class Engine:
         timing = (output.timing.input, output.timing.infer, output.timing.output)
         healthy = self.replica.healthy
         for frontend, answered in answers.items():
-            self._answer(frontend, list(answered),
-                         functools.partial(_done, answered, timing, healthy, output.weights_version))
+            self._answer(frontend, list(answered), functools.partial(
+                _done, answered, timing, healthy, (output.weights_version, output.number, len(items))))
 
     def _fail(self, items: list[Item], exc: BaseException) -> None:
         error, message, healthy = type(exc).__name__, str(exc), self.replica.healthy
@@ -385,10 +385,11 @@ class Engine:
             frontend.send(Health(True))
 
 
-def _done(answered: dict[int, Answer], timing: tuple[float, float, float], healthy: bool, version: int,
-          held: list[int]) -> Done:
-    """The answers of those of a front-end's slots that are still held."""
-    return Done([answered[slot] for slot in held], timing, healthy, version)
+def _done(answered: dict[int, Answer], timing: tuple[float, float, float], healthy: bool,
+          batch: tuple[int, int, int], held: list[int]) -> Done:
+    """The answers of those of a front-end's slots that are still held; ``batch``: its weights' version, its
+    number and its size."""
+    return Done([answered[slot] for slot in held], timing, healthy, *batch)
 
 
 def _slots_by_frontend(items: list[Item]) -> dict[_FrontEnd, list[int]]:

@@ -7,6 +7,7 @@ messages and turns domain errors into gRPC status codes through :func:`server.co
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -24,8 +25,11 @@ from resnet_server.common.work import ImageOutput
 from resnet_server.frontend.classify_request import ReadRequest
 from resnet_server.frontend.core import ClassifyCall, InferenceCore
 from resnet_server.frontend.model_control import ModelControl
+from resnet_server.frontend.tracing import CallTrace, Tracing, traced
 
 log = logging.getLogger("server.service")
+_SERVICE = pb.DESCRIPTOR.services_by_name["Classifier"].full_name
+CLASSIFY, CLASSIFY_STREAM = f"{_SERVICE}/Classify", f"{_SERVICE}/ClassifyStream"  # the spans' names
 T = TypeVar("T")
 R = TypeVar("R")
 # Fresh request ids: this process's random prefix and a count, unique across processes and restarts (as a
@@ -73,8 +77,9 @@ async def abort_with(context: grpc.aio.ServicerContext, rid: str, exc: Exception
         # The caller is gone (cancelled, or its deadline passed): there is no one to answer, and
         # grpc refuses to send a status on a finished call.
         raise asyncio.CancelledError(f"request {rid} ended before its answer") from exc
-    if isinstance(exc, InvalidImages):
-        context.set_trailing_metadata(((INVALID_IMAGES_KEY, ",".join(map(str, exc.reasons))),))
+    if isinstance(exc, InvalidImages):  # beside what is set already (a traceparent)
+        context.set_trailing_metadata((*(context.trailing_metadata() or ()),
+                                       (INVALID_IMAGES_KEY, ",".join(map(str, exc.reasons)))))
     await context.abort(*caller_status(rid, exc))
 
 
@@ -109,7 +114,8 @@ async def in_order(requests: AsyncIterator[R], handle: Callable[[R], Awaitable[T
                 task.cancel()
 
 
-def to_call(request: ReadRequest, context: grpc.aio.ServicerContext, rid: str) -> ClassifyCall:
+def to_call(request: ReadRequest, context: grpc.aio.ServicerContext, rid: str,
+            trace: CallTrace | None = None) -> ClassifyCall:
     if request.unreadable is not None:
         raise InvalidInput(request.unreadable)
     fields = request.fields
@@ -119,6 +125,7 @@ def to_call(request: ReadRequest, context: grpc.aio.ServicerContext, rid: str) -
         top_k=fields.top_k if fields.HasField("top_k") else None,
         timeout=context.time_remaining(),
         request_id=rid,
+        trace=trace,
     )
 
 
@@ -145,6 +152,7 @@ class ClassifierService(pb_grpc.ClassifierServicer):
         self._info = pb.ModelInfo()
         self._labels: list[str] = []
         self._control = control
+        self.tracing: Tracing | None = None  # set by the App when tracing is on
 
     def attach(self, core: InferenceCore, model_info: pb.ModelInfo) -> None:
         self._core = core
@@ -156,20 +164,24 @@ class ClassifierService(pb_grpc.ClassifierServicer):
             raise Unavailable("the model is still loading; retry when health reports SERVING")
         return self._core
 
-    async def _classify(self, request: ReadRequest, context, rid: str) -> pb.ClassifyResponse:
-        outputs = await self._ready_core().classify(to_call(request, context, rid))
+    async def _classify(self, request: ReadRequest, context, rid: str, trace: CallTrace | None = None
+                        ) -> pb.ClassifyResponse:
+        outputs = await self._ready_core().classify(to_call(request, context, rid, trace))
         return pb.ClassifyResponse(results=[to_result(output, self._labels, request.fields) for output in outputs],
                                    weights_version=max(output.weights_version for output in outputs))
 
     async def Classify(self, request, context):
         rid = request_id(context)
-        return await answer(context, rid, lambda: self._classify(request, context, rid))
+        return await answer(context, rid, lambda: traced(self.tracing, CLASSIFY, context, functools.partial(
+            self._classify, request, context, rid)))
 
     async def ClassifyStream(self, request_iterator, context) -> AsyncIterator[pb.ClassifyResponse]:
         """Answers in request order; the first failing request ends the stream with its status code."""
         rid = request_id(context)
         try:
-            async for response in in_order(request_iterator, lambda request: self._classify(request, context, rid)):
+            async for response in in_order(request_iterator, lambda request: traced(
+                    self.tracing, CLASSIFY_STREAM, context, functools.partial(self._classify, request, context, rid),
+                    unary=False)):
                 yield response
         except Exception as exc:
             await abort_with(context, rid, exc)

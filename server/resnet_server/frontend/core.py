@@ -28,6 +28,7 @@ from resnet_server.common.preprocess import ImageInput, RawImage, check_header, 
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.common.work import ImageOutput, ModelInput, WorkItem
 from resnet_server.frontend.router import EngineHandle, Router
+from resnet_server.frontend.tracing import CallTrace
 
 DEFAULT_TOP_K = 5
 
@@ -45,6 +46,7 @@ class ClassifyCall:
     top_k: int | None = None  # None: DEFAULT_TOP_K
     timeout: float | None = None  # seconds left before the caller's deadline
     request_id: str = ""
+    trace: CallTrace | None = None  # its span, with tracing on (server.frontend.tracing)
 
 
 def cheap_problems(images: Sequence[ImageInput], max_pixels: int) -> dict[int, str]:
@@ -108,6 +110,8 @@ class InferenceCore:
         code, outputs, counted = "OK", None, len(call.images)
         try:
             outputs = await self._classify_on(replica, call, started)
+            if call.trace is not None:
+                call.trace.answered(outputs, replica.runs)
         except BaseException as exc:
             code = "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0].name
             if isinstance(exc, InvalidImages):  # the valid ones were not served: their caller may send them again
@@ -129,6 +133,8 @@ class InferenceCore:
         temperature, k = self._validate(call)
         deadline = None if call.timeout is None else started + call.timeout
         model_inputs = await self._admit(call.images, replica)
+        if call.trace is not None:
+            call.trace.admitted()
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExpired("deadline passed while the images were decoded")
         items = [WorkItem(model_input, temperature, k, deadline, self._loop.create_future(), call.request_id)

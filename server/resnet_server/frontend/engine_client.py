@@ -156,6 +156,10 @@ class EngineClient:
         return SimpleNamespace(source=self.info.weights, warning=self.info.warning)
 
     @property
+    def runs(self) -> str:
+        return self.info.runs
+
+    @property
     def max_batch_size(self) -> int:
         return self.info.max_batch_size
 
@@ -333,7 +337,7 @@ class EngineClient:
             if not item.future.done():
                 item.future.set_result(ImageOutput(probabilities, logits, answer.top_k, item.temperature,
                                                    answer.queue_seconds, batch_timing, self.name,
-                                                   done.weights_version))
+                                                   done.weights_version, done.batch, done.batch_size))
         self._set_rotation(done.in_rotation)
 
     def _on_failed(self, failed: Failed) -> None:

@@ -17,18 +17,19 @@ from resnet_server.frontend.server import run
 
 def frontend_main(config: FrontendConfig, index: int, engines: list[EngineLink], owner: int, statistics: SharedRow,
                    pipes: tuple[Connection, Connection], load_first: bool, with_metrics: bool,
-                   served: ServedWeights) -> None:
+                   served: ServedWeights, trace_settings: dict[str, list[str]]) -> None:
     """A front-end process: a gRPC server (server.frontend.server.run) over the engines, reporting where its /metrics
     listens (``with_metrics``), its port once bound, then that it serves. A replacement connects before it binds
     (``load_first``): until then its siblings take every new connection. ``pipes``: its reports to the supervisor
-    and the supervisor's orders to it; ``served``: the weights every engine serves now."""
+    and the supervisor's orders to it; ``served``: the weights every engine serves now; ``trace_settings``:
+    Triton's trace settings as set while serving."""
     reports, orders = pipes
     die_with_supervisor()
     configure_logging(config.observability.log_level, config.observability.log_format)
     metrics = Metrics(config.largest_batch, statistics)
     if with_metrics:
         reports.send(("metrics", serve_child_metrics(metrics.registry).server_port))
-    control = ModelControl(served, config.uploads, reports, orders)
+    control = ModelControl(served, config.uploads, reports, orders, trace_settings)
     code = run(config, index, engines, owner, metrics, on_bound=lambda port: reports.send(("bound", port)),
                on_serving=lambda: reports.send(("serving", 0)), load_first=load_first, control=control)
     report_stopped(reports, code)

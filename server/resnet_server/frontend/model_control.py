@@ -1,9 +1,10 @@
 """A front-end's side of reloading the weights: it asks the supervisor, which runs the reload over every engine
 (server.supervisor.reloads), and hears from it which weights every engine serves.
 
-Requests go up the front-end's report pipe, ("load", (ticket, source or None)) and ("unload", ticket); the
-supervisor's orders come down a pipe of their own: ("answer", (ticket, status code, message)) and
-("weights", ServedWeights), read on the event loop.
+Requests go up the front-end's report pipe, ("load", (ticket, source or None)), ("unload", (ticket, None)) and
+("trace", (ticket, settings)); the supervisor's orders come down a pipe of their own: ("answer", (ticket, status
+code, message)), ("weights", ServedWeights) and ("trace", settings) (Triton's trace settings, for every
+front-end at once), read on the event loop.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ class ModelControl:
     """What this front-end knows of the weights served, and its requests to change them."""
 
     def __init__(self, served: ServedWeights, uploads: str, reports: Connection | None = None,
-                 orders: Connection | None = None) -> None:
+                 orders: Connection | None = None, trace_settings: dict[str, list[str]] | None = None) -> None:
         self.served = served
+        self.trace_settings = dict(trace_settings or {})  # those set while serving, as the supervisor keeps them
+        self._trace_listeners: list[Callable[[dict[str, list[str]]], None]] = []
         self.uploads = Path(uploads) if uploads else None  # where a client's weights are written for the engines
         self._reports, self._orders = reports, orders
         self._tickets = itertools.count(1)
@@ -40,6 +43,9 @@ class ModelControl:
 
     def on_change(self, listener: Callable[[ServedWeights], None]) -> None:
         self._listeners.append(listener)
+
+    def on_trace(self, listener: Callable[[dict[str, list[str]]], None]) -> None:
+        self._trace_listeners.append(listener)
 
     def listen(self) -> None:
         """Read the supervisor's orders on the running event loop from now on."""
@@ -61,13 +67,20 @@ class ModelControl:
     async def unload(self) -> tuple[str, str]:
         return await self._ask("unload", None)
 
-    async def _ask(self, kind: str, source: str | None) -> tuple[str, str]:
+    async def set_trace(self, settings: dict[str, list[str]]) -> tuple[str, str]:
+        """Triton's trace settings, on every front-end (on this one alone where it has no supervisor)."""
+        if self._reports is None:
+            self._apply_trace(settings)
+            return "OK", ""
+        return await self._ask("trace", settings)
+
+    async def _ask(self, kind: str, payload: object) -> tuple[str, str]:
         if self._reports is None:
             return "UNAVAILABLE", "this front-end runs without a supervisor: nothing can reload its engines"
         ticket = next(self._tickets)
         answered = self._waiting[ticket] = asyncio.get_running_loop().create_future()
         try:
-            self._reports.send((kind, (ticket, source) if kind == "load" else ticket))
+            self._reports.send((kind, (ticket, payload)))
             return await answered
         finally:
             del self._waiting[ticket]
@@ -87,3 +100,10 @@ class ModelControl:
             self.served = value
             for listener in self._listeners:
                 listener(value)
+        elif kind == "trace":
+            self._apply_trace(value)
+
+    def _apply_trace(self, settings: dict[str, list[str]]) -> None:
+        self.trace_settings.update(settings)
+        for listener in self._trace_listeners:
+            listener(settings)

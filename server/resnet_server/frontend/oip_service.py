@@ -12,6 +12,7 @@ Outputs: ``probabilities`` FP32 [N, 1000] and, when ``top_k`` is asked, ``top_k_
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import struct
 from collections.abc import AsyncIterator
@@ -24,7 +25,7 @@ from resnet_client.api import grpc_predict_v2_pb2 as oip
 from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 from resnet_client.api import model_config_pb2 as mc
 from resnet_server import __version__
-from resnet_server.common.errors import InvalidInput, NotFound, Unavailable
+from resnet_server.common.errors import FailedPrecondition, InvalidInput, NotFound, Unavailable
 from resnet_server.common.model import MODEL_NAME
 from resnet_server.common.preprocess import CROP, EncodedImage, ImageInput, RawImage
 from resnet_server.common.statistics import BatchTotals, Duration, ModelStatistics, Totals
@@ -33,6 +34,7 @@ from resnet_server.frontend.classifier_service import answer, caller_status, in_
 from resnet_server.frontend.core import DEFAULT_TOP_K, ClassifyCall, InferenceCore
 from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.repository_service import RepositoryService
+from resnet_server.frontend.tracing import CallTrace, Tracing, checked_settings, traced
 from resnet_server.frontend.wire import TooMany, Unreadable, WireError, parse_whole, pull_out
 
 INPUT_NAME = "input"
@@ -258,6 +260,10 @@ def _stack_probabilities(outputs: list[ImageOutput]) -> bytes:
     return np.stack([output.probabilities for output in outputs]).astype("<f4").tobytes()
 
 
+MODEL_INFER, MODEL_STREAM_INFER = "inference.GRPCInferenceService/ModelInfer", \
+    "inference.GRPCInferenceService/ModelStreamInfer"  # the spans' names
+
+
 class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
     """Answers UNAVAILABLE (and ready=false) until :meth:`attach` hands it the loaded core."""
 
@@ -268,6 +274,7 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
         self._statistics = statistics
         self._control = control
         self._repository = repository
+        self.tracing: Tracing | None = None  # set by the App when tracing is on
 
     def attach(self, core: InferenceCore, labels: list[str], info: pb.ModelInfo) -> None:
         self._core, self._labels, self._info = core, labels, info
@@ -299,7 +306,7 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
     async def ServerMetadata(self, request, context):
         return oip.ServerMetadataResponse(name="resnet-grpc", version=__version__,
                                           extensions=["model_configuration", "model_repository", "parameters",
-                                                      "statistics"])
+                                                      "statistics", "trace"])
 
     async def ModelMetadata(self, request, context):
         async def metadata():
@@ -322,7 +329,8 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
                                                                              self._version)])
         return await answer(context, request_id(context), statistics)
 
-    async def _infer(self, read: InferRequest, context, rid: str) -> oip.ModelInferResponse:
+    async def _infer(self, read: InferRequest, context, rid: str, trace: CallTrace | None = None
+                     ) -> oip.ModelInferResponse:
         if read.unreadable is not None:
             raise InvalidInput(read.unreadable)
         request = read.message
@@ -335,20 +343,23 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
             raise Unavailable("the model is still loading; retry when the server is ready")
         images = input_images(request, read.raw_input_contents, self._core.limits.max_images_per_request)
         call = ClassifyCall(images, temperature_parameter(request.parameters),
-                            top_k, context.time_remaining(), rid)
+                            top_k, context.time_remaining(), rid, trace)
         outputs = await self._core.classify(call)
         return build_response(request, outputs, names, self._labels)
 
     async def ModelInfer(self, request, context):
         rid = request_id(context, request.message.id)
-        return await answer(context, rid, lambda: self._infer(request, context, rid))
+        return await answer(context, rid, lambda: traced(self.tracing, MODEL_INFER, context, functools.partial(
+            self._infer, request, context, rid)))
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator[oip.ModelStreamInferResponse]:
         """Triton's semantics: an error answers that request in the stream; the stream goes on."""
         async def one(request: InferRequest) -> oip.ModelStreamInferResponse:
             rid = request_id(context, request.message.id)
             try:
-                return oip.ModelStreamInferResponse(infer_response=await self._infer(request, context, rid))
+                return oip.ModelStreamInferResponse(infer_response=await traced(
+                    self.tracing, MODEL_STREAM_INFER, context, functools.partial(self._infer, request, context, rid),
+                    unary=False))
             except Exception as exc:
                 code, message = caller_status(rid, exc)
                 return oip.ModelStreamInferResponse(
@@ -358,6 +369,25 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
 
         async for response in in_order(request_iterator, one):
             yield response
+
+    async def TraceSetting(self, request, context):
+        return await answer(context, request_id(context), lambda: self._trace_setting(request))
+
+    async def _trace_setting(self, request: oip.TraceSettingRequest) -> oip.TraceSettingResponse:
+        """Triton's trace settings: each update applies on every front-end at once; with none, what they are."""
+        if request.model_name:
+            check_model(request.model_name, "", self._version)
+        asked = {key: list(value.value) for key, value in request.settings.items()}
+        if asked:
+            if self.tracing is None:
+                raise FailedPrecondition("tracing is off: start the server with --otlp-endpoint (an OTLP receiver) "
+                                         "to trace calls")
+            code, message = await self._control.set_trace(checked_settings(asked))
+            if code != "OK":
+                raise Unavailable(message)
+        current = self.tracing.sampler.settings() if self.tracing is not None else {"trace_level": ["OFF"]}
+        value = oip.TraceSettingResponse.SettingValue
+        return oip.TraceSettingResponse(settings={key: value(value=values) for key, values in current.items()})
 
     async def RepositoryIndex(self, request, context):
         async def index():

@@ -41,6 +41,10 @@ class EngineHandle(Protocol):
     def healthy(self) -> bool: ...
 
     @property
+    def runs(self) -> str:
+        """How its batches run: device, precision, runner and batch sizes (for traces)."""
+
+    @property
     def weights(self) -> Weights: ...
 
     @property

@@ -26,6 +26,7 @@ from resnet_server.common.config import host_port
 from resnet_server.common.devices import cpu_bf16_unit
 from resnet_server.common.errors import StartupError
 from resnet_server.common.lifetime import exit_at_once
+from resnet_server.common.logs import log_trace_ids
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION, ServedWeights
 from resnet_server.common.preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
@@ -41,9 +42,11 @@ from resnet_server.frontend.repository_service import RepositoryService
 from resnet_server.frontend.router import EngineHandle, Router
 from resnet_server.frontend.security import TokenAuthInterceptor, load_tokens, server_credentials
 from resnet_server.frontend.temperature import default_temperature
+from resnet_server.frontend.tracing import Tracing
 
 log = logging.getLogger("server")
 LABELS = list(IMAGENET_WEIGHTS.meta["categories"])
+TRACING_FLUSH_SECONDS = 5.0
 UNLOADED = "the model is unloaded (RepositoryModelUnload); load it again (RepositoryModelLoad) to serve"
 SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name,)
 OIP_SERVICE_NAME = oip_pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -74,6 +77,7 @@ class App:
                                        list(DECLARED_INPUTS))
         self.inference = InferenceService(self.metrics.statistics, self.control, repository)
         self._server: grpc.aio.Server | None = None
+        self.tracing: Tracing | None = None  # with --otlp-endpoint, from bind() on
         self._no_replica = False  # every replica out of rotation: health went NOT_SERVING
         self._give_up: asyncio.TimerHandle | None = None  # runs out --unhealthy-exit-after seconds after that
         self._draining = False
@@ -141,6 +145,7 @@ class App:
             raise StartupError(f"cannot listen on {address}: the port is in use, or the address is not "
                                "this machine's") from None
         await self._server.start()
+        self._start_tracing(host_port(network.host, self.port))
         return self.port
 
     async def load(self) -> None:
@@ -275,6 +280,18 @@ class App:
         if self.core is not None:
             self.core.router.stop(timeout=grace)
             self.core.close()
+        if self.tracing is not None:  # the spans still queued go out, for as long as a receiver down allows
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.to_thread(self.tracing.shutdown), TRACING_FLUSH_SECONDS)
+
+    def _start_tracing(self, address: str) -> None:
+        """With an OTLP endpoint: spans of every call, and their ids in the log lines about it."""
+        self.tracing = tracing = Tracing.start(self.config.otlp_endpoint, self.config.trace_rate, address)
+        if tracing is not None:
+            log_trace_ids()
+            self.classifier.tracing = self.inference.tracing = tracing
+            tracing.sampler.update(self.control.trace_settings)  # as set while serving, before this process
+            self.control.on_trace(tracing.sampler.update)
 
 
 class _Handlers:

@@ -160,6 +160,7 @@ class Supervisor:
         self.uploads = Path(tempfile.mkdtemp(prefix="resnet-weights-"))
         self.reloads = Reloads(ServedWeights(config.weights, 1), config.weights, self.uploads, self._engine_names,
                                self._order, self._restart, self._announce)
+        self.trace_settings: dict[str, list[str]] = {}  # Triton's, as set while serving (TraceSetting)
         self.due: dict[str, tuple[float, int]] = {}  # a child to start -> (when, its quick ends before it)
         self._owners = itertools.count(1)
         self.port = 0
@@ -204,9 +205,16 @@ class Supervisor:
             if kind == "load" and isinstance(value, tuple):
                 ticket, source = value
                 self.reloads.load(source, functools.partial(self._reply, child.name, ticket))
-            elif kind == "unload":
+            elif kind == "unload" and isinstance(value, tuple):
                 self.reloads.unload()
-                self._reply(child.name, value, Outcome("OK", "unloaded"))
+                self._reply(child.name, value[0], Outcome("OK", "unloaded"))
+            elif kind == "trace" and isinstance(value, tuple):
+                ticket, settings = value
+                self.trace_settings.update(settings)
+                for name, frontend in self.children.items():  # each applies them before this answer comes
+                    if name.startswith("frontend"):
+                        frontend.order(("trace", settings))
+                self._reply(child.name, ticket, Outcome("OK", ""))
             else:
                 self.reloads.on_report(child.name, kind, value)
 
@@ -346,7 +354,7 @@ class Supervisor:
         process = _children.Process(target=frontend_main, name=f"resnet-frontend-{index}", args=(
             frontend_config(self.config, port, self.frontends, str(self.uploads)), index, self.links, owner,
             SharedRow(self.statistics, index), (sender, orders), load_first, bool(self.config.metrics_port),
-            self.reloads.served))
+            self.reloads.served, self.trace_settings))
         child = self._started(f"frontend-{index}", process, (receiver, sender), (orders, to_child), quick_ends)
         if child is not None:
             child.owner, child.replacement = owner, load_first

@@ -1,0 +1,315 @@
+"""OpenTelemetry traces of the calls a front-end serves: one server span per call (per message on a stream),
+with the request's path inside as child spans at their real times.
+
+The engine has no tracing code: it already sends back, with each image's answer, how long the image waited in
+its queue and how long its batch's compute took (in parts), and which batch it was. The front-end builds the
+spans from those when the call ends: the queue and compute spans end when the answer came back and last exactly
+what the engine measured; the decode span covers the front-end's validation and decoding, the answer span the
+writing of the response.
+
+Off unless ``--otlp-endpoint`` (or the SDK's ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``)
+names a receiver; then spans go through the SDK's batch processor (no call waits on the exporter; an exporter
+that cannot reach its receiver drops spans and the SDK logs it). Off, nothing here is imported and no call does
+any tracing work. A caller's W3C ``traceparent``/``tracestate`` (call metadata; on a stream, the stream's,
+for each of its messages) is the parent, its sampled flag honoured both ways; a call without one is sampled at
+``--trace-rate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlparse
+
+import grpc
+
+from resnet_server.common.errors import InvalidInput, status_for
+from resnet_server.common.work import ImageOutput
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Span, Tracer
+
+log = logging.getLogger("server.tracing")
+T = TypeVar("T")
+DEFAULT_SERVICE_NAME = "resnet-server"
+EXPORT_WARNING_SECONDS = 60.0
+# Where the SDK's exporters log a failed export (a logger's filter sees only its own records, not its children's).
+EXPORT_LOGGERS = ("opentelemetry.exporter.otlp.proto.grpc.exporter",
+                  "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+                  "opentelemetry.exporter.otlp.proto.http._common")
+HTTP_PATH = "/v1/traces"  # an endpoint whose path ends so is OTLP over HTTP; any other, OTLP over gRPC
+
+
+def endpoint(configured: str | None, environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+    """Where spans go: the flag, else the SDK's own variables; None: tracing is off."""
+    return (configured or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None)
+
+
+def over_http(url: str, environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    """OTLP over HTTP where the SDK's protocol variable says so or the URL's path is .../v1/traces; else gRPC."""
+    protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    if protocol:
+        return protocol.startswith("http")
+    parsed = urlparse(url)
+    return parsed.scheme in ("http", "https") and parsed.path.rstrip("/").endswith(HTTP_PATH)
+
+
+@dataclass
+class CallTrace:
+    """One call's server span, and what its path recorded for the child spans."""
+
+    span: Span
+    tracer: Tracer
+    started_ns: int = field(default_factory=time.time_ns)
+    admitted_ns: int = 0  # validated and decoded: handed to an engine
+    answered_ns: int = 0  # the engine's answers back
+    outputs: Sequence[ImageOutput] = ()
+    runs: str = ""  # how the engine's batches run (its runner, precision, sizes)
+
+    def admitted(self) -> None:
+        self.admitted_ns = time.time_ns()
+
+    def answered(self, outputs: Sequence[ImageOutput], runs: str) -> None:
+        self.answered_ns, self.outputs, self.runs = time.time_ns(), outputs, runs
+
+    @contextmanager
+    def current(self) -> Iterator[None]:
+        """The span current while the call runs: log lines written meanwhile carry its ids."""
+        from opentelemetry import trace
+
+        with trace.use_span(self.span, end_on_exit=False):
+            yield
+
+    @property
+    def traceparent(self) -> str:
+        context = self.span.get_span_context()
+        return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+
+    def finish(self, code: str, message: str = "") -> None:
+        """End the call's span with its status, its children built from what was recorded."""
+        from opentelemetry.trace import Status, StatusCode
+
+        ended = time.time_ns()
+        self._children(ended)
+        self.span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[code].value[0])
+        if code != "OK":
+            self.span.set_status(Status(StatusCode.ERROR, f"{code}: {message}"))
+        self.span.end(ended)
+
+    def _children(self, ended: int) -> None:
+        if self.admitted_ns:
+            self._child("decode", self.started_ns, self.admitted_ns)
+        if not self.outputs:
+            return
+        slowest = max(self.outputs, key=lambda output: output.queue_seconds + output.timing.total)
+        compute_start = self.answered_ns - int(slowest.timing.total * 1e9)
+        queue_start = compute_start - int(slowest.queue_seconds * 1e9)
+        self._child("queue", queue_start, compute_start)
+        attributes: dict[str, Any] = {
+            "resnet.device": slowest.device, "resnet.batch.id": f"{slowest.device}/{slowest.batch}",
+            "resnet.batch.size": slowest.batch_size, "resnet.runner": self.runs,
+            "resnet.weights.version": slowest.weights_version}
+        compute = self._child("compute", compute_start, self.answered_ns, attributes)
+        for part, seconds, since in (("input", slowest.timing.input, compute_start),
+                                     ("infer", slowest.timing.infer, compute_start + int(slowest.timing.input * 1e9)),
+                                     ("output", slowest.timing.output, self.answered_ns
+                                      - int(slowest.timing.output * 1e9))):
+            compute.add_event(f"compute.{part}", {"seconds": seconds}, since)
+        self._child("answer", self.answered_ns, ended)
+        self.span.set_attributes({**attributes, "resnet.images": len(self.outputs),
+                                  "resnet.temperature": slowest.temperature,
+                                  "resnet.top_k": len(slowest.top_k)})
+
+    def _child(self, name: str, start: int, end: int, attributes: dict[str, Any] | None = None) -> Span:
+        from opentelemetry import trace
+
+        child = self.tracer.start_span(name, trace.set_span_in_context(self.span), start_time=start,
+                                       attributes=attributes)
+        child.end(end)
+        return child
+
+
+# Triton's trace settings (TraceSetting) as this server honours them: trace_level OFF or TIMESTAMPS (its spans
+# carry their times: Triton's TENSORS is not offered), trace_rate one in N, trace_count the traces left (-1: no
+# limit); log_frequency and trace_file are accepted and ignored (spans go to the OTLP receiver, not to a file).
+TRACE_LEVELS = ("OFF", "TIMESTAMPS")
+IGNORED_SETTINGS = ("log_frequency", "trace_file", "trace_mode")
+
+
+def checked_settings(asked: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The settings a TraceSetting request asks for, checked; InvalidInput names the first it cannot honour."""
+    checked = {}
+    for key, values in asked.items():
+        if key in IGNORED_SETTINGS:
+            continue
+        if key == "trace_level":
+            if not values or any(value not in TRACE_LEVELS for value in values):
+                raise InvalidInput(f"trace_level must be OFF or TIMESTAMPS, got {values}")
+        elif key in ("trace_rate", "trace_count"):
+            least = 1 if key == "trace_rate" else -1
+            if len(values) != 1 or not values[0].lstrip("-").isdigit() or int(values[0]) < least:
+                raise InvalidInput(f"{key} must be one whole number of at least {least}, got {values}")
+        else:
+            raise InvalidInput(f"unknown trace setting {key!r}; this server takes trace_level, trace_rate and "
+                               f"trace_count (and accepts, ignoring them, {', '.join(IGNORED_SETTINGS)})")
+        checked[key] = list(values)
+    return checked
+
+
+class _Sampler:
+    """Which calls are traced, its level, rate and count changeable while serving (TraceSetting). A call with a
+    caller's context follows its sampled flag (the SDK's parent-based sampler); one without is drawn at ``rate``
+    before any span is made (``draw``: an unsampled call then costs a random number, not an SDK span)."""
+
+    def __init__(self, rate: float) -> None:
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+
+        self.on, self.rate, self.count = True, rate, -1
+        self._delegate = ParentBased(ALWAYS_ON)  # a root span reaches it only once drawn
+
+    def draw(self) -> bool:
+        """Whether a call without a caller's context is traced."""
+        return self.on and self.count != 0 and random.random() < self.rate
+
+    def update(self, settings: dict[str, list[str]]) -> None:
+        if "trace_level" in settings:
+            self.on = "TIMESTAMPS" in settings["trace_level"]
+        if "trace_rate" in settings:
+            self.rate = 1 / int(settings["trace_rate"][0])
+        if "trace_count" in settings:
+            self.count = int(settings["trace_count"][0])
+
+    def settings(self) -> dict[str, list[str]]:
+        return {"trace_level": ["TIMESTAMPS" if self.on else "OFF"],
+                "trace_rate": [str(round(1 / self.rate)) if self.rate else "0"],
+                "trace_count": [str(self.count)], "log_frequency": ["0"], "trace_mode": ["opentelemetry"]}
+
+    def should_sample(self, *args: Any, **kwargs: Any) -> Any:
+        from opentelemetry.sdk.trace.sampling import Decision, SamplingResult
+
+        if not self.on or self.count == 0:
+            return SamplingResult(Decision.DROP)
+        result = self._delegate.should_sample(*args, **kwargs)
+        if result.decision.is_sampled() and self.count > 0:
+            self.count -= 1
+        return result
+
+    def get_description(self) -> str:
+        return f"resnet({self._delegate.get_description()})"
+
+
+class Tracing:
+    """A front-end's tracer, built only when tracing is on (``Tracing.start`` for the configuration)."""
+
+    def __init__(self, provider: TracerProvider, address: str, sampler: _Sampler) -> None:
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.sampler = sampler
+        self._provider = provider
+        self._tracer = provider.get_tracer("resnet_server")
+        host, _, port = address.rpartition(":")
+        self._server: dict[str, Any] = {"rpc.system": "grpc", "server.address": host, "server.port": int(port or 0)}
+        self._propagator = TraceContextTextMapPropagator()
+        self._export_warnings = _OncePerInterval(EXPORT_WARNING_SECONDS)
+        for name in EXPORT_LOGGERS:
+            logging.getLogger(name).addFilter(self._export_warnings)
+
+    @classmethod
+    def start(cls, configured: str | None, rate: float, address: str) -> Tracing | None:
+        """None when no endpoint is named; else the SDK set up to export there (``address``: this server's, for
+        the spans' server.address)."""
+        url = endpoint(configured)
+        if url is None:
+            return None
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", DEFAULT_SERVICE_NAME)})
+        sampler = _Sampler(rate)
+        provider = TracerProvider(resource=resource, sampler=sampler)  # type: ignore[arg-type]  # a Sampler by shape
+        provider.add_span_processor(BatchSpanProcessor(_exporter(url)))
+        log.info("tracing: spans to %s over %s, calls without a parent sampled at %g", url,
+                 "HTTP" if over_http(url) else "gRPC", rate)
+        return cls(provider, address, sampler)
+
+    def begin(self, method: str, metadata: Any) -> CallTrace | None:
+        """The call's server span, if the call is sampled (None: nothing more is done for it); ended by
+        CallTrace.finish."""
+        from opentelemetry.trace import SpanKind
+
+        carrier = {key: value for key, value in metadata or () if key in ("traceparent", "tracestate")}
+        if "traceparent" not in carrier and not self.sampler.draw():
+            return None
+        span = self._tracer.start_span(method, self._propagator.extract(carrier), SpanKind.SERVER)
+        if not span.is_recording():  # not sampled: a span that records nothing, and needs no end
+            return None
+        service, _, name = method.rpartition("/")
+        span.set_attributes({**self._server, "rpc.service": service, "rpc.method": name})
+        return CallTrace(span, self._tracer)
+
+    def shutdown(self) -> None:
+        """Export what is left (the batch processor's queue), then stop."""
+        self._provider.shutdown()
+        for name in EXPORT_LOGGERS:
+            logging.getLogger(name).removeFilter(self._export_warnings)
+
+
+async def traced(tracing: Tracing | None, method: str, context: grpc.aio.ServicerContext,
+                 work: Callable[[CallTrace | None], Awaitable[T]], unary: bool = True) -> T:
+    """``work(trace)`` in the call's span (``work(None)`` with tracing off: nothing else runs); a unary call's
+    answer carries the span's ``traceparent`` in its trailing metadata."""
+    if tracing is None or (trace := tracing.begin(method, context.invocation_metadata())) is None:
+        return await work(None)
+    with trace.current():
+        if unary:
+            context.set_trailing_metadata((("traceparent", trace.traceparent),))
+        try:
+            result = await work(trace)
+        except BaseException as exc:
+            code = "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0].name
+            trace.finish(code, str(exc))
+            raise
+        trace.finish("OK")
+        return result
+
+
+class _OncePerInterval(logging.Filter):
+    """A receiver that is down makes the exporter log every failed export: one line a minute is enough, as a
+    warning (spans are dropped; no call fails)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self._seconds, self._next = seconds, 0.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self._seconds
+        said = record.getMessage()
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.msg = f"tracing: %s (spans are dropped; the next such line in {self._seconds:g}s at the earliest)"
+        record.args = (said,)
+        return True
+
+
+def _exporter(url: str) -> Any:
+    if over_http(url):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+        return HttpExporter(endpoint=url)
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+    parsed = urlparse(url if "//" in url else f"//{url}")
+    return GrpcExporter(endpoint=parsed.netloc, insecure=parsed.scheme != "https")
+
