@@ -145,13 +145,13 @@ def _load_safetensors(path: Path, device: torch.device) -> dict[str, torch.Tenso
         raise WeightsError(f"cannot load {path} as safetensors ({type(exc).__name__}: {exc})") from exc
 
 
-def check_weights_file(path: Path) -> str:
+def check_weights_file(path: Path) -> None:
     """Read the file as the engines will and check it is a ResNet18 state_dict (on no device: the shapes only
-    are compared); its SHA-256. WeightsError names what is wrong, the first wrong key first of all."""
+    are compared; its SHA-256 is each engine's to take as it loads it). WeightsError names what is wrong, the
+    first wrong key first of all."""
     with torch.device("meta"):
         model = resnet18(weights=None)
     check_state_dict(model, _shapes(path), path.name)
-    return file_sha256(path)
 
 
 def _shapes(path: Path) -> Mapping[str, torch.Tensor]:

@@ -195,6 +195,6 @@ class ClassifierService(pb_grpc.ClassifierServicer):
         info = pb.ModelInfo()
         info.CopyFrom(self._info)
         info.weights_version, info.weights_sha256 = served.version, served.sha256
-        if self._control.uploads is not None and served.source.startswith(str(self._control.uploads)):
+        if self._control.sent_by_a_client(served.source):
             info.weights = "a file a client sent (RepositoryModelLoad)"
         return info

@@ -17,6 +17,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import grpc
+
+from resnet_server.common.errors import ServingError, Unavailable
 from resnet_server.common.model import ServedWeights
 
 log = logging.getLogger("server.model_control")
@@ -36,10 +39,9 @@ class ModelControl:
         self._waiting: dict[int, asyncio.Future[tuple[str, str]]] = {}
         self._listeners: list[Callable[[ServedWeights], None]] = []
 
-    @property
-    def connected(self) -> bool:
-        """Whether a supervisor runs reloads for this front-end (a front-end run alone, in a test, has none)."""
-        return self._reports is not None and self._orders is not None
+    def sent_by_a_client(self, source: str) -> bool:
+        """Whether weights come from a file a client sent (one in the supervisor's folder for them)."""
+        return self.uploads is not None and Path(source).parent == self.uploads
 
     def on_change(self, listener: Callable[[ServedWeights], None]) -> None:
         self._listeners.append(listener)
@@ -59,31 +61,36 @@ class ModelControl:
         for waiting in self._waiting.values():
             waiting.cancel()
 
-    async def load(self, source: str | None) -> tuple[str, str]:
-        """Reload every engine from ``source`` (None: --weights); once all serve it or none does, the outcome:
-        a gRPC status code's name and a message."""
-        return await self._ask("load", source)
+    async def load(self, source: str | None) -> None:
+        """Reload every engine from ``source`` (None: --weights); returns once all serve it. If none does,
+        ServingError with the supervisor's status code says why."""
+        await self._ask("load", source)
 
-    async def unload(self) -> tuple[str, str]:
-        return await self._ask("unload", None)
+    async def unload(self) -> None:
+        await self._ask("unload", None)
 
-    async def set_trace(self, settings: dict[str, list[str]]) -> tuple[str, str]:
+    async def set_trace(self, settings: dict[str, list[str]]) -> None:
         """Triton's trace settings, on every front-end (on this one alone where it has no supervisor)."""
         if self._reports is None:
             self._apply_trace(settings)
-            return "OK", ""
-        return await self._ask("trace", settings)
+        else:
+            await self._ask("trace", settings)
 
-    async def _ask(self, kind: str, payload: object) -> tuple[str, str]:
+    async def _ask(self, kind: str, payload: object) -> None:
+        """Ask the supervisor; its answer, unless OK, raised as a ServingError with its status code."""
         if self._reports is None:
-            return "UNAVAILABLE", "this front-end runs without a supervisor: nothing can reload its engines"
+            raise Unavailable("this front-end runs without a supervisor: nothing can reload its engines")
         ticket = next(self._tickets)
         answered = self._waiting[ticket] = asyncio.get_running_loop().create_future()
         try:
             self._reports.send((kind, (ticket, payload)))
-            return await answered
+            code, message = await answered
         finally:
             del self._waiting[ticket]
+        if code != "OK":
+            error = ServingError(message)
+            error.code = grpc.StatusCode[code]
+            raise error
 
     def _read(self) -> None:
         assert self._orders is not None

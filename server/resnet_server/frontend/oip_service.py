@@ -382,9 +382,7 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
             if self.tracing is None:
                 raise FailedPrecondition("tracing is off: start the server with --otlp-endpoint (an OTLP receiver) "
                                          "to trace calls")
-            code, message = await self._control.set_trace(checked_settings(asked))
-            if code != "OK":
-                raise Unavailable(message)
+            await self._control.set_trace(checked_settings(asked))
         current = self.tracing.sampler.settings() if self.tracing is not None else {"trace_level": ["OFF"]}
         value = oip.TraceSettingResponse.SettingValue
         return oip.TraceSettingResponse(settings={key: value(value=values) for key, values in current.items()})

@@ -16,13 +16,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from resnet_client.api import grpc_predict_v2_pb2 as oip
 from resnet_client.api import model_config_pb2 as mc
-from resnet_server.common.errors import InvalidInput, NotFound, PermissionDenied, ServingError
+from resnet_server.common.errors import InvalidInput, NotFound, PermissionDenied
 from resnet_server.common.model import WeightsError, check_weights_file
 from resnet_server.common.threads import in_the_background
 from resnet_server.frontend.model_control import ModelControl
@@ -58,15 +57,13 @@ class RepositoryService:
         if (served := configs.get(request.model_name)) is not None:  # none until the model has loaded once
             _check_config(request, served)
         path = await self._received_weights(request)
-        code, message = await self.control.load(str(path) if path is not None else None)
-        _raise_unless_ok(code, message)
+        await self.control.load(str(path) if path is not None else None)
         return oip.RepositoryModelLoadResponse()
 
     async def unload(self, request: oip.RepositoryModelUnloadRequest) -> oip.RepositoryModelUnloadResponse:
         self._allowed()
         self._known(request.model_name)
-        code, message = await self.control.unload()
-        _raise_unless_ok(code, message)
+        await self.control.unload()
         return oip.RepositoryModelUnloadResponse()
 
     def _allowed(self) -> None:
@@ -132,10 +129,3 @@ def _check_config(request: oip.RepositoryModelLoadRequest, served: mc.ModelConfi
 
 def _shown(value: object) -> str:
     return json_format.MessageToJson(value, indent=None) if isinstance(value, Message) else repr(value)
-
-
-def _raise_unless_ok(code: str, message: str) -> None:
-    if code != "OK":
-        error = ServingError(message)
-        error.code = grpc.StatusCode[code]
-        raise error

@@ -191,9 +191,12 @@ class Supervisor:
             child.process.send(signal.SIGTERM)
 
     def _announce(self, served: ServedWeights) -> None:
+        self._to_frontends(("weights", served))
+
+    def _to_frontends(self, message: tuple[object, ...]) -> None:
         for name, child in self.children.items():
             if name.startswith("frontend"):
-                child.order(("weights", served))
+                child.order(message)
 
     def reload(self) -> None:
         """SIGHUP's: every engine loads the weights from --weights again (even an unchanged file)."""
@@ -211,9 +214,7 @@ class Supervisor:
             elif kind == "trace" and isinstance(value, tuple):
                 ticket, settings = value
                 self.trace_settings.update(settings)
-                for name, frontend in self.children.items():  # each applies them before this answer comes
-                    if name.startswith("frontend"):
-                        frontend.order(("trace", settings))
+                self._to_frontends(("trace", settings))  # each applies them before this answer comes
                 self._reply(child.name, ticket, Outcome("OK", ""))
             else:
                 self.reloads.on_report(child.name, kind, value)
