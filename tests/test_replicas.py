@@ -203,6 +203,9 @@ def test_cpu_runner_returns_probabilities_and_logits_and_bucket_sizes(weights_fi
     assert bucket_sizes(8, cuda=False) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert bucket_sizes(32, cuda=False) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32]
     assert _split(13, [1, 2, 4, 8]) == [8, 4, 1] and _split(3, [1, 4]) == [1, 1, 1]
+    assert fp32.run_sizes(13) == [13]  # not warmed: no buckets
+    fp32.buckets = [1, 2, 4, 8]  # the sizes a batch runs at (tracing's resnet.batch.buckets), as after warm-up
+    assert fp32.run_sizes(13) == [8, 4, 1] and fp32.padding_for(13) == 0
 
 
 def test_the_runner_folds_every_batch_norm_into_its_convolution_and_computes_the_same_function():

@@ -5,6 +5,7 @@ ids in the answer and the log lines, and a receiver that is down costing no call
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import signal
@@ -16,7 +17,7 @@ import pytest
 import tritonclient.grpc as tc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from resnet_client import Client
+from resnet_client import AsyncClient, Client
 from resnet_client.api import classifier_pb2 as pb
 from resnet_client.api import classifier_pb2_grpc as pb_grpc
 from resnet_client.cli import main
@@ -120,14 +121,24 @@ def test_the_sampled_flag_is_honoured_and_a_refused_call_has_its_code(make_serve
     assert unsampled not in receiver.spans  # exported in order: the refused call's spans came after
 
 
-def test_calls_batched_together_share_a_batch_id(make_server, receiver):
+def test_calls_batched_together_share_a_batch_id_and_are_linked(make_server, receiver):
     running = make_server(otlp_endpoint=f"127.0.0.1:{receiver.port}", max_batch_delay_ms=500.0)
-    headers = [traceparent(sampled=True) for _ in range(2)]
-    with ThreadPoolExecutor(2) as pool:
+    headers = [traceparent(sampled=True) for _ in range(3)]
+    with ThreadPoolExecutor(3) as pool:
         for done in [pool.submit(classify, running.target, header) for _, header in headers]:
             done.result()
-    batches = {attributes(receiver.trace(trace_id, 5)["compute"])["resnet.batch.id"] for trace_id, _ in headers}
-    assert len(batches) == 1 and attributes(receiver.trace(headers[0][0], 5)["compute"])["resnet.batch.size"] == 2
+    computes = [receiver.trace(trace_id, 5)["compute"] for trace_id, _ in headers]
+    assert len({attributes(span)["resnet.batch.id"] for span in computes}) == 1
+    assert {attributes(span)["resnet.batch.size"] for span in computes} == {3}
+    # On the CPU every size up to 8 is a bucket: a batch of 3 runs as one of 3.
+    assert [value.int_value for value in attributes(computes[0])["resnet.batch.buckets"].values] == [3]
+    # The first call answered is the batch's anchor; the others' compute spans link to its compute span.
+    anchors = [span for span in computes if not span.links]
+    assert len(anchors) == 1
+    for span in computes:
+        if span.links:
+            (link,) = span.links
+            assert (link.trace_id, link.span_id) == (anchors[0].trace_id, anchors[0].span_id)
 
 
 def test_a_receiver_that_is_down_fails_no_call_and_is_told_once_a_minute(make_server, monkeypatch, caplog):
@@ -155,6 +166,19 @@ def test_a_log_line_written_in_a_calls_span_carries_its_ids(formatter):
     assert f"{context.trace_id:032x}" in line and f"{context.span_id:016x}" in line
 
 
+async def classify_async(target: str, caller) -> str:
+    """The trace id the server names for an AsyncClient's call, in ``caller``'s span (None: with trace=True)."""
+    from opentelemetry import trace
+
+    async with AsyncClient(target, trace=caller is None) as client:
+        if caller is None:
+            (result,) = await client.classify([PIXELS])
+        else:
+            with trace.use_span(caller):
+                (result,) = await client.classify([PIXELS])
+    return result.trace_id
+
+
 def test_the_client_passes_its_callers_context_and_names_the_servers_trace(make_server, receiver, capsys, tmp_path):
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
@@ -167,6 +191,9 @@ def test_the_client_passes_its_callers_context_and_names_the_servers_trace(make_
     assert result.trace_id == f"{context.trace_id:032x}"
     server = receiver.trace(result.trace_id, 5)[CLASSIFY]
     assert server.parent_span_id.hex() == f"{context.span_id:016x}"
+    # The asyncio client alike: the caller's context, else with trace=True a new sampled trace.
+    assert asyncio.run(classify_async(running.target, caller)) == f"{context.trace_id:032x}"
+    assert asyncio.run(classify_async(running.target, None)) not in ("", f"{context.trace_id:032x}")
     # The CLI, with no context of its own: --trace starts a sampled trace per call and prints its id.
     image = tmp_path / "image.jpg"
     image.write_bytes(encode(PIXELS))
@@ -174,7 +201,6 @@ def test_the_client_passes_its_callers_context_and_names_the_servers_trace(make_
     printed = capsys.readouterr().out.splitlines()[0]
     (traced,) = [part.removeprefix("trace ") for part in printed.rstrip(")").split(", ") if part.startswith("trace ")]
     assert CLASSIFY in receiver.trace(traced, 5)
-
 
 
 @pytest.mark.slow

@@ -106,12 +106,14 @@ class Client:
 
 
 class AsyncClient:
-    """The asyncio twin of :class:`Client` (grpc.aio; its ``interceptors`` are ``grpc.aio``'s kinds)."""
+    """The asyncio twin of :class:`Client` (grpc.aio; its ``interceptors`` are ``grpc.aio``'s kinds), the
+    caller's OpenTelemetry context and ``trace`` alike."""
 
     def __init__(self, target: str | Sequence[str] = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  token: str | None = None, attempts: int = DEFAULT_ATTEMPTS, own_connection: bool = False,
-                 interceptors: Sequence[Interceptor] = ()) -> None:
+                 interceptors: Sequence[Interceptor] = (), trace: bool = False) -> None:
+        self._trace = trace
         self._config, self._channel = _connect(grpc.aio, target, tls_ca, tls_cert, tls_key, token, attempts,
                                                own_connection, interceptors=list(interceptors) or None)
         self.timeout = timeout
@@ -119,9 +121,15 @@ class AsyncClient:
         self._repository = oip_grpc.GRPCInferenceServiceStub(self._channel)  # the model repository extension
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    async def _call(self, method, request, timeout: float | None):
+    async def _call(self, method, request, timeout: float | None, answer_trace: list[str] | None = None):
+        """``answer_trace``: where to put the trace id the server's answer names."""
         try:
-            return await method(request, timeout=timeout or self.timeout, metadata=self._config.metadata())
+            call = method(request, timeout=timeout or self.timeout,
+                          metadata=[*self._config.metadata(), *outgoing(self._trace)])
+            response = await call
+            if answer_trace is not None:
+                answer_trace.append(trace_id(await call.trailing_metadata()))
+            return response
         except grpc.RpcError as error:
             raise ClassifierError.from_rpc_error(error) from None
 
@@ -129,12 +137,14 @@ class AsyncClient:
                        temperature: float | None = None, full: bool = False, logits: bool = False,
                        timeout: float | None = None) -> list[Classification]:
         request = build_request(images, top_k=top_k, temperature=temperature, full=full, logits=logits)
-        return parse_response(await self._call(self._stub.Classify, request, timeout))
+        traced: list[str] = []
+        response = await self._call(self._stub.Classify, request, timeout, traced)
+        return parse_response(response, *traced)
 
     async def classify_stream(self, requests: Iterable[pb.ClassifyRequest], *,
                               timeout: float | None = None) -> AsyncIterator[list[Classification]]:
         call = self._stub.ClassifyStream(iter(requests), timeout=timeout or self.timeout,
-                                         metadata=self._config.metadata())
+                                         metadata=[*self._config.metadata(), *outgoing(self._trace)])
         try:
             async for response in call:
                 yield parse_response(response)

@@ -117,6 +117,7 @@ class Done(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.DONE)):
     weights_version: int  # of the weights that computed the batch
     batch: int = 0  # the batch's number on its engine, counted from 1 (tracing links the calls it served)
     batch_size: int = 0  # its images, from every front-end
+    buckets: list[int] = []  # the sizes it ran at: its bucket (padded, on CUDA) or the buckets it was split into
 
 
 class Failed(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.FAILED)):

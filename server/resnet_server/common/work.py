@@ -33,6 +33,7 @@ class ImageOutput:
     weights_version: int = 1  # of the weights that computed it
     batch: int = 0  # its batch's number on its device (counted from 1; 0: not known)
     batch_size: int = 0  # the images of its batch, from every caller
+    buckets: tuple[int, ...] = ()  # the sizes its batch ran at (padded to a bucket, or split into buckets)
 
 
 class Caller(Protocol):

@@ -57,6 +57,7 @@ class BatchOutput:
     timing: BatchTiming  # the batch's compute, in parts
     weights_version: int  # of the weights that computed it
     number: int = 0  # the batch's number on this device, counted from 1
+    buckets: tuple[int, ...] = ()  # the sizes it ran at (runner.run_sizes)
 
 
 @dataclass(frozen=True)
@@ -483,7 +484,7 @@ class Batcher:
         # NumPy views of the host results: indexing a row is then plain Python work, not a torch call per image.
         return BatchOutput(probabilities.numpy(), logits.numpy(), tops,
                            [launched.started - item.enqueued for item in batch], timing, launched.weights_version,
-                           launched.number)
+                           launched.number, tuple(self._runner.run_sizes(len(batch))))
 
     def _prepare(self, batch: list[WorkItem]) -> tuple[list[WorkItem], torch.Tensor]:
         """Stack the batch's inputs, decoding deferred JPEGs; an image that cannot be decoded fails alone."""

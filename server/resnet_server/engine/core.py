@@ -342,9 +342,9 @@ class Engine:
             answers[item.future.owner][slot] = Answer(slot, top, queued)
         timing = (output.timing.input, output.timing.infer, output.timing.output)
         healthy = self.replica.healthy
+        batch = (output.weights_version, output.number, len(items), list(output.buckets))
         for frontend, answered in answers.items():
-            self._answer(frontend, list(answered), functools.partial(
-                _done, answered, timing, healthy, (output.weights_version, output.number, len(items))))
+            self._answer(frontend, list(answered), functools.partial(_done, answered, timing, healthy, batch))
 
     def _fail(self, items: list[Item], exc: BaseException) -> None:
         error, message, healthy = type(exc).__name__, str(exc), self.replica.healthy
@@ -386,9 +386,9 @@ class Engine:
 
 
 def _done(answered: dict[int, Answer], timing: tuple[float, float, float], healthy: bool,
-          batch: tuple[int, int, int], held: list[int]) -> Done:
+          batch: tuple[int, int, int, list[int]], held: list[int]) -> Done:
     """The answers of those of a front-end's slots that are still held; ``batch``: its weights' version, its
-    number and its size."""
+    number, its size and the bucket sizes it ran at."""
     return Done([answered[slot] for slot in held], timing, healthy, *batch)
 
 

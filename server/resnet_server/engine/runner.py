@@ -295,6 +295,15 @@ class ModelRunner:
         self.sizes_run.add(len(batch))
         return self._network(batch)
 
+    def run_sizes(self, count: int) -> list[int]:
+        """The bucket sizes a batch of ``count`` images runs at: the next bucket up on CUDA (padded), the greedy
+        split into buckets on the CPU; ``[count]`` without buckets."""
+        if not self.buckets:
+            return [count]
+        if self.cuda:
+            return [count + self.padding_for(count)]
+        return _split(count, self.buckets)
+
     def padding_for(self, count: int) -> int:
         """Zero rows added to a batch of ``count`` images: up to the next bucket on CUDA, none on the CPU."""
         if not self.cuda or not self.buckets:

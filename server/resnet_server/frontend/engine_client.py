@@ -337,7 +337,8 @@ class EngineClient:
             if not item.future.done():
                 item.future.set_result(ImageOutput(probabilities, logits, answer.top_k, item.temperature,
                                                    answer.queue_seconds, batch_timing, self.name,
-                                                   done.weights_version, done.batch, done.batch_size))
+                                                   done.weights_version, done.batch, done.batch_size,
+                                                   tuple(done.buckets)))
         self._set_rotation(done.in_rotation)
 
     def _on_failed(self, failed: Failed) -> None:

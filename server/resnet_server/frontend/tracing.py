@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from resnet_server.common.work import ImageOutput
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.trace import Span, SpanContext, Tracer
 
 log = logging.getLogger("server.tracing")
 T = TypeVar("T")
@@ -69,6 +70,7 @@ class CallTrace:
 
     span: Span
     tracer: Tracer
+    batches: BatchAnchors
     started_ns: int = field(default_factory=time.time_ns)
     admitted_ns: int = 0  # validated and decoded: handed to an engine
     answered_ns: int = 0  # the engine's answers back
@@ -114,11 +116,15 @@ class CallTrace:
         compute_start = self.answered_ns - int(slowest.timing.total * 1e9)
         queue_start = compute_start - int(slowest.queue_seconds * 1e9)
         self._child("queue", queue_start, compute_start)
+        batch_id = f"{slowest.device}/{slowest.batch}"
         attributes: dict[str, Any] = {
-            "resnet.device": slowest.device, "resnet.batch.id": f"{slowest.device}/{slowest.batch}",
-            "resnet.batch.size": slowest.batch_size, "resnet.runner": self.runs,
+            "resnet.device": slowest.device, "resnet.batch.id": batch_id, "resnet.batch.size": slowest.batch_size,
+            "resnet.batch.buckets": list(slowest.buckets), "resnet.runner": self.runs,
             "resnet.weights.version": slowest.weights_version}
-        compute = self._child("compute", compute_start, self.answered_ns, attributes)
+        anchor = self.batches.first_of(batch_id)
+        compute = self._child("compute", compute_start, self.answered_ns, attributes, anchor)
+        if anchor is None:
+            self.batches.remember(batch_id, compute.get_span_context())
         for part, seconds, since in (("input", slowest.timing.input, compute_start),
                                      ("infer", slowest.timing.infer, compute_start + int(slowest.timing.input * 1e9)),
                                      ("output", slowest.timing.output, self.answered_ns
@@ -129,13 +135,34 @@ class CallTrace:
                                   "resnet.temperature": slowest.temperature,
                                   "resnet.top_k": len(slowest.top_k)})
 
-    def _child(self, name: str, start: int, end: int, attributes: dict[str, Any] | None = None) -> Span:
+    def _child(self, name: str, start: int, end: int, attributes: dict[str, Any] | None = None,
+               linked: SpanContext | None = None) -> Span:
         from opentelemetry import trace
 
+        links = [trace.Link(linked, {"resnet.link": "same batch"})] if linked is not None else None
         child = self.tracer.start_span(name, trace.set_span_in_context(self.span), start_time=start,
-                                       attributes=attributes)
+                                       attributes=attributes, links=links)
         child.end(end)
         return child
+
+
+class BatchAnchors:
+    """The compute span of the first call of each recent batch that this front-end traced: the compute spans of
+    the batch's other traced calls link to it. A link, not a shared parent: each call keeps its own trace (its
+    caller's), and a batch of calls from many traces is still one click from any of them. Bounded: a batch's
+    answers all arrive within moments, so only the latest batches are kept."""
+
+    def __init__(self, keep: int = 1024) -> None:
+        self._keep = keep
+        self._first: OrderedDict[str, SpanContext] = OrderedDict()
+
+    def first_of(self, batch_id: str) -> SpanContext | None:
+        return self._first.get(batch_id)
+
+    def remember(self, batch_id: str, context: SpanContext) -> None:
+        self._first[batch_id] = context
+        if len(self._first) > self._keep:
+            self._first.popitem(last=False)
 
 
 # Triton's trace settings (TraceSetting) as this server honours them: trace_level OFF or TIMESTAMPS (its spans
@@ -220,6 +247,7 @@ class Tracing:
         self._server: dict[str, Any] = {"rpc.system": "grpc", "server.address": host, "server.port": int(port or 0)}
         self._propagator = TraceContextTextMapPropagator()
         self._export_warnings = _OncePerInterval(EXPORT_WARNING_SECONDS)
+        self._batches = BatchAnchors()
         for name in EXPORT_LOGGERS:
             logging.getLogger(name).addFilter(self._export_warnings)
 
@@ -255,7 +283,7 @@ class Tracing:
             return None
         service, _, name = method.rpartition("/")
         span.set_attributes({**self._server, "rpc.service": service, "rpc.method": name})
-        return CallTrace(span, self._tracer)
+        return CallTrace(span, self._tracer, self._batches)
 
     def shutdown(self) -> None:
         """Export what is left (the batch processor's queue), then stop."""
