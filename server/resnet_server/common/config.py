@@ -79,6 +79,9 @@ class ServerConfig:
     max_weights_mb: int = 50  # a little over ResNet18's fp32 state_dict (44.7 MiB)
     otlp_endpoint: str | None = None  # None: tracing off (unless the SDK's OTEL_EXPORTER_OTLP_* variables say)
     trace_rate: float = 1.0
+    allow_client_shm: bool = False  # Triton's system shared-memory extension (off, as Triton's own default)
+    max_shm_regions: int = 64  # per client token
+    max_shm_mb: int = 4096  # per client token, every region's byte_size together
     max_concurrent_streams: int = 128
     max_connection_age: float = 0.0  # 0: connections live as long as their clients keep them
     preprocess_threads: int = 2
@@ -378,6 +381,13 @@ _FLAGS: list[tuple[str, FlagType, str]] = [
     ("max-weights-mb", positive_int, "largest file of weights a client may send to load (--model-control explicit), "
                                      "in MiB; gRPC's receive limit grows to it if --max-message-mb is less, while "
                                      "inference requests keep --max-message-mb"),
+    ("allow-client-shm", _boolean, "clients on this machine may register system shared-memory regions (files "
+                                   "under /dev/shm) and send inputs and take outputs through them (Triton's "
+                                   "system shared-memory extension); off, those RPCs answer PERMISSION_DENIED"),
+    ("max-shm-regions", positive_int, "most shared-memory regions one client token (without tokens: all clients) "
+                                      "may hold registered"),
+    ("max-shm-mb", positive_int, "most bytes, in MiB, one client token's shared-memory regions may span together "
+                                 "(they are read and written in place, not mapped or copied into the server)"),
     ("max-concurrent-streams", positive_int, "most concurrent RPCs per HTTP/2 connection"),
     ("max-connection-age", non_negative_float, "seconds after which a connection is asked to reconnect (HTTP/2 "
                                                 "GOAWAY, +-10% jitter; calls in flight get --grace-period), so "

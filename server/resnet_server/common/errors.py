@@ -56,6 +56,14 @@ class PermissionDenied(ServingError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class AlreadyExists(ServingError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Unimplemented(ServingError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class Unavailable(ServingError):
     code = grpc.StatusCode.UNAVAILABLE
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -103,8 +103,22 @@ class SlotBytes(NamedTuple):
     nbytes: int
 
 
-# An image's bytes: in a front-end, its request's (or a view of them); in the engine, where they lie in the slab.
-ImageBytes = bytes | memoryview | SlotBytes
+class BytesElsewhere(Protocol):
+    """An image's bytes not yet in this process: in a client's shared-memory region (server.frontend.shared_memory),
+    read once, straight into where they go. InvalidInput from a read says what was wrong with them."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, part: slice) -> BytesElsewhere: ...
+
+    def read_into(self, target: memoryview) -> None: ...
+
+    def read(self) -> bytes: ...
+
+
+# An image's bytes: in a front-end, its request's (or a view of them) or a client's region's; in the engine,
+# where they lie in the slab.
+ImageBytes = bytes | memoryview | SlotBytes | BytesElsewhere
 
 
 class RawImage(NamedTuple):
@@ -154,7 +168,8 @@ def check_raw(image: RawImage, max_pixels: int) -> None:
         if tuple(image.shape) != FLOAT_SHAPE:
             raise InvalidInput(f"raw float32 image must have shape {list(FLOAT_SHAPE)}, got {list(image.shape)}")
         _check_raw_length(image, 4)
-        if not np.isfinite(np.frombuffer(_in_process(image.data), np.float32)).all():
+        held = image.data  # bytes elsewhere are checked as they are read in, where they go
+        if isinstance(held, (bytes, memoryview)) and not np.isfinite(np.frombuffer(held, np.float32)).all():
             raise InvalidInput("raw float32 image contains NaN or infinity")
     else:
         raise InvalidInput(f"raw tensor dtype must be uint8 or float32, got {image.dtype or 'unspecified'}")
@@ -227,17 +242,20 @@ def stack_bytes(datas: list[ImageBytes], dtype: str, shape: tuple[int, ...], dev
     batch = torch.empty(size, dtype=torch_dtype, pin_memory=device.type == "cuda")
     flat, offset = batch.numpy().data.cast("B"), 0
     for data in datas:  # each is exactly one image's bytes: check_raw saw to it on arrival
-        image = _in_process(data)
-        flat[offset:offset + len(image)] = image
-        offset += len(image)
+        copy_into(flat[offset:offset + len(data)], data)
+        offset += len(data)
     return batch
 
 
-def _in_process(data: ImageBytes) -> bytes | memoryview:
-    """Bytes this process holds as they are (a slab's slots are read a batch at a time, never one by one)."""
+def copy_into(target: memoryview, data: ImageBytes) -> None:
+    """An image's bytes into ``target`` (as long as they are), in one copy wherever they are (a slab's slots are
+    read a batch at a time, never one by one)."""
     if isinstance(data, SlotBytes):
         raise TypeError("an image in a slab slot is read with its batch")
-    return data
+    if isinstance(data, (bytes, memoryview)):
+        target[:] = data
+    else:
+        data.read_into(target)
 
 
 def gather_slots(slots: list[SlotBytes], batch: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,9 @@ class FrontendConfig:
     uploads: str = ""  # the supervisor's folder for weights a client sends ("" for a front-end run alone)
     otlp_endpoint: str | None = None
     trace_rate: float = 1.0
+    allow_client_shm: bool = False
+    max_shm_regions: int = 64
+    max_shm_mb: int = 4096
 
 
 def _section(kind: type, config: ServerConfig, **given: object):

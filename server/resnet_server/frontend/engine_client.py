@@ -46,7 +46,7 @@ from resnet_server.boundary.slab import Slab, connection_owner
 from resnet_server.common import errors
 from resnet_server.common.device_decode import DeferredJpeg
 from resnet_server.common.errors import Overloaded, ServingError, StartupError, Unavailable
-from resnet_server.common.preprocess import CROP_SHAPE, FLOAT_SHAPE, RawImage, SlotBytes
+from resnet_server.common.preprocess import CROP_SHAPE, FLOAT_SHAPE, ImageBytes, RawImage, SlotBytes, copy_into
 from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.work import ImageOutput, WorkItem
 
@@ -265,7 +265,7 @@ class EngineClient:
         """The image into its slot, as it came (raw pixels, JPEG bytes) or preprocessed here (a uint8 crop for a
         GPU engine, the model's float input for a CPU one)."""
         image = item.model_input
-        data: bytes | memoryview
+        data: ImageBytes
         if isinstance(image, RawImage):
             if isinstance(image.data, SlotBytes):
                 raise TypeError("a front-end's raw image holds its request's bytes")
@@ -279,8 +279,8 @@ class EngineClient:
         else:  # the model's float32 input
             kind, dtype, shape = ImageKind.FLOAT, "float32", FLOAT_SHAPE
             data = image.contiguous().numpy().data.cast("B")
-        nbytes = len(data) if isinstance(data, bytes) else data.nbytes
-        self.slab.input(slot, nbytes)[:] = data
+        nbytes = data.nbytes if isinstance(data, memoryview) else len(data)
+        copy_into(self.slab.input(slot, nbytes), data)  # a client's region's pixels: read straight into the slot
         return SlotEntry(slot, kind, dtype, shape, nbytes, item.temperature, item.top_k, item.deadline,
                          len(self._unsent_ids))
 

@@ -10,6 +10,7 @@ from resnet_server.common.logs import configure_logging
 from resnet_server.common.metrics import Metrics, serve_child_metrics
 from resnet_server.common.model import ServedWeights
 from resnet_server.common.sections import FrontendConfig
+from resnet_server.common.shared_regions import RegionSpec
 from resnet_server.common.statistics import SharedRow
 from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.server import run
@@ -17,19 +18,19 @@ from resnet_server.frontend.server import run
 
 def frontend_main(config: FrontendConfig, index: int, engines: list[EngineLink], owner: int, statistics: SharedRow,
                    pipes: tuple[Connection, Connection], load_first: bool, with_metrics: bool,
-                   served: ServedWeights, trace_settings: dict[str, list[str]]) -> None:
+                   served: ServedWeights, trace_settings: dict[str, list[str]], regions: list[RegionSpec]) -> None:
     """A front-end process: a gRPC server (server.frontend.server.run) over the engines, reporting where its /metrics
     listens (``with_metrics``), its port once bound, then that it serves. A replacement connects before it binds
     (``load_first``): until then its siblings take every new connection. ``pipes``: its reports to the supervisor
     and the supervisor's orders to it; ``served``: the weights every engine serves now; ``trace_settings``:
-    Triton's trace settings as set while serving."""
+    Triton's trace settings as set while serving; ``regions``: the clients' shared-memory regions registered now."""
     reports, orders = pipes
     die_with_supervisor()
     configure_logging(config.observability.log_level, config.observability.log_format)
     metrics = Metrics(config.largest_batch, statistics)
     if with_metrics:
         reports.send(("metrics", serve_child_metrics(metrics.registry).server_port))
-    control = ModelControl(served, config.uploads, reports, orders, trace_settings)
+    control = ModelControl(served, config.uploads, reports, orders, trace_settings, regions)
     code = run(config, index, engines, owner, metrics, on_bound=lambda port: reports.send(("bound", port)),
                on_serving=lambda: reports.send(("serving", 0)), load_first=load_first, control=control)
     report_stopped(reports, code)

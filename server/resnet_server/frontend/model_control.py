@@ -1,10 +1,13 @@
-"""A front-end's side of reloading the weights: it asks the supervisor, which runs the reload over every engine
-(server.supervisor.reloads), and hears from it which weights every engine serves.
+"""A front-end's side of what the supervisor holds for every front-end: it asks the supervisor to reload the
+weights (which runs the reload over every engine, server.supervisor.reloads) and hears which weights every engine
+serves; Triton's trace settings and the clients' shared-memory regions likewise, set through any front-end and
+applied on all.
 
-Requests go up the front-end's report pipe, ("load", (ticket, source or None)), ("unload", (ticket, None)) and
-("trace", (ticket, settings)); the supervisor's orders come down a pipe of their own: ("answer", (ticket, status
-code, message)), ("weights", ServedWeights) and ("trace", settings) (Triton's trace settings, for every
-front-end at once), read on the event loop.
+Requests go up the front-end's report pipe, ("load", (ticket, source or None)), ("unload", (ticket, None)),
+("trace", (ticket, settings)) and ("shm", (ticket, ("register", RegionSpec) or ("unregister", owner, name)));
+the supervisor's orders come down a pipe of their own: ("answer", (ticket, status code, message)), ("weights",
+ServedWeights), ("trace", settings), ("shm_open", RegionSpec) and ("shm_close", [RegionSpec]), read on the event
+loop. Each order reaches every front-end before the answer to the request that caused it.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import logging
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from resnet_server.common.errors import ServingError, Unavailable
 from resnet_server.common.model import ServedWeights
+from resnet_server.common.shared_regions import RegionSpec
 
 log = logging.getLogger("server.model_control")
 
@@ -29,9 +34,12 @@ class ModelControl:
     """What this front-end knows of the weights served, and its requests to change them."""
 
     def __init__(self, served: ServedWeights, uploads: str, reports: Connection | None = None,
-                 orders: Connection | None = None, trace_settings: dict[str, list[str]] | None = None) -> None:
+                 orders: Connection | None = None, trace_settings: dict[str, list[str]] | None = None,
+                 regions: list[RegionSpec] | None = None) -> None:
         self.served = served
         self.trace_settings = dict(trace_settings or {})  # those set while serving, as the supervisor keeps them
+        self.regions = list(regions or [])  # those registered when this front-end started
+        self._region_listeners: list[tuple[Callable[[RegionSpec], None], Callable[[list[RegionSpec]], None]]] = []
         self._trace_listeners: list[Callable[[dict[str, list[str]]], None]] = []
         self.uploads = Path(uploads) if uploads else None  # where a client's weights are written for the engines
         self._reports, self._orders = reports, orders
@@ -48,6 +56,14 @@ class ModelControl:
 
     def on_trace(self, listener: Callable[[dict[str, list[str]]], None]) -> None:
         self._trace_listeners.append(listener)
+
+    def on_regions(self, opened: Callable[[RegionSpec], None], closed: Callable[[list[RegionSpec]], None]) -> None:
+        self._region_listeners.append((opened, closed))
+
+    @property
+    def supervised(self) -> bool:
+        """False for a front-end run alone: what it is asked to set, it sets for itself."""
+        return self._reports is not None
 
     def listen(self) -> None:
         """Read the supervisor's orders on the running event loop from now on."""
@@ -76,6 +92,14 @@ class ModelControl:
         else:
             await self._ask("trace", settings)
 
+    async def register_region(self, spec: RegionSpec) -> None:
+        """A client's region, opened on every front-end; the supervisor's refusal (a name taken, a limit) raised."""
+        await self._ask("shm", ("register", spec))
+
+    async def unregister_region(self, owner: str, name: str) -> None:
+        """``owner``'s region ``name`` (every one of its regions for ""), closed on every front-end."""
+        await self._ask("shm", ("unregister", owner, name))
+
     async def _ask(self, kind: str, payload: object) -> None:
         """Ask the supervisor; its answer, unless OK, raised as a ServingError with its status code."""
         if self._reports is None:
@@ -99,6 +123,10 @@ class ModelControl:
         except (EOFError, OSError):  # the supervisor has gone: this process ends with it
             asyncio.get_running_loop().remove_reader(self._orders.fileno())
             return
+        self._follow(kind, value)
+
+    def _follow(self, kind: str, value: Any) -> None:
+        """One order of the supervisor's."""
         if kind == "answer":
             ticket, code, message = value
             if (waiting := self._waiting.get(ticket)) is not None and not waiting.done():
@@ -109,6 +137,9 @@ class ModelControl:
                 listener(value)
         elif kind == "trace":
             self._apply_trace(value)
+        elif kind in ("shm_open", "shm_close"):
+            for opened, closed in self._region_listeners:
+                opened(value) if kind == "shm_open" else closed(value)
 
     def _apply_trace(self, settings: dict[str, list[str]]) -> None:
         self.trace_settings.update(settings)

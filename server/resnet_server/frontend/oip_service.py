@@ -12,6 +12,7 @@ Outputs: ``probabilities`` FP32 [N, 1000] and, when ``top_k`` is asked, ``top_k_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import struct
@@ -32,8 +33,18 @@ from resnet_server.common.statistics import BatchTotals, Duration, ModelStatisti
 from resnet_server.common.work import ImageOutput
 from resnet_server.frontend.classifier_service import answer, caller_status, in_order, request_id
 from resnet_server.frontend.core import DEFAULT_TOP_K, ClassifyCall, InferenceCore
+from resnet_server.frontend.infer_parameters import (
+    SHM_BYTE_SIZE,
+    SHM_OFFSET,
+    SHM_REGION,
+    region_reference,
+    temperature_parameter,
+    top_k_parameter,
+)
 from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.repository_service import RepositoryService
+from resnet_server.frontend.shared_memory import Region
+from resnet_server.frontend.shared_memory_service import SharedMemoryService, cuda_register
 from resnet_server.frontend.tracing import CallTrace, Tracing, checked_settings, traced
 from resnet_server.frontend.wire import TooMany, Unreadable, WireError, parse_whole, pull_out
 
@@ -135,39 +146,6 @@ def serialize_bytes_tensor(elements: list[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(element)) + element for element in elements)
 
 
-def parameter(parameters, name: str):
-    """The value of one InferParameter, whichever oneof field carries it, or None."""
-    if name not in parameters:
-        return None
-    param = parameters[name]
-    kind = param.WhichOneof("parameter_choice")
-    return None if kind is None else getattr(param, kind)
-
-
-def temperature_parameter(parameters) -> float | None:
-    value = parameter(parameters, "temperature")
-    if value is None:
-        return None
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        return float(value)
-    except ValueError:
-        raise InvalidInput(f"parameter temperature must be a number, got {value!r}") from None
-
-
-def top_k_parameter(parameters) -> int | None:
-    value = parameter(parameters, "top_k")
-    if value is None:
-        return None
-    try:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError
-        return int(value)
-    except (ValueError, OverflowError):
-        raise InvalidInput(f"parameter top_k must be an integer, got {value!r}") from None
-
-
 def input_images(request: oip.ModelInferRequest, raw_input_contents: list, max_images: int) -> list[ImageInput]:
     """Split the request's one input tensor into per-image inputs for the core; more than ``max_images`` images
     are refused before any is made."""
@@ -256,6 +234,24 @@ def build_response(request: oip.ModelInferRequest, outputs: list[ImageOutput], n
     return response
 
 
+def write_to_regions(response: oip.ModelInferResponse, into: dict[str, tuple[Region, int, int]]) -> None:
+    """Each output asked for in a region written there, and answered as Triton does: an empty entry in
+    raw_output_contents, the region named in the output's parameters."""
+    for index, output in enumerate(response.outputs):
+        if output.name not in into:
+            continue
+        region, offset, room = into[output.name]
+        data = response.raw_output_contents[index]
+        if len(data) > room:
+            raise InvalidInput(f"output {output.name!r} needs {len(data)} bytes; its shared-memory reference "
+                               f"gives {room}")
+        region.write(offset, data)
+        response.raw_output_contents[index] = b""
+        output.parameters[SHM_REGION].string_param = region.spec.name
+        output.parameters[SHM_BYTE_SIZE].int64_param = len(data)
+        output.parameters[SHM_OFFSET].int64_param = offset
+
+
 def _stack_probabilities(outputs: list[ImageOutput]) -> bytes:
     return np.stack([output.probabilities for output in outputs]).astype("<f4").tobytes()
 
@@ -267,13 +263,15 @@ MODEL_INFER, MODEL_STREAM_INFER = "inference.GRPCInferenceService/ModelInfer", \
 class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
     """Answers UNAVAILABLE (and ready=false) until :meth:`attach` hands it the loaded core."""
 
-    def __init__(self, statistics: ModelStatistics, control: ModelControl, repository: RepositoryService) -> None:
+    def __init__(self, statistics: ModelStatistics, control: ModelControl, repository: RepositoryService,
+                 shared_memory: SharedMemoryService) -> None:
         self._core: InferenceCore | None = None
         self._labels: list[str] = []
         self._info: pb.ModelInfo | None = None
         self._statistics = statistics
         self._control = control
         self._repository = repository
+        self.shared_memory = shared_memory
         self.tracing: Tracing | None = None  # set by the App when tracing is on
 
     def attach(self, core: InferenceCore, labels: list[str], info: pb.ModelInfo) -> None:
@@ -306,7 +304,7 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
     async def ServerMetadata(self, request, context):
         return oip.ServerMetadataResponse(name="resnet-grpc", version=__version__,
                                           extensions=["model_configuration", "model_repository", "parameters",
-                                                      "statistics", "trace"])
+                                                      "statistics", "system_shared_memory", "trace"])
 
     async def ModelMetadata(self, request, context):
         async def metadata():
@@ -341,11 +339,50 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
             top_k = DEFAULT_TOP_K
         if self._core is None:
             raise Unavailable("the model is still loading; retry when the server is ready")
-        images = input_images(request, read.raw_input_contents, self._core.limits.max_images_per_request)
-        call = ClassifyCall(images, temperature_parameter(request.parameters),
-                            top_k, context.time_remaining(), rid, trace)
-        outputs = await self._core.classify(call)
-        return build_response(request, outputs, names, self._labels)
+        with contextlib.ExitStack() as regions:  # the regions it names, held open until it is answered
+            owner = self._owner(request, context)
+            raw = self._input_contents(request, read.raw_input_contents, owner, regions)
+            into_regions = self._output_regions(request, owner, regions)
+            images = input_images(request, raw, self._core.limits.max_images_per_request)
+            call = ClassifyCall(images, temperature_parameter(request.parameters),
+                                top_k, context.time_remaining(), rid, trace)
+            outputs = await self._core.classify(call)
+            response = build_response(request, outputs, names, self._labels)
+            write_to_regions(response, into_regions)
+            return response
+
+    def _owner(self, request: oip.ModelInferRequest, context) -> str:
+        """Whose regions the request may name (worked out only for a request that names one)."""
+        if not any(SHM_REGION in tensor.parameters for tensor in request.inputs) and \
+                not any(SHM_REGION in tensor.parameters for tensor in request.outputs):
+            return ""
+        return self.shared_memory.owner(context.invocation_metadata())
+
+    def _input_contents(self, request: oip.ModelInferRequest, raw_input_contents: list, owner: str,
+                        regions: contextlib.ExitStack) -> list:
+        """The input's bytes: as the request carries them, or where its shared-memory reference says (read into
+        the slab later, in one copy; an encoded image's bytes are read now, to be decoded)."""
+        reference = region_reference(request.inputs[0].parameters) if len(request.inputs) == 1 else None
+        if reference is None:
+            return raw_input_contents
+        if raw_input_contents:
+            raise InvalidInput(f"input {INPUT_NAME!r} names shared-memory region {reference.region!r} and carries "
+                               "raw_input_contents too")
+        datatype = request.inputs[0].datatype
+        region = regions.enter_context(self.shared_memory.region(reference.region, owner).in_use())
+        data = region.part(reference.offset, reference.byte_size, finite_float32=datatype == "FP32")
+        return [data.read() if datatype == "BYTES" else data]
+
+    def _output_regions(self, request: oip.ModelInferRequest, owner: str, regions: contextlib.ExitStack
+                        ) -> dict[str, tuple[Region, int, int]]:
+        """The outputs asked for in a region: by name, the region, the offset and the bytes there."""
+        into = {}
+        for output in request.outputs:
+            if (reference := region_reference(output.parameters)) is not None:
+                region = regions.enter_context(self.shared_memory.region(reference.region, owner).in_use())
+                region.part(reference.offset, reference.byte_size)  # within the region
+                into[output.name] = (region, reference.offset, reference.byte_size)
+        return into
 
     async def ModelInfer(self, request, context):
         rid = request_id(context, request.message.id)
@@ -386,6 +423,40 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
         current = self.tracing.sampler.settings() if self.tracing is not None else {"trace_level": ["OFF"]}
         value = oip.TraceSettingResponse.SettingValue
         return oip.TraceSettingResponse(settings={key: value(value=values) for key, values in current.items()})
+
+    async def SystemSharedMemoryStatus(self, request, context):
+        async def status():
+            return self.shared_memory.status(request, context.invocation_metadata())
+        return await answer(context, request_id(context), status)
+
+    async def SystemSharedMemoryRegister(self, request, context):
+        async def register():
+            await self.shared_memory.register(request, context.invocation_metadata())
+            return oip.SystemSharedMemoryRegisterResponse()
+        return await answer(context, request_id(context), register)
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        async def unregister():
+            await self.shared_memory.unregister(request, context.invocation_metadata())
+            return oip.SystemSharedMemoryUnregisterResponse()
+        return await answer(context, request_id(context), unregister)
+
+    async def CudaSharedMemoryStatus(self, request, context):  # nothing is ever registered
+        async def status():
+            if request.name:
+                raise NotFound(f"no CUDA shared-memory region {request.name!r} is registered")
+            return oip.CudaSharedMemoryStatusResponse()
+        return await answer(context, request_id(context), status)
+
+    async def CudaSharedMemoryRegister(self, request, context):
+        async def register():
+            cuda_register()
+        return await answer(context, request_id(context), register)
+
+    async def CudaSharedMemoryUnregister(self, request, context):  # perf_analyzer calls it even in system mode
+        async def unregister():
+            return oip.CudaSharedMemoryUnregisterResponse()
+        return await answer(context, request_id(context), unregister)
 
     async def RepositoryIndex(self, request, context):
         async def index():

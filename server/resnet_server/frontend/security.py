@@ -45,13 +45,19 @@ def load_tokens(path: str | None) -> list[bytes]:
         raise StartupError(f"--auth-token-file: {exc}") from None
 
 
-def token_is_valid(metadata: Iterable[tuple[str, str | bytes]] | None, tokens: list[bytes]) -> bool:
+def presented_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes:
+    """The bearer token a call carries (b"" for none)."""
     presented = b""
     for key, value in metadata or ():
         if key == "authorization":
             text = value.decode() if isinstance(value, bytes) else value
             if text.startswith("Bearer "):
                 presented = text[len("Bearer "):].strip().encode()
+    return presented
+
+
+def token_is_valid(metadata: Iterable[tuple[str, str | bytes]] | None, tokens: list[bytes]) -> bool:
+    presented = presented_token(metadata)
     # Compare against every token, always, so timing says nothing about which (if any) matched.
     matches = [hmac.compare_digest(presented, token) for token in tokens]
     return bool(presented) and any(matches)

@@ -41,6 +41,7 @@ from resnet_server.frontend.oip_service import DECLARED_INPUTS, InferenceService
 from resnet_server.frontend.repository_service import RepositoryService
 from resnet_server.frontend.router import EngineHandle, Router
 from resnet_server.frontend.security import TokenAuthInterceptor, load_tokens, server_credentials
+from resnet_server.frontend.shared_memory_service import SharedMemoryService
 from resnet_server.frontend.temperature import default_temperature
 from resnet_server.frontend.tracing import Tracing
 
@@ -75,7 +76,8 @@ class App:
         self.classifier = ClassifierService(self.control)
         repository = RepositoryService(self.control, config.model_control == "explicit", config.max_weights_mb << 20,
                                        list(DECLARED_INPUTS))
-        self.inference = InferenceService(self.metrics.statistics, self.control, repository)
+        self.shared_memory = SharedMemoryService(self.control, config, tokens_on=bool(self.tokens))
+        self.inference = InferenceService(self.metrics.statistics, self.control, repository, self.shared_memory)
         self._server: grpc.aio.Server | None = None
         self.tracing: Tracing | None = None  # with --otlp-endpoint, from bind() on
         self._no_replica = False  # every replica out of rotation: health went NOT_SERVING
@@ -280,6 +282,7 @@ class App:
         if self.core is not None:
             self.core.router.stop(timeout=grace)
             self.core.close()
+        self.shared_memory.close()  # every call has ended: no region is in use
         if self.tracing is not None:  # the spans still queued go out, for as long as a receiver down allows
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.to_thread(self.tracing.shutdown), TRACING_FLUSH_SECONDS)

@@ -53,8 +53,10 @@ from resnet_server.boundary.protocol import EngineLink
 from resnet_server.boundary.slab import SLOT_INPUT_BYTES, SlabLayout, create_slab_memory
 from resnet_server.common.config import ServerConfig, host_port
 from resnet_server.common.devices import replica_names
+from resnet_server.common.errors import ServingError
 from resnet_server.common.model import ServedWeights
 from resnet_server.common.sections import engine_config, frontend_config
+from resnet_server.common.shared_regions import RegionLimits, RegionTable
 from resnet_server.common.statistics import SharedRow, shared_rows
 from resnet_server.engine.main import engine_main
 from resnet_server.frontend.main import frontend_main
@@ -161,6 +163,8 @@ class Supervisor:
         self.reloads = Reloads(ServedWeights(config.weights, 1), config.weights, self.uploads, self._engine_names,
                                self._order, self._restart, self._announce)
         self.trace_settings: dict[str, list[str]] = {}  # Triton's, as set while serving (TraceSetting)
+        # The clients' shared-memory regions, which every front-end opens (server.common.shared_regions).
+        self.regions = RegionTable(RegionLimits(config.max_shm_regions, config.max_shm_mb << 20))
         self.due: dict[str, tuple[float, int]] = {}  # a child to start -> (when, its quick ends before it)
         self._owners = itertools.count(1)
         self.port = 0
@@ -216,8 +220,23 @@ class Supervisor:
                 self.trace_settings.update(settings)
                 self._to_frontends(("trace", settings))  # each applies them before this answer comes
                 self._reply(child.name, ticket, Outcome("OK", ""))
+            elif kind == "shm" and isinstance(value, tuple):
+                ticket, change = value
+                self._reply(child.name, ticket, self._change_regions(change))
             else:
                 self.reloads.on_report(child.name, kind, value)
+
+    def _change_regions(self, change: tuple) -> Outcome:
+        """A client's region registered or unregistered, and every front-end told before the answer goes."""
+        try:
+            if change[0] == "register":
+                self.regions.add(change[1])
+                self._to_frontends(("shm_open", change[1]))
+            else:
+                self._to_frontends(("shm_close", self.regions.remove(*change[1:])))
+        except ServingError as refused:
+            return Outcome(refused.code.name, str(refused))
+        return Outcome("OK", "")
 
     def _reply(self, frontend: str, ticket: object, outcome: Outcome) -> None:
         self._order(frontend, ("answer", (ticket, outcome.code, outcome.message)))
@@ -355,7 +374,7 @@ class Supervisor:
         process = _children.Process(target=frontend_main, name=f"resnet-frontend-{index}", args=(
             frontend_config(self.config, port, self.frontends, str(self.uploads)), index, self.links, owner,
             SharedRow(self.statistics, index), (sender, orders), load_first, bool(self.config.metrics_port),
-            self.reloads.served, self.trace_settings))
+            self.reloads.served, self.trace_settings, self.regions.specs()))
         child = self._started(f"frontend-{index}", process, (receiver, sender), (orders, to_child), quick_ends)
         if child is not None:
             child.owner, child.replacement = owner, load_first

@@ -1,0 +1,258 @@
+"""Triton's system shared-memory extension, driven by the unmodified tritonclient and its shared-memory utility
+(regions under /dev/shm): inputs and outputs by reference equal to answers by value, every refusal with its
+code and the server serving after it, regions shared by every front-end, and owned by their token."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import struct
+import threading
+import warnings
+from contextlib import contextmanager
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+from tritonclient.utils import InferenceServerException
+
+from resnet_client.api import grpc_predict_v2_pb2 as oip
+from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
+from tests.helpers import encode, random_rgb, wait_for
+
+with warnings.catch_warnings():  # tritonclient 2.41's shared-memory utility imports pkg_resources
+    warnings.simplefilter("ignore", UserWarning)
+    import tritonclient.utils.shared_memory as shm
+
+IMAGES = np.stack([random_rgb(900 + i, 224, 224) for i in range(2)])
+PROBABILITIES_BYTES = 2 * 1000 * 4
+
+
+@contextmanager
+def region(size: int):
+    """A fresh region under /dev/shm (tritonclient's utility), destroyed at the end."""
+    key = f"/test-{secrets.token_hex(6)}"
+    handle = shm.create_shared_memory_region(key.strip("/"), key, size)
+    try:
+        yield key, handle
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
+def infer_by_reference(client: tc.InferenceServerClient, images: np.ndarray, datatype: str = "UINT8",
+                       model: str = "resnet18_uint8", name: str = "in", outputs: str = "out") -> tc.InferResult:
+    tensor = tc.InferInput("input", list(images.shape), datatype)
+    tensor.set_shared_memory(name, images.nbytes)
+    output = tc.InferRequestedOutput("probabilities")
+    output.set_shared_memory(outputs, PROBABILITIES_BYTES)
+    return client.infer(model, [tensor], outputs=[output])
+
+
+def by_value(client: tc.InferenceServerClient, images: np.ndarray, datatype: str = "UINT8",
+             model: str = "resnet18_uint8") -> np.ndarray:
+    tensor = tc.InferInput("input", list(images.shape), datatype)
+    tensor.set_data_from_numpy(images)
+    return client.infer(model, [tensor]).as_numpy("probabilities")
+
+
+@pytest.fixture()
+def shm_server(make_server):
+    return make_server(allow_client_shm=True)
+
+
+def test_inputs_and_outputs_by_reference_equal_answers_by_value(shm_server, reference):
+    client = tc.InferenceServerClient(shm_server.target)
+    assert "system_shared_memory" in client.get_server_metadata().extensions
+    with region(IMAGES.nbytes) as (in_key, inputs), region(PROBABILITIES_BYTES) as (out_key, outputs):
+        shm.set_shared_memory_region(inputs, [IMAGES])
+        client.register_system_shared_memory("in", in_key, IMAGES.nbytes)
+        client.register_system_shared_memory("out", out_key, PROBABILITIES_BYTES)
+        status = client.get_system_shared_memory_status(as_json=True)["regions"]
+        assert status["in"] == {"name": "in", "key": in_key, "byte_size": str(IMAGES.nbytes)}
+        result = infer_by_reference(client, IMAGES)
+        answered = result.get_output("probabilities")
+        assert list(answered.shape) == [2, 1000] and answered.parameters["shared_memory_region"].string_param == "out"
+        written = shm.get_contents_as_numpy(outputs, np.float32, [2, 1000])
+        np.testing.assert_array_equal(written, by_value(client, IMAGES))
+        expected = [reference.probabilities(reference.input_from_array(image)) for image in IMAGES]
+        np.testing.assert_allclose(written, np.stack(expected), atol=1e-4)
+        # The float32 input, normalised by the caller, from the same kind of region.
+        floats = np.stack([reference.input_from_array(image).numpy() for image in IMAGES])
+        with region(floats.nbytes) as (float_key, float_handle):
+            shm.set_shared_memory_region(float_handle, [floats])
+            client.register_system_shared_memory("floats", float_key, floats.nbytes)
+            result = infer_by_reference(client, floats, "FP32", "resnet18", name="floats")
+            np.testing.assert_allclose(shm.get_contents_as_numpy(outputs, np.float32, [2, 1000]),
+                                       by_value(client, floats, "FP32", "resnet18"), atol=1e-6)
+        client.unregister_system_shared_memory()  # every region
+        assert client.get_system_shared_memory_status(as_json=True) == {}
+
+
+def test_encoded_images_by_reference_at_an_offset(shm_server):
+    client = tc.InferenceServerClient(shm_server.target)
+    jpegs = np.array([encode(image) for image in IMAGES], dtype=np.object_)
+    serialized = b"".join(struct.pack("<I", len(jpeg)) + jpeg for jpeg in jpegs)  # Triton's BYTES layout
+    with region(64 + len(serialized)) as (key, handle):
+        shm.set_shared_memory_region(handle, [np.frombuffer(serialized, np.uint8)], offset=64)
+        client.register_system_shared_memory("jpegs", key, len(serialized), offset=64)
+        tensor = tc.InferInput("input", [2], "BYTES")
+        tensor.set_shared_memory("jpegs", len(serialized))
+        from_region = client.infer("resnet18", [tensor]).as_numpy("probabilities")
+        tensor = tc.InferInput("input", [2], "BYTES")
+        tensor.set_data_from_numpy(jpegs)
+        np.testing.assert_array_equal(from_region, client.infer("resnet18", [tensor]).as_numpy("probabilities"))
+
+
+def test_off_by_default_and_cuda_memory_is_not_offered(server):
+    client = tc.InferenceServerClient(server.target)
+    with pytest.raises(InferenceServerException) as refused:
+        client.register_system_shared_memory("in", "/anything", 16)
+    assert refused.value.status() == "StatusCode.PERMISSION_DENIED" and "--allow-client-shm" in refused.value.message()
+    with pytest.raises(InferenceServerException) as refused:
+        client.get_system_shared_memory_status()
+    assert refused.value.status() == "StatusCode.PERMISSION_DENIED"
+    # What perf_analyzer calls even in system mode answers OK, with nothing registered; registering is refused.
+    assert client.get_cuda_shared_memory_status(as_json=True) == {}
+    client.unregister_cuda_shared_memory()
+    with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as refused:
+        oip_grpc.GRPCInferenceServiceStub(channel).CudaSharedMemoryRegister(
+            oip.CudaSharedMemoryRegisterRequest(name="gpu", raw_handle=b"x", byte_size=16))
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize("key, why", [
+    ("/../etc/passwd", "not a POSIX shared-memory name"),
+    ("etc/passwd", "not a POSIX shared-memory name"),
+    ("//dev-shm", "not a POSIX shared-memory name"),
+    ("..", "not a POSIX shared-memory name"),
+    ("/sem.mp-anything", "reserved"),
+    ("/resnet-slab", "reserved"),
+    (f"/missing-{secrets.token_hex(4)}", "cannot open"),
+])
+def test_a_key_outside_dev_shm_or_reserved_is_refused(shm_server, key, why):
+    client = tc.InferenceServerClient(shm_server.target)
+    with pytest.raises(InferenceServerException) as refused:
+        client.register_system_shared_memory("bad", key, 16)
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and why in refused.value.message()
+    assert client.get_system_shared_memory_status(as_json=True) == {}
+    assert by_value(client, IMAGES[:1]).shape == (1, 1000)  # serving
+
+
+def test_a_symbolic_link_under_dev_shm_is_refused(shm_server, tmp_path):
+    client = tc.InferenceServerClient(shm_server.target)
+    target = tmp_path / "secret"
+    target.write_bytes(b"x" * 64)
+    link = f"test-link-{secrets.token_hex(4)}"
+    os.symlink(target, f"/dev/shm/{link}")
+    try:
+        with pytest.raises(InferenceServerException) as refused:
+            client.register_system_shared_memory("link", link, 16)
+    finally:
+        os.unlink(f"/dev/shm/{link}")
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and "cannot open" in refused.value.message()
+
+
+def test_out_of_bounds_and_truncated_regions_fail_the_request_not_the_server(shm_server):
+    client = tc.InferenceServerClient(shm_server.target)
+    with region(IMAGES.nbytes) as (key, handle), region(PROBABILITIES_BYTES) as (out_key, _):
+        shm.set_shared_memory_region(handle, [IMAGES])
+        with pytest.raises(InferenceServerException) as refused:  # larger than the file
+            client.register_system_shared_memory("big", key, IMAGES.nbytes + 1)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and "fewer than" in refused.value.message()
+        client.register_system_shared_memory("in", key, IMAGES.nbytes)
+        client.register_system_shared_memory("out", out_key, PROBABILITIES_BYTES)
+        tensor = tc.InferInput("input", [1, 224, 224, 3], "UINT8")
+        tensor.set_shared_memory("in", IMAGES[0].nbytes, offset=IMAGES.nbytes - 10)  # past the region's end
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("resnet18_uint8", [tensor])
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and "outside" in refused.value.message()
+        # The client cuts its file short after registering: the read fails the request, no SIGBUS.
+        os.truncate(f"/dev/shm/{key.strip('/')}", 1000)
+        with pytest.raises(InferenceServerException) as refused:
+            infer_by_reference(client, IMAGES)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and "cut short" in refused.value.message()
+    assert by_value(client, IMAGES[:1]).shape == (1, 1000)  # serving
+
+
+def test_another_tokens_regions_are_invisible_to_it(make_server, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice-token\nbob-token\n")
+    running = make_server(allow_client_shm=True, auth_token_file=str(tokens))
+    alice = tc.InferenceServerClient(running.target)
+    bob = tc.InferenceServerClient(running.target)
+    as_alice, as_bob = {"authorization": "Bearer alice-token"}, {"authorization": "Bearer bob-token"}
+    with region(IMAGES.nbytes) as (key, handle), region(PROBABILITIES_BYTES) as (out_key, _):
+        shm.set_shared_memory_region(handle, [IMAGES])
+        alice.register_system_shared_memory("in", key, IMAGES.nbytes, headers=as_alice)
+        alice.register_system_shared_memory("out", out_key, PROBABILITIES_BYTES, headers=as_alice)
+        assert bob.get_system_shared_memory_status(as_json=True, headers=as_bob) == {}
+        tensor = tc.InferInput("input", list(IMAGES.shape), "UINT8")
+        tensor.set_shared_memory("in", IMAGES.nbytes)
+        with pytest.raises(InferenceServerException) as refused:
+            bob.infer("resnet18_uint8", [tensor], headers=as_bob)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and "no shared-memory region" in \
+            refused.value.message()
+        with pytest.raises(InferenceServerException) as refused:
+            bob.unregister_system_shared_memory("in", headers=as_bob)
+        assert refused.value.status() == "StatusCode.NOT_FOUND"
+        bob.unregister_system_shared_memory(headers=as_bob)  # all of bob's: none of alice's
+        # Bob may use the same name for a region of his own.
+        bob.register_system_shared_memory("in", key, IMAGES.nbytes, headers=as_bob)
+        assert set(alice.get_system_shared_memory_status(as_json=True, headers=as_alice)["regions"]) == {"in", "out"}
+        tensor.set_shared_memory("in", IMAGES.nbytes)
+        assert alice.infer("resnet18_uint8", [tensor], headers=as_alice).as_numpy("probabilities").shape == (2, 1000)
+
+
+def test_limits_on_regions_and_bytes(make_server):
+    running = make_server(allow_client_shm=True, max_shm_regions=2, max_shm_mb=1)
+    client = tc.InferenceServerClient(running.target)
+    with region(2 << 20) as (key, _):
+        client.register_system_shared_memory("a", key, 1 << 19)
+        with pytest.raises(InferenceServerException) as refused:
+            client.register_system_shared_memory("a", key, 16)
+        assert refused.value.status() == "StatusCode.ALREADY_EXISTS"
+        with pytest.raises(InferenceServerException) as refused:
+            client.register_system_shared_memory("b", key, (1 << 19) + 1)
+        assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED" and "--max-shm-mb" in refused.value.message()
+        client.register_system_shared_memory("b", key, 16)
+        with pytest.raises(InferenceServerException) as refused:
+            client.register_system_shared_memory("c", key, 16)
+        assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED" and "--max-shm-regions" in \
+            refused.value.message()
+
+
+def test_unregistering_a_region_in_use_lets_the_request_finish(make_server, faults):
+    running = make_server(allow_client_shm=True, runner=faults.runner)
+    client = tc.InferenceServerClient(running.target)
+    with region(IMAGES.nbytes) as (key, handle), region(PROBABILITIES_BYTES) as (out_key, outputs):
+        shm.set_shared_memory_region(handle, [IMAGES])
+        client.register_system_shared_memory("in", key, IMAGES.nbytes)
+        client.register_system_shared_memory("out", out_key, PROBABILITIES_BYTES)
+        expected = by_value(client, IMAGES)
+        faults.set("hold")  # the batch's scores land only once released: the request is in flight, using both
+        answered: list = []
+        caller = threading.Thread(target=lambda: answered.append(infer_by_reference(client, IMAGES)))
+        caller.start()
+        wait_for(lambda: running.sample("resnet_batches_in_flight", device="cpu") == 1)
+        client.unregister_system_shared_memory()
+        assert client.get_system_shared_memory_status(as_json=True) == {}
+        faults.clear()
+        caller.join(60)
+        assert answered, "the request in flight was not answered"
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(outputs, np.float32, [2, 1000]), expected)
+        with pytest.raises(InferenceServerException) as refused:  # gone for the next one
+            infer_by_reference(client, IMAGES)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert not open_test_regions()  # the front-end (a thread of this process) closed what it held
+
+
+def open_test_regions() -> list[str]:
+    """The files of this test's regions that this process still has open."""
+    opened = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            opened.append(os.readlink(f"/proc/self/fd/{name}"))
+        except FileNotFoundError:  # the descriptor listdir itself used
+            continue
+    return [path for path in opened if path.startswith("/dev/shm/test-")]
