@@ -12,7 +12,7 @@ The binary comes with the tritonclient 2.41 wheel (the test extra); it links lib
 nvidia-cuda-runtime-cu12 wheel, also in the test extra; no GPU needed) and libb64 (Debian's libb64-0d).
 
 Usage: python scripts/perf_analyzer.py --server 127.0.0.1:50051 --concurrency 1,16 [--input uint8] [--streaming]
-       [--window-ms 5000]
+       [--shared-memory system] [--window-ms 5000]
 Prints one JSON object a line, one per concurrency; talks only to the server named.
 """
 
@@ -69,14 +69,17 @@ def environment() -> dict[str, str]:
 
 
 def command(server: str, concurrency: int, window_ms: int | None, window_requests: int | None,
-            first_windows: bool, input_kind: str = "fp32", streaming: bool = False) -> list[str]:
+            first_windows: bool, input_kind: str = "fp32", streaming: bool = False,
+            shared_memory: str = "none") -> list[str]:
     """first_windows: report the first three windows whatever they read, instead of waiting (up to ten
     windows) for three within 10% of each other; for interleaving, where a run must take a known time.
-    streaming: every request a message on ModelStreamInfer streams rather than a ModelInfer call."""
+    streaming: every request a message on ModelStreamInfer streams rather than a ModelInfer call.
+    shared_memory: system sends each input and takes each output through regions under /dev/shm that
+    perf_analyzer registers (the server needs --allow-client-shm)."""
     stability = ["--stability-percentage", "1000"] if first_windows or window_requests else []
     model, shape = INPUTS[input_kind]
     args = [binary() or "perf_analyzer", "-m", model, *shape, *(["--streaming"] if streaming else []),
-            "-i", "grpc", "-u", server, "-b", "1",
+            "-i", "grpc", "-u", server, "-b", "1", "--shared-memory", shared_memory,
             "--input-data", "zero", "--concurrency-range", f"{concurrency}:{concurrency}", "--max-trials", "10",
             *stability]
     if window_requests:  # short windows for the tests: a count of requests each
@@ -102,14 +105,17 @@ def parse(report: str) -> dict:
 
 
 def run(server: str, concurrency: int, window_ms: int | None = None, window_requests: int | None = None,
-        first_windows: bool = False, timeout: float = 300, input_kind: str = "fp32", streaming: bool = False) -> dict:
-    args = command(server, concurrency, window_ms, window_requests, first_windows, input_kind, streaming)
+        first_windows: bool = False, timeout: float = 300, input_kind: str = "fp32", streaming: bool = False,
+        shared_memory: str = "none") -> dict:
+    args = command(server, concurrency, window_ms, window_requests, first_windows, input_kind, streaming,
+                   shared_memory)
     cpu_before, started = _children_cpu_seconds(), time.monotonic()
     done = subprocess.run(args, env=environment(), capture_output=True, text=True, timeout=timeout)
     client_cores = (_children_cpu_seconds() - cpu_before) / (time.monotonic() - started)
     if done.returncode != 0:
         raise RuntimeError(f"perf_analyzer exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
-    return {"concurrency": concurrency, "input": input_kind, "streaming": streaming, **parse(done.stdout),
+    return {"concurrency": concurrency, "input": input_kind, "streaming": streaming, "shared_memory": shared_memory,
+            **parse(done.stdout),
             "client_cores": round(client_cores, 2)}
 
 
@@ -128,10 +134,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="the declared input to send: fp32 (model resnet18) or uint8 (model resnet18_uint8)")
     parser.add_argument("--streaming", action="store_true",
                         help="each request a message on a ModelStreamInfer stream, not a ModelInfer call")
+    parser.add_argument("--shared-memory", choices=("none", "system"), default="none",
+                        help="system: inputs and outputs through regions under /dev/shm (the server needs "
+                             "--allow-client-shm)")
     args = parser.parse_args(argv)
     for concurrency in args.concurrency.split(","):
         figures = run(args.server, int(concurrency), window_ms=args.window_ms, input_kind=args.input,
-                      streaming=args.streaming)
+                      streaming=args.streaming, shared_memory=args.shared_memory)
         print(json.dumps(figures), flush=True)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import struct
 import threading
 import warnings
@@ -19,7 +20,8 @@ from tritonclient.utils import InferenceServerException
 
 from resnet_client.api import grpc_predict_v2_pb2 as oip
 from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
-from tests.helpers import encode, random_rgb, wait_for
+from tests.helpers import encode, load_script, needs_perf_analyzer, random_rgb, scraped_value, wait_for
+from tests.server_process import Workers
 
 with warnings.catch_warnings():  # tritonclient 2.41's shared-memory utility imports pkg_resources
     warnings.simplefilter("ignore", UserWarning)
@@ -256,3 +258,53 @@ def open_test_regions() -> list[str]:
         except FileNotFoundError:  # the descriptor listdir itself used
             continue
     return [path for path in opened if path.startswith("/dev/shm/test-")]
+
+
+@pytest.mark.slow
+@needs_perf_analyzer
+def test_a_region_registered_through_one_front_end_serves_through_every_one_and_their_replacements(weights_file):
+    workers = Workers(str(weights_file[0]), "--allow-client-shm")
+    try:
+        port, pids = workers.serving()
+        target = f"127.0.0.1:{port}"
+        with region(IMAGES.nbytes) as (key, handle), region(PROBABILITIES_BYTES) as (out_key, outputs):
+            shm.set_shared_memory_region(handle, [IMAGES])
+            registrar = tc.InferenceServerClient(target)
+            registrar.register_system_shared_memory("in", key, IMAGES.nbytes)
+            registrar.register_system_shared_memory("out", out_key, PROBABILITIES_BYTES)
+            expected = by_value(registrar, IMAGES)
+            answered_by_each(workers, target, expected, outputs)
+            # A front-end killed: its replacement opens every region registered before it started.
+            os.kill(pids[0], signal.SIGKILL)
+            workers.serving(3)
+            answered_by_each(workers, target, expected, outputs)
+            # Triton's own load generator, its regions registered, used and unregistered through both.
+            figures = load_script("perf_analyzer").run(target, 4, window_requests=20, first_windows=True,
+                                                        input_kind="uint8", shared_memory="system")
+            assert figures["requests"] >= 20 and figures["successes"] == figures["inferences"]
+            # It unregisters every region as it ends (an empty name): without tokens, every client's, as on Triton.
+            assert registrar.get_system_shared_memory_status(as_json=True) == {}
+        workers.process.send_signal(signal.SIGTERM)
+        assert workers.process.wait(timeout=60) == 0
+    finally:
+        workers.close()
+
+
+def answered_by_each(workers: Workers, target: str, expected: np.ndarray, outputs) -> None:
+    """Requests by reference on new connections until both front-ends serving now have answered some: each
+    lists the regions, and each answer is the one by value."""
+    def counts() -> list[float]:
+        return [scraped_value(workers.metrics_port, f'resnet_requests_total{{code="OK",device="cpu",worker="{index}"}}')
+                for index in (0, 1)]
+
+    before = counts()
+    for _ in range(40):
+        # A connection of its own (gRPC shares one per target otherwise): the kernel spreads them over the front-ends.
+        client = tc.InferenceServerClient(target, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+        assert set(client.get_system_shared_memory_status(as_json=True)["regions"]) == {"in", "out"}
+        infer_by_reference(client, IMAGES)
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(outputs, np.float32, [2, 1000]), expected)
+        client.close()
+        if all(now > then for now, then in zip(counts(), before, strict=True)):
+            return
+    raise AssertionError(f"40 connections did not reach both front-ends: requests {before} -> {counts()}")
