@@ -4,6 +4,7 @@ code and the server serving after it, regions shared by every front-end, and own
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -18,9 +19,11 @@ import pytest
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
+from resnet_client import Client
 from resnet_client.api import grpc_predict_v2_pb2 as oip
 from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
-from tests.helpers import encode, load_script, needs_perf_analyzer, random_rgb, scraped_value, wait_for
+from resnet_client.cli import main as client_main
+from tests.helpers import encode, free_port, load_script, needs_perf_analyzer, random_rgb, scraped_value, wait_for
 from tests.server_process import Workers
 
 with warnings.catch_warnings():  # tritonclient 2.41's shared-memory utility imports pkg_resources
@@ -308,3 +311,43 @@ def answered_by_each(workers: Workers, target: str, expected: np.ndarray, output
         if all(now > then for now, then in zip(counts(), before, strict=True)):
             return
     raise AssertionError(f"40 connections did not reach both front-ends: requests {before} -> {counts()}")
+
+
+def test_our_client_classifies_from_a_region_of_its_own(shm_server, reference):
+    with Client(shm_server.target) as client:
+        by_value_results = client.classify(list(IMAGES), full=True, top_k=3)
+        with client.shared_memory(4 << 20) as region:
+            assert os.path.exists(f"/dev/shm/{region.name}")
+            results = region.classify(list(IMAGES), top_k=3)
+            jpegs = region.classify([encode(image) for image in IMAGES], top_k=3)
+            with pytest.raises(ValueError, match="the region holds"):
+                region.classify([IMAGES[0]] * 40)
+        assert not os.path.exists(f"/dev/shm/{region.name}")  # unregistered and removed
+    assert tc.InferenceServerClient(shm_server.target).get_system_shared_memory_status(as_json=True) == {}
+    for ours, theirs in zip(results, by_value_results, strict=True):
+        np.testing.assert_allclose(ours.probabilities, theirs.probabilities, atol=1e-6)
+        assert [(s.index, s.label) for s in ours.top_k] == [(s.index, s.label) for s in theirs.top_k]
+    expected = reference.probabilities(reference.input_from_bytes(encode(IMAGES[0])))
+    np.testing.assert_allclose(jpegs[0].probabilities, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["uint8", "fp32", "jpeg"])
+def test_bench_sends_every_callers_images_by_reference(make_server, capsys, kind):
+    running = make_server(allow_client_shm=True, metrics_port=free_port())
+    code = client_main(["bench", "--server", running.target, "--shared-memory", "system", "--concurrency", "2",
+                        "--duration", "1.5", "--warmup", "0.5", "--input", kind, "--images-per-request", "2",
+                        "--json", "--quiet", "--metrics", f"http://127.0.0.1:{running.metrics_port}/metrics"])
+    assert code == 0
+    point = json.loads(capsys.readouterr().out)
+    assert point["shared_memory"] == "system" and point["ok"] > 0 and point["errors"] == {}
+    assert running.sample("resnet_requests_total", device="cpu", code="OK") >= point["ok"]
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"rc-{os.getpid()}-")]  # removed
+
+
+def test_bench_by_reference_says_what_is_wrong_at_once(server, capsys):
+    assert client_main(["bench", "--server", server.target, "--shared-memory", "system", "--input", "uint8",
+                        "--duration", "1", "--quiet"]) == 1
+    said = capsys.readouterr().err
+    assert "the first call, before any load, failed" in said and "--allow-client-shm" in said
+    assert client_main(["bench", "--server", server.target, "--shared-memory", "system", "--rate", "5"]) == 2
+    assert "--shared-memory system is a closed loop" in capsys.readouterr().err

@@ -4,5 +4,7 @@ from .client import AsyncClient, Client
 from .errors import ClassifierError
 from .files import FileError, classify_files
 from .messages import Classification, ClassScore
+from .shared_memory import SharedMemory
 
-__all__ = ["AsyncClient", "Client", "ClassifierError", "Classification", "ClassScore", "FileError", "classify_files"]
+__all__ = ["AsyncClient", "Client", "ClassifierError", "Classification", "ClassScore", "FileError", "SharedMemory",
+           "classify_files"]

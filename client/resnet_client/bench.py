@@ -43,6 +43,7 @@ from .progress import ProgressBar
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["Classifier"].full_name
 CLASSIFY_METHOD, STREAM_METHOD = f"/{_SERVICE}/Classify", f"/{_SERVICE}/ClassifyStream"  # as the stub names them
+MODEL_INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
 @dataclass(frozen=True)
 class LoadSpec:
@@ -55,6 +56,7 @@ class LoadSpec:
     connection: dict  # Client's keyword arguments: timeout, TLS files, token, attempts
     connections: int = 1  # connections of this process, its requests spread over them
     stream: bool = False  # closed loop over ClassifyStream: one stream a request in flight, a request a message
+    shared_memory: bool = False  # closed loop over ModelInfer, each caller's images and answers in a region of its own
 
 
 def make_image(kind: str, width: int, height: int, path: str | None = None) -> pb.Image:
@@ -100,10 +102,36 @@ class _Window:
             self.records.append((done - sent, code))  # list.append is atomic: callers may be threads
 
 
-def _classify_bytes(channel):
-    """Classify as bytes in, bytes out: the request goes as the bench encoded it once and the answer comes back
+def _bytes_call(channel, method: str = CLASSIFY_METHOD):
+    """A call as bytes in, bytes out: the request goes as the bench encoded it once and the answer comes back
     unread, so a call costs the client gRPC's own work (it shares the machine's cores with the server)."""
-    return channel.unary_unary(CLASSIFY_METHOD)
+    return channel.unary_unary(method)
+
+
+def _by_reference(client: Client, stack: contextlib.ExitStack, request: bytes):
+    """(call, request bytes): ModelInfer of the bench request's images from a region of /dev/shm made for this
+    caller (closed when ``stack`` is), its probabilities answered into the region."""
+    images = [image.encoded if image.HasField("encoded") else _RawImage(image.raw)
+              for image in pb.ClassifyRequest.FromString(request).images]
+    region = stack.enter_context(client.shared_memory(sum(len(_bytes_of(image)) for image in images)
+                                                      + len(images) * 4000 + 4096))
+    infer = region.infer_request(images, top_k=1)
+    return _bytes_call(client._channel, MODEL_INFER_METHOD), infer.SerializeToString()
+
+
+class _RawImage:
+    """A raw tensor of the bench's request, as the shared-memory helper takes an array."""
+
+    def __init__(self, raw: pb.RawTensor) -> None:
+        self.dtype = {pb.RawTensor.UINT8: "uint8", pb.RawTensor.FLOAT32: "float32"}.get(raw.dtype, "")
+        self.shape, self._data = tuple(raw.shape), raw.data
+
+    def tobytes(self) -> bytes:
+        return self._data
+
+
+def _bytes_of(image) -> bytes:
+    return image if isinstance(image, bytes) else image.tobytes()
 
 
 def _closed_loop(spec: LoadSpec) -> list[tuple[float, str]]:
@@ -118,15 +146,12 @@ def _closed_loop(spec: LoadSpec) -> list[tuple[float, str]]:
         window = _Window(spec)
 
         def loop(client: Client) -> None:
-            classify, metadata = _classify_bytes(client._channel), client._config.metadata()
-            while window.open():
-                sent = time.monotonic()
-                try:
-                    classify(spec.request, timeout=client.timeout, metadata=metadata)
-                    code = "OK"
-                except Exception as error:  # noqa: BLE001 - every failure is counted, and the loop goes on
-                    code = _code(error)
-                window.record(sent, code)
+            classify, metadata, request = _bytes_call(client._channel), client._config.metadata(), spec.request
+            region = contextlib.ExitStack()
+            if spec.shared_memory:
+                classify, request = _by_reference(client, region, request)
+            with region:
+                _call_until_closed(classify, request, metadata, client.timeout, window)
 
         threads = [threading.Thread(target=loop, args=(clients[i % len(clients)],), daemon=True)
                    for i in range(spec.concurrency or 0)]  # run only with a concurrency
@@ -135,6 +160,17 @@ def _closed_loop(spec: LoadSpec) -> list[tuple[float, str]]:
         for thread in threads:
             thread.join()
     return window.records
+
+
+def _call_until_closed(classify, request: bytes, metadata, timeout: float, window: _Window) -> None:
+    while window.open():
+        sent = time.monotonic()
+        try:
+            classify(request, timeout=timeout, metadata=metadata)
+            code = "OK"
+        except Exception as error:  # noqa: BLE001 - every failure is counted, and the loop goes on
+            code = _code(error)
+        window.record(sent, code)
 
 
 async def _async_clients(stack: contextlib.AsyncExitStack, spec: LoadSpec) -> list[AsyncClient]:
@@ -152,7 +188,7 @@ async def _open_loop(spec: LoadSpec) -> list[tuple[float, str]]:
     async with contextlib.AsyncExitStack() as stack:
         clients = await _async_clients(stack, spec)
         # Each client's stub and call metadata, worked out once: metadata() reads the TLS files it is given.
-        senders = [(_classify_bytes(client._channel), client._config.metadata(), client.timeout) for client in clients]
+        senders = [(_bytes_call(client._channel), client._config.metadata(), client.timeout) for client in clients]
         window = _Window(spec)
 
         async def one(classify, metadata: list[tuple[str, str]], timeout: float) -> None:
@@ -359,7 +395,8 @@ def server_view(before: dict, after: dict) -> dict[str, dict[str, float]]:
 def run_point(args: argparse.Namespace, request: bytes, concurrency: int | None, rate: float | None) -> dict:
     per_process = [LoadSpec(args.server, request,
                             _share(concurrency, args.processes, i), None if rate is None else rate / args.processes,
-                            args.warmup, args.duration, connection(args), args.connections, args.stream)
+                            args.warmup, args.duration, connection(args), args.connections, args.stream,
+                            args.shared_memory == "system")
                    for i in range(args.processes)]
     per_process = [spec for spec in per_process if spec.concurrency or spec.rate]
     before, scraped = scrape(args.metrics), time.monotonic()
@@ -375,7 +412,7 @@ def run_point(args: argparse.Namespace, request: bytes, concurrency: int | None,
     ok = len(latencies)
     return {
         "concurrency": concurrency, "rate": rate, "images_per_request": args.images_per_request, "stream": args.stream,
-        "requests": len(records), "ok": ok,
+        "shared_memory": args.shared_memory, "requests": len(records), "ok": ok,
         "requests_per_s": ok / args.duration, "images_per_s": ok * args.images_per_request / args.duration,
         "p50_ms": 1000 * percentile(latencies, 50), "p90_ms": 1000 * percentile(latencies, 90),
         "p99_ms": 1000 * percentile(latencies, 99), "max_ms": 1000 * (latencies[-1] if latencies else float("nan")),
@@ -483,6 +520,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
     bench.add_argument("--stream", action="store_true",
                        help="closed loop over ClassifyStream: one stream a request in flight, each request a message "
                             "on it (about half the CPU a request of unary calls, on both ends)")
+    bench.add_argument("--shared-memory", choices=["none", "system"], default="none",
+                       help="system: on the server's machine, each caller's images go in a region of /dev/shm it "
+                            "registers, and each call (ModelInfer) names them there instead of carrying them; "
+                            "the server needs --allow-client-shm")
     bench.add_argument("--duration", type=positive_float, default=10.0,
                        help="measured seconds per point (default %(default)s)")
     bench.add_argument("--warmup", type=non_negative_float, default=2.0,
@@ -503,11 +544,17 @@ def first_call_failure(args: argparse.Namespace, request: bytes) -> str | None:
     fails every call alike; said now, in a second, rather than after a whole sweep of failed calls (against a
     closed port that was some 160,000 UNAVAILABLE in ten seconds). Failures under load (overload, deadlines)
     are still counted by code in the table."""
-    with Client(args.server, **connection(args)) as client:
+    with Client(args.server, **connection(args)) as client, contextlib.ExitStack() as region:
         try:
-            client._call(client._stub.Classify, pb.ClassifyRequest.FromString(request), None)
+            if args.shared_memory == "system":
+                infer, by_reference = _by_reference(client, region, request)
+                infer(by_reference, timeout=client.timeout, metadata=client._config.metadata())
+            else:
+                client._call(client._stub.Classify, pb.ClassifyRequest.FromString(request), None)
         except ClassifierError as error:
             return str(error)
+        except grpc.RpcError as error:
+            return str(ClassifierError.from_rpc_error(error))
     return None
 
 
@@ -543,6 +590,9 @@ def usage_problem(args: argparse.Namespace, loads: list[float]) -> str | None:
     """What makes this combination of flags unusable, which argparse alone does not see."""
     if args.stream and args.rate:
         return "--stream is a closed loop: give --concurrency or --sweep, not --rate"
+    if args.shared_memory == "system" and (args.rate or args.stream):
+        return "--shared-memory system is a closed loop of ModelInfer calls: give --concurrency or --sweep, not " \
+               "--rate or --stream"
     if not args.rate and any(load != int(load) for load in loads):
         return f"argument --sweep: concurrencies are whole numbers, got {', '.join(f'{load:g}' for load in loads)}"
     return None

@@ -14,6 +14,7 @@ from .api import grpc_predict_v2_pb2_grpc as oip_grpc
 from .channel import DEFAULT_ATTEMPTS, ChannelConfig, parse_targets
 from .errors import ClassifierError
 from .messages import Classification, ImageLike, build_request, parse_response
+from .shared_memory import SharedMemory
 from .trace_context import outgoing, trace_id
 
 DEFAULT_TIMEOUT = 30.0
@@ -55,7 +56,7 @@ class Client:
         self._channel = grpc.intercept_channel(channel, *interceptors) if interceptors else channel
         self.timeout = timeout
         self._stub = pb_grpc.ClassifierStub(self._channel)
-        self._repository = oip_grpc.GRPCInferenceServiceStub(self._channel)  # the model repository extension
+        self._oip = oip_grpc.GRPCInferenceServiceStub(self._channel)  # OIP: reload, shared memory
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def _call(self, method, request, timeout: float | None):
@@ -93,7 +94,14 @@ class Client:
         """New weights while the server serves (it runs with ``--model-control explicit``): ``weights`` (a
         ResNet18 state_dict saved by torch.save, or a safetensors file), or, with none, its ``--weights`` read
         again. Returns once every device serves them; ClassifierError says why none does."""
-        self._call(self._repository.RepositoryModelLoad, reload_request(weights), timeout)
+        self._call(self._oip.RepositoryModelLoad, reload_request(weights), timeout)
+
+    def shared_memory(self, byte_size: int, *, mode: int = 0o600) -> SharedMemory:
+        """A region of ``byte_size`` bytes under /dev/shm, registered with the server (on this machine, run with
+        ``--allow-client-shm``): its ``classify`` sends no image bytes over gRPC. Close it (or use it as a context
+        manager) to unregister and remove it. ``mode``: the file's permissions (the server's user must be able
+        to read and write it)."""
+        return SharedMemory(self._call, self._oip, byte_size, mode)
 
     def close(self) -> None:
         self._channel.close()
@@ -118,7 +126,7 @@ class AsyncClient:
                                                own_connection, interceptors=list(interceptors) or None)
         self.timeout = timeout
         self._stub = pb_grpc.ClassifierStub(self._channel)
-        self._repository = oip_grpc.GRPCInferenceServiceStub(self._channel)  # the model repository extension
+        self._oip = oip_grpc.GRPCInferenceServiceStub(self._channel)  # OIP: reload, shared memory
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def _call(self, method, request, timeout: float | None, answer_trace: list[str] | None = None):
@@ -156,7 +164,7 @@ class AsyncClient:
 
     async def reload(self, weights: bytes | None = None, *, timeout: float | None = None) -> None:
         """As Client.reload."""
-        await self._call(self._repository.RepositoryModelLoad, reload_request(weights), timeout)
+        await self._call(self._oip.RepositoryModelLoad, reload_request(weights), timeout)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         response = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
