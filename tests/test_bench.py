@@ -730,3 +730,14 @@ def test_tracing_cost_measures_the_three_settings_and_the_traced_ones_export():
     assert all(result[name]["images_per_s"] > 0 for name in ("off", "rate 0.01", "rate 1.0"))
     assert result["off"]["ratio_to_off"] == 1.0 and result["rate 1.0"]["frontend_cpu_ms_a_call"] > 0
     assert result["spans_received"] > 0  # flushed as the servers stop, at the latest
+
+
+@needs_perf_analyzer
+def test_shared_memory_cost_measures_each_load_by_value_and_by_reference():
+    """scripts/benchmarks/shared_memory_cost.py end to end, briefly: perf_analyzer and our bench, FP32 and UINT8,
+    each by value and by reference against one server, with the front-end's CPU a request."""
+    result = run_benchmark("shared_memory_cost", "--concurrency", "2", "--duration", "1.5", "--rounds", "1", "--json")
+    assert set(result) == {"perf_analyzer fp32", "perf_analyzer uint8", "bench fp32", "bench uint8"}
+    for row in result.values():
+        assert row["by_value_requests_per_s"] > 0 and row["by_reference_requests_per_s"] > 0
+        assert row["by_value_frontend_cpu_ms"] > 0 and row["by_reference_frontend_cpu_ms"] > 0

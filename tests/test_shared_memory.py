@@ -133,6 +133,9 @@ def test_off_by_default_and_cuda_memory_is_not_offered(server):
     ("..", "not a POSIX shared-memory name"),
     ("/sem.mp-anything", "reserved"),
     ("/resnet-slab", "reserved"),
+    ("//resnet-slab", "not a POSIX shared-memory name"),  # the leading-slash bypass of a reserved prefix
+    ("/RESNET-slab", "reserved"),
+    ("/a\x00b", "not a POSIX shared-memory name"),
     (f"/missing-{secrets.token_hex(4)}", "cannot open"),
 ])
 def test_a_key_outside_dev_shm_or_reserved_is_refused(shm_server, key, why):

@@ -1,0 +1,156 @@
+"""What inputs by shared memory save: the same server loaded with each input by value and by reference.
+
+One ``resnet-server --frontends 1 --allow-client-shm`` on 127.0.0.1 (``--runner free`` by default: no forward pass,
+so what is left is the serving path, where the bytes are carried; ``--runner model`` for a CPU server's own
+figures). Each load runs at ``--concurrency`` for about ``--duration`` seconds, by value then by reference, in
+``--rounds`` rounds whose order alternates (a shared VM drifts; a drift then falls on both alike):
+
+- Triton's perf_analyzer (``scripts/perf_analyzer.py``) on ``resnet18`` (FP32 [1, 3, 224, 224], 602 KB a request)
+  and ``resnet18_uint8`` (UINT8 [1, 224, 224, 3], 150 KB), without and with ``--shared-memory system``;
+- ``resnet-client bench`` with ``--input fp32`` and ``--input uint8`` (224x224), its own Classify calls by value
+  and ModelInfer by reference with ``--shared-memory system``.
+
+Reported per load and input: the medians of the rounds' requests/s and of the front-end process's CPU time a
+request (its /proc CPU time over the requests its /metrics counted in the same interval), and the ratios. The
+server is stopped (SIGTERM, by PID) when done.
+
+Usage: python scripts/benchmarks/shared_memory_cost.py [--concurrency 16] [--duration 10] [--rounds 3]
+       [--runner free|model] [--loads perf_analyzer,bench] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent.parent
+PORT, METRICS_PORT = 50211, 50212
+INPUTS = ("fp32", "uint8")
+FRONTEND_REQUESTS = re.compile(r'^resnet_requests_total\{code="OK",device="cpu",worker="0"\} (\S+)$', re.M)
+
+
+def _perf_analyzer():
+    spec = importlib.util.spec_from_file_location("perf_analyzer", SCRIPTS / "perf_analyzer.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Server:
+    def __init__(self, runner: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", str(PORT), "--metrics-port",
+             str(METRICS_PORT), "--metrics-host", "127.0.0.1", "--device", "cpu", "--weights", "random", "--runner",
+             runner, "--frontends", "1", "--allow-client-shm"], stderr=subprocess.PIPE, text=True)
+        self.frontend = 0
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            if "started resnet-frontend-0 (pid " in line:
+                self.frontend = int(line.rsplit("pid ", 1)[1].rstrip(")\n"))
+            if "serving resnet18 on" in line:
+                threading.Thread(target=self.process.stderr.read, daemon=True).start()
+                return
+        raise SystemExit("the server exited before serving")
+
+    def counters(self) -> tuple[float, float]:
+        """The front-end's CPU seconds and the requests it has answered."""
+        fields = Path(f"/proc/{self.frontend}/stat").read_text().rsplit(")", 1)[1].split()
+        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as response:
+            requests = FRONTEND_REQUESTS.search(response.read().decode())
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), float(requests.group(1) if requests
+                                                                                      else 0)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(60)
+
+
+def perf_analyzer_load(input_kind: str, by_reference: bool, concurrency: int, duration: float) -> float:
+    """requests/s perf_analyzer reports over its first three windows."""
+    figures = _perf_analyzer().run(f"127.0.0.1:{PORT}", concurrency, window_ms=int(duration * 1000 / 3),
+                                   first_windows=True, input_kind=input_kind,
+                                   shared_memory="system" if by_reference else "none")
+    return float(figures["throughput"])
+
+
+def bench_load(input_kind: str, by_reference: bool, concurrency: int, duration: float) -> float:
+    done = subprocess.run(
+        [sys.executable, "-m", "resnet_client.cli", "--server", f"127.0.0.1:{PORT}", "bench", "--input", input_kind,
+         "--image-size", "224x224", "--concurrency", str(concurrency), "--duration", str(duration), "--warmup", "1",
+         "--json", "--quiet", "--metrics", "", *(["--shared-memory", "system"] if by_reference else [])],
+        capture_output=True, text=True, check=True, timeout=duration * 4 + 120)
+    return float(json.loads(done.stdout.splitlines()[-1])["requests_per_s"])
+
+
+LOADS = {"perf_analyzer": perf_analyzer_load, "bench": bench_load}
+
+
+def measure(server: Server, load: str, input_kind: str, by_reference: bool, concurrency: int,
+            duration: float) -> tuple[float, float]:
+    """requests/s, and the front-end's CPU milliseconds a request."""
+    cpu_before, requests_before = server.counters()
+    rate = LOADS[load](input_kind, by_reference, concurrency, duration)
+    cpu_after, requests_after = server.counters()
+    return rate, 1000 * (cpu_after - cpu_before) / max(requests_after - requests_before, 1)
+
+
+def summary(points: dict[bool, list[tuple[float, float]]]) -> dict[str, object]:
+    def median(by_reference: bool, index: int) -> float:
+        return statistics.median(point[index] for point in points[by_reference])
+
+    return {"by_value_requests_per_s": median(False, 0), "by_reference_requests_per_s": median(True, 0),
+            "throughput_ratio": median(True, 0) / median(False, 0),
+            "by_value_frontend_cpu_ms": median(False, 1), "by_reference_frontend_cpu_ms": median(True, 1),
+            "frontend_cpu_saved": median(False, 1) / max(median(True, 1), 1e-9),
+            "rounds": {"by_value": [round(rate, 1) for rate, _ in points[False]],
+                       "by_reference": [round(rate, 1) for rate, _ in points[True]]}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds a measurement (default 10)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each measurement once a round (default 3)")
+    parser.add_argument("--runner", choices=("free", "model"), default="free",
+                        help="the server's --runner (default free: the serving path alone)")
+    parser.add_argument("--loads", default="perf_analyzer,bench",
+                        type=lambda text: [load for load in text.split(",") if load],
+                        help="comma-separated: perf_analyzer, bench (default both)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = parser.parse_args(argv)
+    if unknown := set(args.loads) - set(LOADS):
+        parser.error(f"argument --loads: unknown {sorted(unknown)}; choose from {', '.join(LOADS)}")
+    server = Server(args.runner)
+    measured = {(load, kind): {False: [], True: []} for load in args.loads for kind in INPUTS}
+    try:
+        for round_index in range(args.rounds):
+            for (load, kind), points in measured.items():
+                for by_reference in (bool(round_index % 2), not round_index % 2):
+                    points[by_reference].append(measure(server, load, kind, by_reference, args.concurrency,
+                                                        args.duration))
+    finally:
+        server.stop()
+    results = {f"{load} {kind}": summary(points) for (load, kind), points in measured.items()}
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    for name, row in results.items():
+        print(f"{name:>20}  {row['by_value_requests_per_s']:7.1f} -> {row['by_reference_requests_per_s']:7.1f} req/s "
+              f"(x{row['throughput_ratio']:.2f})  front-end {row['by_value_frontend_cpu_ms']:.3f} -> "
+              f"{row['by_reference_frontend_cpu_ms']:.3f} ms CPU a request ({row['frontend_cpu_saved']:.2f}x less)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
