@@ -354,3 +354,27 @@ def test_bench_by_reference_says_what_is_wrong_at_once(server, capsys):
     assert "the first call, before any load, failed" in said and "--allow-client-shm" in said
     assert client_main(["bench", "--server", server.target, "--shared-memory", "system", "--rate", "5"]) == 2
     assert "--shared-memory system is a closed loop" in capsys.readouterr().err
+
+
+def test_stream_messages_name_regions_too(shm_server):
+    triton = tc.InferenceServerClient(shm_server.target)
+    with region(IMAGES.nbytes) as (key, handle):
+        shm.set_shared_memory_region(handle, [IMAGES])
+        triton.register_system_shared_memory("in", key, IMAGES.nbytes)
+        one = IMAGES[0].nbytes
+        requests = [oip.ModelInferRequest(model_name="resnet18_uint8", id=str(index), inputs=[
+            oip.ModelInferRequest.InferInputTensor(name="input", datatype="UINT8", shape=[1, 224, 224, 3], parameters={
+                "shared_memory_region": oip.InferParameter(string_param="in"),
+                "shared_memory_offset": oip.InferParameter(int64_param=index * one),
+                "shared_memory_byte_size": oip.InferParameter(int64_param=one)})]) for index in range(2)]
+        requests.append(oip.ModelInferRequest(model_name="resnet18_uint8", id="bad", inputs=[
+            oip.ModelInferRequest.InferInputTensor(name="input", datatype="UINT8", shape=[1, 224, 224, 3], parameters={
+                "shared_memory_region": oip.InferParameter(string_param="nowhere"),
+                "shared_memory_byte_size": oip.InferParameter(int64_param=one)})]))
+        with grpc.insecure_channel(shm_server.target) as channel:
+            answers = list(oip_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests), timeout=60))
+        for index, answer in enumerate(answers[:2]):
+            assert not answer.error_message
+            probabilities = np.frombuffer(answer.infer_response.raw_output_contents[0], np.float32)
+            np.testing.assert_array_equal(probabilities, by_value(triton, IMAGES[index:index + 1])[0])
+        assert answers[2].error_message.startswith("[INVALID_ARGUMENT] no shared-memory region 'nowhere'")
