@@ -209,6 +209,12 @@ def test_a_flag_that_does_not_go_with_another_exits_2_before_any_process_starts(
     assert done.stderr == "resnet-server: error: TLS needs both --tls-cert and --tls-key\n"
 
 
+def test_a_blank_otlp_endpoint_leaves_tracing_off():
+    """compose passes RESNET_SERVER_OTLP_ENDPOINT through, empty unless the tracing profile's receiver is named."""
+    assert parse_config([], env={"RESNET_SERVER_OTLP_ENDPOINT": ""}).otlp_endpoint is None
+    assert parse_config(["--otlp-endpoint", " jaeger:4317 "], env={}).otlp_endpoint == "jaeger:4317"
+
+
 def test_bad_env_value_names_the_variable():
     with pytest.raises(ConfigError, match="RESNET_SERVER_TEMPERATURE='0'"):
         parse_config([], env={"RESNET_SERVER_TEMPERATURE": "0"})

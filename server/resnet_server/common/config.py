@@ -183,10 +183,9 @@ _log_format = _one_of(*LOG_FORMATS)
 _model_control = _one_of(*MODEL_CONTROL_MODES)
 
 
-def _endpoint(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("must name an OTLP receiver, e.g. localhost:4317")
-    return text.strip()
+def _endpoint(text: str) -> str | None:
+    """An OTLP receiver's address; empty: none (tracing off), so that a deployment can leave the variable blank."""
+    return text.strip() or None
 
 
 def _ratio(text: str) -> float:
@@ -418,8 +417,8 @@ _FLAGS: list[tuple[str, FlagType, str]] = [
     ("stuck-batch-timeout", non_negative_float, "seconds a launched batch may go unanswered before its engine "
                                                 "is ended and the supervisor starts a new one (a hung device or "
                                                 "thread; 0: never)"),
-    ("otlp-endpoint", _endpoint, "turns tracing on: OpenTelemetry spans of every call to this OTLP receiver, over "
-                                 "HTTP for http(s)://HOST:PORT/v1/traces, else over gRPC (HOST:PORT, or "
+    ("otlp-endpoint", _endpoint, "turns tracing on (empty: off): OpenTelemetry spans of every call to this OTLP "
+                                 "receiver, over HTTP for http(s)://HOST:PORT/v1/traces, else over gRPC (HOST:PORT, or "
                                  "http(s)://HOST:PORT); the SDK's OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "
                                  "OTEL_EXPORTER_OTLP_ENDPOINT, _PROTOCOL and OTEL_SERVICE_NAME are honoured too"),
     ("trace-rate", _ratio, "with tracing on: the share of calls without a caller's traceparent that are traced, 0 "
