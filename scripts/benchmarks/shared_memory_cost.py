@@ -23,15 +23,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
+
+from served import ServedProcess
 
 SCRIPTS = Path(__file__).resolve().parent.parent
 PORT, METRICS_PORT = 50211, 50212
@@ -47,33 +46,11 @@ def _perf_analyzer():
     return module
 
 
-class Server:
-    def __init__(self, runner: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", str(PORT), "--metrics-port",
-             str(METRICS_PORT), "--metrics-host", "127.0.0.1", "--device", "cpu", "--weights", "random", "--runner",
-             runner, "--frontends", "1", "--allow-client-shm"], stderr=subprocess.PIPE, text=True)
-        self.frontend = 0
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            if "started resnet-frontend-0 (pid " in line:
-                self.frontend = int(line.rsplit("pid ", 1)[1].rstrip(")\n"))
-            if "serving resnet18 on" in line:
-                threading.Thread(target=self.process.stderr.read, daemon=True).start()
-                return
-        raise SystemExit("the server exited before serving")
-
-    def counters(self) -> tuple[float, float]:
-        """The front-end's CPU seconds and the requests it has answered."""
-        fields = Path(f"/proc/{self.frontend}/stat").read_text().rsplit(")", 1)[1].split()
-        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as response:
-            requests = FRONTEND_REQUESTS.search(response.read().decode())
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), float(requests.group(1) if requests
-                                                                                      else 0)
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(60)
+def counters(server: ServedProcess) -> tuple[float, float]:
+    """The front-end's CPU seconds and the requests it has answered."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as response:
+        requests = FRONTEND_REQUESTS.search(response.read().decode())
+    return server.frontend_cpu_seconds(), float(requests.group(1) if requests else 0)
 
 
 def perf_analyzer_load(input_kind: str, by_reference: bool, concurrency: int, duration: float) -> float:
@@ -96,12 +73,12 @@ def bench_load(input_kind: str, by_reference: bool, concurrency: int, duration: 
 LOADS = {"perf_analyzer": perf_analyzer_load, "bench": bench_load}
 
 
-def measure(server: Server, load: str, input_kind: str, by_reference: bool, concurrency: int,
+def measure(server: ServedProcess, load: str, input_kind: str, by_reference: bool, concurrency: int,
             duration: float) -> tuple[float, float]:
     """requests/s, and the front-end's CPU milliseconds a request."""
-    cpu_before, requests_before = server.counters()
+    cpu_before, requests_before = counters(server)
     rate = LOADS[load](input_kind, by_reference, concurrency, duration)
-    cpu_after, requests_after = server.counters()
+    cpu_after, requests_after = counters(server)
     return rate, 1000 * (cpu_after - cpu_before) / max(requests_after - requests_before, 1)
 
 
@@ -131,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if unknown := set(args.loads) - set(LOADS):
         parser.error(f"argument --loads: unknown {sorted(unknown)}; choose from {', '.join(LOADS)}")
-    server = Server(args.runner)
+    server = ServedProcess(PORT, ["--metrics-port", str(METRICS_PORT), "--metrics-host", "127.0.0.1", "--runner",
+                                  args.runner, "--allow-client-shm"])
     measured = {(load, kind): {False: [], True: []} for load in args.loads for kind in INPUTS}
     try:
         for round_index in range(args.rounds):

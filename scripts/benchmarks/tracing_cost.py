@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from served import ServedProcess
 
 SETTINGS = {"off": [], "rate 0.01": ["--trace-rate", "0.01"], "rate 1.0": ["--trace-rate", "1.0"]}
 BASE_PORT = 50191
@@ -51,42 +49,16 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-class Server:
-    def __init__(self, port: int, runner: str, flags: list[str]) -> None:
-        self.port = port
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
-             "--device", "cpu", "--weights", "random", "--runner", runner, "--frontends", "1", *flags],
-            stderr=subprocess.PIPE, text=True)
-        self.frontend = 0
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            if "started resnet-frontend-0 (pid " in line:
-                self.frontend = int(line.rsplit("pid ", 1)[1].rstrip(")\n"))
-            if "serving resnet18 on" in line:
-                threading.Thread(target=self.process.stderr.read, daemon=True).start()
-                return
-        raise SystemExit(f"a server exited before serving (flags {flags})")
-
-    def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.frontend}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(60)
-
-
-def measure(server: Server, concurrency: int, duration: float) -> tuple[float, float]:
+def measure(server: ServedProcess, concurrency: int, duration: float) -> tuple[float, float]:
     """images/s, and the front-end's CPU seconds a call, over one bench window."""
-    before = server.cpu_seconds()
+    before = server.frontend_cpu_seconds()
     done = subprocess.run(
         [sys.executable, "-m", "resnet_client.cli", "--server", f"127.0.0.1:{server.port}", "bench", "--input",
          "uint8", "--image-size", "224x224", "--concurrency", str(concurrency), "--duration", str(duration),
          "--warmup", "1", "--json"], capture_output=True, text=True, check=True, timeout=duration * 4 + 120)
     point = json.loads(done.stdout.splitlines()[-1])
     calls = point["requests_per_s"] * duration
-    return point["images_per_s"], (server.cpu_seconds() - before) / max(calls, 1)
+    return point["images_per_s"], (server.frontend_cpu_seconds() - before) / max(calls, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     receiver = Receiver()
     endpoint = ["--otlp-endpoint", f"127.0.0.1:{receiver.port}"]
-    servers = {name: Server(BASE_PORT + index, args.runner, [*flags, *(endpoint if flags else [])])
+    servers = {name: ServedProcess(BASE_PORT + index, ["--metrics-port", "0", "--runner", args.runner, *flags,
+                                                        *(endpoint if flags else [])])
                for index, (name, flags) in enumerate(SETTINGS.items())}
     measured: dict[str, list[tuple[float, float]]] = {name: [] for name in SETTINGS}
     try:

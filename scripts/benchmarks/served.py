@@ -1,0 +1,37 @@
+"""A ``resnet-server`` that a benchmark of this folder starts on 127.0.0.1 and stops (SIGTERM, by PID): started
+with the flags given, ready once it logs that it serves, and its first front-end's CPU time read from /proc.
+A module of the benchmarks that run whole servers (tracing_cost.py, shared_memory_cost.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+
+class ServedProcess:
+    def __init__(self, port: int, flags: list[str]) -> None:
+        self.port = port
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+             "--weights", "random", "--frontends", "1", *flags], stderr=subprocess.PIPE, text=True)
+        self.frontend = 0
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            if "started resnet-frontend-0 (pid " in line:
+                self.frontend = int(line.rsplit("pid ", 1)[1].rstrip(")\n"))
+            if "serving resnet18 on" in line:
+                threading.Thread(target=self.process.stderr.read, daemon=True).start()  # keeps the pipe drained
+                return
+        raise SystemExit(f"a server exited before serving (flags {flags})")
+
+    def frontend_cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.frontend}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(60)
