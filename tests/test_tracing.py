@@ -101,8 +101,11 @@ def test_a_call_continues_its_callers_trace_with_its_path_as_child_spans(make_se
     assert seen["rpc.system"] == "grpc" and seen["rpc.service"] == "resnet.v1.Classifier"
     assert seen["rpc.method"] == "Classify" and seen["rpc.grpc.status_code"] == 0
     assert seen["resnet.images"] == 1 and seen["resnet.top_k"] == 3 and seen["resnet.device"] == "cpu"
-    assert seen["resnet.batch.size"] == 1 and seen["resnet.weights.version"] == 1
-    assert "fp32" in seen["resnet.runner"]
+    assert seen["resnet.weights.version"] == 1 and seen["resnet.temperature"] == 1.0
+    batch = attributes(spans["compute"])  # what describes the batch, on its compute span
+    assert batch["resnet.batch.size"] == 1 and "fp32" in batch["resnet.runner"]
+    parts = batch["resnet.compute.input_ms"] + batch["resnet.compute.infer_ms"] + batch["resnet.compute.output_ms"]
+    assert abs(parts - result.compute_ms) < 0.01
     # The answer names the server span.
     assert ("traceparent", f"00-{trace_id}-{server.span_id.hex()}-01") in call.trailing_metadata()
 

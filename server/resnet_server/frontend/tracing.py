@@ -35,6 +35,7 @@ from resnet_server.common.errors import InvalidInput, status_for
 from resnet_server.common.work import ImageOutput
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, SpanContext, Tracer
 
@@ -108,42 +109,46 @@ class CallTrace:
         self.span.end(ended)
 
     def _children(self, ended: int) -> None:
+        parent = _in_context(self.span)  # one context for every child
         if self.admitted_ns:
-            self._child("decode", self.started_ns, self.admitted_ns)
+            self._child(parent, "decode", self.started_ns, self.admitted_ns)
         if not self.outputs:
             return
         slowest = max(self.outputs, key=lambda output: output.queue_seconds + output.timing.total)
         compute_start = self.answered_ns - int(slowest.timing.total * 1e9)
         queue_start = compute_start - int(slowest.queue_seconds * 1e9)
-        self._child("queue", queue_start, compute_start)
+        self._child(parent, "queue", queue_start, compute_start)
+        # What describes the batch goes on its compute span alone, the call's own on the server span: every
+        # attribute is encoded for export in this process, so none is written twice.
         batch_id = f"{slowest.device}/{slowest.batch}"
-        attributes: dict[str, Any] = {
-            "resnet.device": slowest.device, "resnet.batch.id": batch_id, "resnet.batch.size": slowest.batch_size,
-            "resnet.batch.buckets": list(slowest.buckets), "resnet.runner": self.runs,
-            "resnet.weights.version": slowest.weights_version}
+        timing = slowest.timing
         anchor = self.batches.first_of(batch_id)
-        compute = self._child("compute", compute_start, self.answered_ns, attributes, anchor)
+        compute = self._child(parent, "compute", compute_start, self.answered_ns, {
+            "resnet.batch.id": batch_id, "resnet.batch.size": slowest.batch_size,
+            "resnet.batch.buckets": list(slowest.buckets), "resnet.runner": self.runs,
+            "resnet.compute.input_ms": timing.input * 1e3, "resnet.compute.infer_ms": timing.infer * 1e3,
+            "resnet.compute.output_ms": timing.output * 1e3}, anchor)
         if anchor is None:
             self.batches.remember(batch_id, compute.get_span_context())
-        for part, seconds, since in (("input", slowest.timing.input, compute_start),
-                                     ("infer", slowest.timing.infer, compute_start + int(slowest.timing.input * 1e9)),
-                                     ("output", slowest.timing.output, self.answered_ns
-                                      - int(slowest.timing.output * 1e9))):
-            compute.add_event(f"compute.{part}", {"seconds": seconds}, since)
-        self._child("answer", self.answered_ns, ended)
-        self.span.set_attributes({**attributes, "resnet.images": len(self.outputs),
-                                  "resnet.temperature": slowest.temperature,
-                                  "resnet.top_k": len(slowest.top_k)})
+        self._child(parent, "answer", self.answered_ns, ended)
+        self.span.set_attributes({"resnet.device": slowest.device, "resnet.images": len(self.outputs),
+                                  "resnet.temperature": slowest.temperature, "resnet.top_k": len(slowest.top_k),
+                                  "resnet.weights.version": slowest.weights_version})
 
-    def _child(self, name: str, start: int, end: int, attributes: dict[str, Any] | None = None,
+    def _child(self, parent: Context, name: str, start: int, end: int, attributes: dict[str, Any] | None = None,
                linked: SpanContext | None = None) -> Span:
         from opentelemetry import trace
 
         links = [trace.Link(linked, {"resnet.link": "same batch"})] if linked is not None else None
-        child = self.tracer.start_span(name, trace.set_span_in_context(self.span), start_time=start,
-                                       attributes=attributes, links=links)
+        child = self.tracer.start_span(name, parent, start_time=start, attributes=attributes, links=links)
         child.end(end)
         return child
+
+
+def _in_context(span: Span) -> Context:
+    from opentelemetry import trace
+
+    return trace.set_span_in_context(span)
 
 
 class BatchAnchors:
