@@ -114,10 +114,15 @@ check_tracing() {
     echo "no $JAEGER_IMAGE here (no registry): tests/container/otlp_receiver.py stands in for it"
     files+=(-f tests/container/otlp-stand-in.yml) stand_in=1
   fi
-  RESNET_SERVER_OTLP_ENDPOINT=jaeger:4317 "${files[@]}" --profile tracing up -d --no-build --pull never --wait \
-    --wait-timeout 900 --scale server=2 server jaeger >/dev/null
-  "${files[@]}" restart gateway >/dev/null  # nginx resolves the recreated servers at its start
-  "${files[@]}" up -d --no-build --pull never --wait --wait-timeout 300 gateway >/dev/null
+  # The checked stack goes first: with vfs storage every container is a whole copy of its image, and two servers
+  # beside two more (one recreated, the stand-in) filled the CI machine's disk.
+  "${compose[@]}" down >/dev/null 2>&1 || true
+  if ! RESNET_SERVER_OTLP_ENDPOINT=jaeger:4317 "${files[@]}" --profile tracing up -d --no-build --pull never \
+      --wait --wait-timeout 900 server gateway jaeger; then
+    "${files[@]}" logs --tail 30 server jaeger >&2 || true
+    echo "FAILED: docker compose --profile tracing up" >&2
+    return 1
+  fi
   printed=$("${PYTHON:-python3}" -m resnet_client.cli --server "127.0.0.1:$GATEWAY_PORT" classify \
     docs/samples/gradient.jpg --trace)
   trace_id=$(grep -o 'trace [0-9a-f]\{32\}' <<<"$printed" | cut -d' ' -f2 || true)
