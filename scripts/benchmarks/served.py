@@ -1,9 +1,11 @@
 """A ``resnet-server`` that a benchmark of this folder starts on 127.0.0.1 and stops (SIGTERM, by PID): started
-with the flags given, ready once it logs that it serves, and its first front-end's CPU time read from /proc.
+with the flags given, ready once it logs that it serves, its first front-end's CPU time read from /proc, and
+``resnet-client bench`` points against it.
 A module of the benchmarks that run whole servers (tracing_cost.py, shared_memory_cost.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -31,6 +33,14 @@ class ServedProcess:
     def frontend_cpu_seconds(self) -> float:
         fields = Path(f"/proc/{self.frontend}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def bench(self, duration: float, *flags: str) -> dict:
+        """One ``resnet-client bench --json`` point against this server, its flags after ``bench``."""
+        done = subprocess.run(
+            [sys.executable, "-m", "resnet_client.cli", "--server", f"127.0.0.1:{self.port}", "bench", "--duration",
+             str(duration), "--warmup", "1", "--json", "--quiet", *flags], capture_output=True, text=True, check=True,
+            timeout=duration * 4 + 120)
+        return json.loads(done.stdout.splitlines()[-1])
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)

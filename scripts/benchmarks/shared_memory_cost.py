@@ -21,11 +21,11 @@ Usage: python scripts/benchmarks/shared_memory_cost.py [--concurrency 16] [--dur
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import re
 import statistics
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -38,6 +38,7 @@ INPUTS = ("fp32", "uint8")
 FRONTEND_REQUESTS = re.compile(r'^resnet_requests_total\{code="OK",device="cpu",worker="0"\} (\S+)$', re.M)
 
 
+@functools.cache  # loaded once, not once a measurement
 def _perf_analyzer():
     spec = importlib.util.spec_from_file_location("perf_analyzer", SCRIPTS / "perf_analyzer.py")
     assert spec is not None and spec.loader is not None
@@ -53,21 +54,20 @@ def counters(server: ServedProcess) -> tuple[float, float]:
     return server.frontend_cpu_seconds(), float(requests.group(1) if requests else 0)
 
 
-def perf_analyzer_load(input_kind: str, by_reference: bool, concurrency: int, duration: float) -> float:
+def perf_analyzer_load(server: ServedProcess, input_kind: str, by_reference: bool, concurrency: int,
+                       duration: float) -> float:
     """requests/s perf_analyzer reports over its first three windows."""
-    figures = _perf_analyzer().run(f"127.0.0.1:{PORT}", concurrency, window_ms=int(duration * 1000 / 3),
+    figures = _perf_analyzer().run(f"127.0.0.1:{server.port}", concurrency, window_ms=int(duration * 1000 / 3),
                                    first_windows=True, input_kind=input_kind,
                                    shared_memory="system" if by_reference else "none")
     return float(figures["throughput"])
 
 
-def bench_load(input_kind: str, by_reference: bool, concurrency: int, duration: float) -> float:
-    done = subprocess.run(
-        [sys.executable, "-m", "resnet_client.cli", "--server", f"127.0.0.1:{PORT}", "bench", "--input", input_kind,
-         "--image-size", "224x224", "--concurrency", str(concurrency), "--duration", str(duration), "--warmup", "1",
-         "--json", "--quiet", "--metrics", "", *(["--shared-memory", "system"] if by_reference else [])],
-        capture_output=True, text=True, check=True, timeout=duration * 4 + 120)
-    return float(json.loads(done.stdout.splitlines()[-1])["requests_per_s"])
+def bench_load(server: ServedProcess, input_kind: str, by_reference: bool, concurrency: int,
+               duration: float) -> float:
+    point = server.bench(duration, "--input", input_kind, "--image-size", "224x224", "--concurrency",
+                         str(concurrency), "--metrics", "", *(["--shared-memory", "system"] if by_reference else []))
+    return float(point["requests_per_s"])
 
 
 LOADS = {"perf_analyzer": perf_analyzer_load, "bench": bench_load}
@@ -77,7 +77,7 @@ def measure(server: ServedProcess, load: str, input_kind: str, by_reference: boo
             duration: float) -> tuple[float, float]:
     """requests/s, and the front-end's CPU milliseconds a request."""
     cpu_before, requests_before = counters(server)
-    rate = LOADS[load](input_kind, by_reference, concurrency, duration)
+    rate = LOADS[load](server, input_kind, by_reference, concurrency, duration)
     cpu_after, requests_after = counters(server)
     return rate, 1000 * (cpu_after - cpu_before) / max(requests_after - requests_before, 1)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -52,11 +51,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
 def measure(server: ServedProcess, concurrency: int, duration: float) -> tuple[float, float]:
     """images/s, and the front-end's CPU seconds a call, over one bench window."""
     before = server.frontend_cpu_seconds()
-    done = subprocess.run(
-        [sys.executable, "-m", "resnet_client.cli", "--server", f"127.0.0.1:{server.port}", "bench", "--input",
-         "uint8", "--image-size", "224x224", "--concurrency", str(concurrency), "--duration", str(duration),
-         "--warmup", "1", "--json"], capture_output=True, text=True, check=True, timeout=duration * 4 + 120)
-    point = json.loads(done.stdout.splitlines()[-1])
+    point = server.bench(duration, "--input", "uint8", "--image-size", "224x224", "--concurrency", str(concurrency))
     calls = point["requests_per_s"] * duration
     return point["images_per_s"], (server.frontend_cpu_seconds() - before) / max(calls, 1)
 

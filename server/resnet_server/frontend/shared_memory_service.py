@@ -19,10 +19,9 @@ from resnet_client.api import grpc_predict_v2_pb2 as oip
 from resnet_server.common.errors import InvalidInput, NotFound, PermissionDenied, Unimplemented
 from resnet_server.common.sections import FrontendConfig
 from resnet_server.common.shared_regions import RegionLimits, RegionSpec, RegionTable
-from resnet_server.frontend.infer_parameters import RegionReference
 from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.security import presented_token
-from resnet_server.frontend.shared_memory import OpenRegions, Region, RegionBytes, open_region
+from resnet_server.frontend.shared_memory import OpenRegions, Region, open_region
 
 Metadata = Iterable[tuple[str, str | bytes]] | None
 
@@ -78,11 +77,6 @@ class SharedMemoryService:
             self.regions.close(self._alone.remove(owner, request.name))
         else:
             await self._control.unregister_region(owner, request.name)
-
-    def tensor_bytes(self, reference: RegionReference, owner: str, float32: bool = False) -> RegionBytes:
-        """The bytes a tensor's reference names, in a region of its caller's (``float32``: values checked as they
-        are read)."""
-        return self.region(reference.region, owner).part(reference.offset, reference.byte_size, float32)
 
     def region(self, name: str, owner: str) -> Region:
         self._check_allowed()
