@@ -1,5 +1,5 @@
 """Reading a request with its pixels left in place (server.wire) means what protobuf's own parse means, to the
-byte: ClassifyRequest and the Open Inference Protocol's ModelInferRequest."""
+byte: ClassifyRequest and the Open Inference Protocol's ModelInferRequest and RepositoryModelLoadRequest."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 from resnet_server.common.preprocess import EncodedImage, RawImage
 from resnet_server.frontend.classify_request import image_input, read_classify_request
 from resnet_server.frontend.oip_service import read_infer_request
+from resnet_server.frontend.repository_service import read_load_request
 from tests.helpers import encode, random_rgb
 
 PIXELS = bytes(range(256)) * 588  # 150,528 bytes: a uint8 224x224x3 image
@@ -178,3 +179,50 @@ def test_an_infer_request_that_is_no_protobuf_is_invalid_argument_alone_and_in_a
         assert [answer.error_message for answer in answers] == [f"[INVALID_ARGUMENT] {expected}", ""]
         assert answers[1].infer_response.id == "seven" and answers[1].infer_response.outputs[0].shape == [1, 1000]
         assert oip_grpc.GRPCInferenceServiceStub(channel).ServerLive(oip.ServerLiveRequest(), timeout=30).live
+
+
+WEIGHTS = bytes(range(256)) * 4096  # a file of weights tritonclient's load_model(files=...) sends
+
+
+def load_request(**files: bytes) -> oip.RepositoryModelLoadRequest:
+    parameter = oip.ModelRepositoryParameter
+    return oip.RepositoryModelLoadRequest(model_name="resnet18", parameters={
+        "config": parameter(string_param="{}"), **{f"file:{name}": parameter(bytes_param=data)
+                                                    for name, data in files.items()}})
+
+
+LOAD_WIRE = {
+    "a file and a config": serialized(load_request(**{"1/model.pt": WEIGHTS})),
+    "no file": serialized(load_request()),
+    "two files, unknown fields between": (unknown_fields() + serialized(load_request(a=b"first", b=WEIGHTS))
+                                          + unknown_fields()),
+    "an empty file": serialized(load_request(empty=b"")),
+    "a group (left to protobuf)": key(9, 3) + key(9, 4) + serialized(load_request(**{"1/model.pt": b"weights"})),
+}
+
+
+@pytest.mark.parametrize("name", list(LOAD_WIRE))
+def test_the_load_reader_reads_what_protobuf_reads(name):
+    wire = LOAD_WIRE[name]
+    expected = oip.RepositoryModelLoadRequest.FromString(wire)
+    read = read_load_request(wire)
+    files = {key: value.bytes_param for key, value in expected.parameters.items() if key.startswith("file:")}
+    assert {key: bytes(data) for key, data in read.files} == files
+    for key in files:
+        del expected.parameters[key]
+    assert read.message == expected and read.unreadable is None
+
+
+def test_a_sent_file_stays_in_the_request_bytes():
+    wire = serialized(load_request(**{"1/model.pt": WEIGHTS}))
+    ((name, data),) = read_load_request(wire).files
+    assert name == "file:1/model.pt" and isinstance(data, memoryview) and data.obj is wire and data == WEIGHTS
+
+
+def test_a_load_request_that_is_no_protobuf_is_unreadable_as_protobuf_finds_it():
+    wire = serialized(load_request(**{"1/model.pt": b"weights"}))[:-1]
+    with pytest.raises(DecodeError) as caught:
+        oip.RepositoryModelLoadRequest.FromString(wire)
+    read = read_load_request(wire)
+    assert read.files == []
+    assert read.unreadable == f"the request is not an inference.RepositoryModelLoadRequest: {caught.value}"

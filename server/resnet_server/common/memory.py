@@ -49,6 +49,17 @@ def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
     return all(mallopt(parameter, value) == 1 for parameter, value in SETTINGS)
 
 
+def give_back_freed_memory() -> bool:
+    """Return the heap's free memory to the kernel now (glibc's ``malloc_trim``): after a rare large request
+    whose buffers the heap would otherwise keep for good. True if it gave any back."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim(0) == 1
+
+
 def malloc_set_by_operator(environ: Mapping[str, str]) -> bool:
     tunables = environ.get("GLIBC_TUNABLES", "")
     return any(name in environ for name in OPERATOR_VARIABLES) or any(name in tunables for name in OPERATOR_TUNABLES)

@@ -15,18 +15,90 @@ import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 from google.protobuf import json_format
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from resnet_client.api import grpc_predict_v2_pb2 as oip
 from resnet_client.api import model_config_pb2 as mc
 from resnet_server.common.errors import InvalidInput, NotFound, PermissionDenied
+from resnet_server.common.memory import give_back_freed_memory
 from resnet_server.common.model import WeightsError, check_weights_file
 from resnet_server.common.threads import in_the_background
 from resnet_server.frontend.model_control import ModelControl
+from resnet_server.frontend.wire import (
+    LENGTH_DELIMITED,
+    MOST_OTHER_FIELDS,
+    TooMany,
+    Unreadable,
+    WireError,
+    fields,
+    parse_whole,
+    pull_out,
+)
 
 FILE_PREFIX = "file:"  # a parameter holding a file's bytes, as tritonclient's load_model(files=...) sends it
+_PARAMETERS = 3  # RepositoryModelLoadRequest.parameters: map entries, each a key (1) and a value (2)
+_ENTRY_VALUE = 2
+_BYTES_PARAM = 4  # ModelRepositoryParameter.bytes_param
+
+
+class LoadRequest(NamedTuple):
+    """A RepositoryModelLoadRequest without the files it carries, and those apart: (key, memoryview of the bytes
+    gRPC received). A file of weights is tens of MB: protobuf's parse and reading its field would copy it twice
+    more, all held while every engine loads it. ``unreadable``: why it is refused unread."""
+
+    message: oip.RepositoryModelLoadRequest
+    files: list[tuple[str, memoryview]]
+    unreadable: str | None = None
+
+
+def read_load_request(data: bytes) -> LoadRequest:
+    """gRPC's request deserializer for RepositoryModelLoad (server.frontend.wire walks it)."""
+    try:
+        return _split_files(memoryview(data))
+    except WireError as exc:
+        walk_error = exc
+    try:
+        message = parse_whole(oip.RepositoryModelLoadRequest, data, walk_error)
+    except Unreadable as exc:
+        return LoadRequest(oip.RepositoryModelLoadRequest(), [], str(exc))
+    files = [(key, memoryview(value.bytes_param)) for key, value in message.parameters.items()
+             if key.startswith(FILE_PREFIX)]
+    for key, _ in files:
+        del message.parameters[key]
+    return LoadRequest(message, files)
+
+
+def _split_files(view: memoryview) -> LoadRequest:
+    others, other_count, files = bytearray(), 0, []
+    for field, wire_type, key_at, start, end in fields(view, 0, len(view)):
+        if field == _PARAMETERS and wire_type == LENGTH_DELIMITED and (file := _file(view[start:end])) is not None:
+            files.append(file)
+            continue
+        other_count += 1
+        if other_count > MOST_OTHER_FIELDS:
+            raise WireError(f"more than {MOST_OTHER_FIELDS} fields besides the files")
+        others += view[key_at:end]
+    try:
+        return LoadRequest(oip.RepositoryModelLoadRequest.FromString(bytes(others)), files)
+    except DecodeError as exc:
+        raise WireError(str(exc)) from None
+
+
+def _file(entry_view: memoryview) -> tuple[str, memoryview] | None:
+    """A parameters entry's key and its bytes_param, where the key names a file; None for any other entry."""
+    try:
+        entry, values = pull_out(oip.RepositoryModelLoadRequest.ParametersEntry, entry_view, 0, len(entry_view),
+                                 _ENTRY_VALUE, 1)
+        if not entry.key.startswith(FILE_PREFIX):
+            return None
+        value = values[0] if values else memoryview(b"")
+        _, contents = pull_out(oip.ModelRepositoryParameter, value, 0, len(value), _BYTES_PARAM, 1)
+    except TooMany as exc:  # a field given twice: protobuf's own parse says what it means
+        raise WireError("a parameter's field given twice") from exc
+    return entry.key, contents[0] if contents else memoryview(b"")
 
 
 class RepositoryService:
@@ -50,13 +122,17 @@ class RepositoryService:
             oip.RepositoryIndexResponse.ModelIndex(name=name, version=str(served.version), state=state, reason=reason)
             for name in self.names])
 
-    async def load(self, request: oip.RepositoryModelLoadRequest, configs: dict[str, mc.ModelConfig]
-                   ) -> oip.RepositoryModelLoadResponse:
+    async def load(self, request: LoadRequest, configs: dict[str, mc.ModelConfig]) -> oip.RepositoryModelLoadResponse:
         self._allowed()
-        self._known(request.model_name)
-        if (served := configs.get(request.model_name)) is not None:  # none until the model has loaded once
-            _check_config(request, served)
-        path = await self._received_weights(request)
+        if request.unreadable is not None:
+            raise InvalidInput(request.unreadable)
+        self._known(request.message.model_name)
+        if (served := configs.get(request.message.model_name)) is not None:  # none until the model has loaded once
+            _check_config(request.message, served)
+        try:
+            path = await self._received_weights(request.files)
+        finally:  # gRPC's copies of the file, freed as it was received (its own bytes stay until the answer)
+            give_back_freed_memory()
         await self.control.load(str(path) if path is not None else None)
         return oip.RepositoryModelLoadResponse()
 
@@ -75,10 +151,9 @@ class RepositoryService:
         if name not in self.names:
             raise NotFound(f"unknown model {name!r}; this server serves {' and '.join(map(repr, self.names))}")
 
-    async def _received_weights(self, request: oip.RepositoryModelLoadRequest) -> Path | None:
+    async def _received_weights(self, files: list[tuple[str, memoryview]]) -> Path | None:
         """The file of weights the request carries, written where the engines read it and checked; None if it
         carries none (reload from --weights)."""
-        files = [(key, value.bytes_param) for key, value in request.parameters.items() if key.startswith(FILE_PREFIX)]
         if not files:
             return None
         if len(files) > 1:
@@ -104,7 +179,7 @@ class RepositoryService:
         return path
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def _write_private(path: Path, data: memoryview) -> None:
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(descriptor, "wb") as file:
         file.write(data)

@@ -38,7 +38,7 @@ from resnet_server.frontend.core import InferenceCore, Limits
 from resnet_server.frontend.engine_client import EngineClient
 from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.oip_service import DECLARED_INPUTS, InferenceService, read_infer_request
-from resnet_server.frontend.repository_service import RepositoryService
+from resnet_server.frontend.repository_service import RepositoryService, read_load_request
 from resnet_server.frontend.router import EngineHandle, Router
 from resnet_server.frontend.security import TokenAuthInterceptor, load_tokens, server_credentials
 from resnet_server.frontend.shared_memory_service import SharedMemoryService
@@ -135,7 +135,8 @@ class App:
         add_servicer(pb_grpc.add_ClassifierServicer_to_server, self.classifier, self._server,
                      {"Classify": read_classify, "ClassifyStream": read_classify})
         add_servicer(oip_grpc.add_GRPCInferenceServiceServicer_to_server, self.inference, self._server,
-                     {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request})
+                     {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request},
+                     rare={"RepositoryModelLoad": read_load_request})
         add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.health, self._server)
         add_servicer(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflection.aio.ReflectionServicer(  # type: ignore[attr-defined]  # as health.aio
             (*SERVICE_NAMES, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), self._server)
@@ -308,15 +309,17 @@ class _Handlers:
 
 
 def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Server,
-                 deserializers: dict[str, Callable[[bytes], object]] | None = None) -> None:
+                 deserializers: dict[str, Callable[[bytes], object]] | None = None,
+                 rare: dict[str, Callable[[bytes], object]] | None = None) -> None:
     """``add_to_server(servicer, server)`` (the generated one), with the methods of ``deserializers`` (those that
     carry pixels) registered with gRPC and their requests read by it instead of protobuf's parse; the others only
-    in a generic handler. gRPC's server loop waits on one future per registered method for every call it takes,
-    so a registered method nobody calls costs every call."""
+    in a generic handler, ``rare`` ones read by the reader given. gRPC's server loop waits on one future per
+    registered method for every call it takes, so a registered method nobody calls costs every call."""
     deserializers = deserializers or {}
+    readers = {**(rare or {}), **deserializers}
     generated = _Handlers()
     add_to_server(servicer, generated)
-    handlers = {name: handler._replace(request_deserializer=deserializers[name]) if name in deserializers else handler
+    handlers = {name: handler._replace(request_deserializer=readers[name]) if name in readers else handler
                 for name, handler in generated.handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generated.service, handlers),))
     # grpcio 1.62's API, newer than grpc-stubs.
