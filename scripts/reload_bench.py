@@ -2,22 +2,26 @@
 
 Starts its own resnet-server on 127.0.0.1 (``--model-control explicit``), has ``--callers`` threads call it with
 tritonclient's ModelInfer (one 224x224 uint8 image a call) for ``--duration`` seconds, and meanwhile loads
-``--reloads`` times, alternating two seeded weight files sent with ``load_model(..., files=...)``. Reports:
+``--reloads`` times, alternating two seeded weight files sent with ``load_model(..., files=...)`` (or, with
+``--from-path``, put in place of the server's ``--weights`` file and reloaded from there). Reports:
 answers by status code (all must be OK), answers whose probabilities are not those of the version they name
 (within 1e-5 of torchvision's; must be 0), p99 latency of calls that overlapped a reload (from a second before
 it to a second after) against the steady p99 (target: at most 2x), the RSS of all the server's processes during
-reloads against their steady RSS (target: at most two copies of the weights file more), and each load call's
-time. Stops the server (SIGTERM, by its PID) at the end; exit 1 if a target is missed.
+reloads against their steady RSS (target: at most two copies of the weights file more) and each process's rise,
+and each load call's time. Stops the server (SIGTERM, by its PID) at the end; exit 1 if a target is missed.
 
 Usage: python scripts/reload_bench.py [--duration 60] [--callers 16] [--reloads 5] [--compile] [--device cpu]
-       [--json FILE]
+       [--from-path] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,32 +54,37 @@ def weights_file(folder: Path, seed: int) -> tuple[Path, np.ndarray]:
     return path, torch.softmax(logits, 0).numpy()
 
 
-def start_server(weights: Path, extra: list[str]) -> subprocess.Popen:
+def start_server(weights: Path, extra: list[str]) -> tuple[subprocess.Popen, dict[int, str]]:
+    """The server, serving, and its processes' names by PID (as its log says it started them)."""
     server = subprocess.Popen(
         [sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", str(PORT), "--metrics-port", "0",
          "--weights", str(weights), "--model-control", "explicit", *extra],
         stderr=subprocess.PIPE, text=True)
     assert server.stderr is not None
+    names = {server.pid: "supervisor"}
     for line in server.stderr:
+        if started := re.search(r"started (\S+) \(pid (\d+)\)", line):
+            names[int(started[2])] = started[1]
         if "serving resnet18 on" in line:
             threading.Thread(target=server.stderr.read, daemon=True).start()  # keep the pipe drained
-            return server
+            return server, names
     raise SystemExit(f"the server exited before serving (code {server.wait()})")
 
 
-def rss_bytes(pid: int) -> int:
-    """The RSS of ``pid`` and every process under it."""
-    total, pending = 0, [pid]
+def rss_by_process(pid: int) -> dict[int, int]:
+    """The RSS of ``pid`` and of every process under it, by PID."""
+    found, pending = {}, [pid]
     while pending:
         current = pending.pop()
         try:
             status = Path(f"/proc/{current}/status").read_text()
-            total += int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) * 1024
+            found[current] = int(next(line for line in status.splitlines()
+                                      if line.startswith("VmRSS")).split()[1]) * 1024
             pending += [int(child) for task in Path(f"/proc/{current}/task").iterdir()
                         for child in (task / "children").read_text().split()]
         except (FileNotFoundError, ProcessLookupError, StopIteration):
             continue  # it ended meanwhile
-    return total
+    return found
 
 
 class Load:
@@ -84,7 +93,7 @@ class Load:
     def __init__(self, callers: int, references: dict[str, np.ndarray], server_pid: int, tolerance: float) -> None:
         self.references, self.tolerance = references, tolerance
         self.calls: list[tuple[float, float, str]] = []  # (start, end, status code or "WRONG" or "OK")
-        self.rss: list[tuple[float, int]] = []
+        self.rss: list[tuple[float, dict[int, int]]] = []  # (when, RSS by PID)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._call, daemon=True) for _ in range(callers)]
@@ -109,8 +118,8 @@ class Load:
                 self.calls.append((start, time.monotonic(), code))
 
     def _sample(self, pid: int) -> None:
-        while not self._stop.wait(0.2):
-            self.rss.append((time.monotonic(), rss_bytes(pid)))
+        while not self._stop.wait(0.05):  # often enough to see a file's receive, which takes a few tenths
+            self.rss.append((time.monotonic(), rss_by_process(pid)))
 
     def stop(self) -> None:
         self._stop.set()
@@ -122,7 +131,7 @@ def p99(latencies: list[float]) -> float:
     return float(np.percentile(latencies, 99)) if latencies else float("nan")
 
 
-def summarise(load: Load, reloads: list[tuple[float, float]], file_bytes: int) -> dict:
+def summarise(load: Load, reloads: list[tuple[float, float]], file_bytes: int, names: dict[int, str]) -> dict:
     def near_a_reload(start: float, end: float) -> bool:
         return any(start <= until + 1 and end >= since - 1 for since, until in reloads)
 
@@ -131,14 +140,38 @@ def summarise(load: Load, reloads: list[tuple[float, float]], file_bytes: int) -
         codes[code] = codes.get(code, 0) + 1
     steady = [end - start for start, end, code in load.calls if code == "OK" and not near_a_reload(start, end)]
     around = [end - start for start, end, code in load.calls if code == "OK" and near_a_reload(start, end)]
-    steady_rss = [rss for when, rss in load.rss if not near_a_reload(when, when)]
-    reload_rss = [rss for when, rss in load.rss if near_a_reload(when, when)]
+    steady_rss = [sum(rss.values()) for when, rss in load.rss if not near_a_reload(when, when)]
+    reload_rss = [sum(rss.values()) for when, rss in load.rss if near_a_reload(when, when)]
     return {
         "codes": codes, "steady_p99_s": p99(steady), "around_swap_p99_s": p99(around),
         "p99_ratio": p99(around) / p99(steady), "load_call_s": [round(until - since, 3) for since, until in reloads],
         "steady_rss_mb": float(np.median(steady_rss)) / 2**20, "reload_rss_max_mb": max(reload_rss) / 2**20,
         "rss_allowance_mb": 2 * file_bytes / 2**20,
+        "reload_rss_rise_by_process_mb": rises_by_process(load.rss, near_a_reload, names),
     }
+
+
+def rises_by_process(samples: list[tuple[float, dict[int, int]]], near_a_reload, names: dict[int, str]
+                     ) -> dict[str, float]:
+    """Each process's largest RSS around reloads less its own steady median, by its name."""
+    rises = {}
+    for pid in {pid for _, rss in samples for pid in rss}:
+        steady = [rss[pid] for when, rss in samples if pid in rss and not near_a_reload(when, when)]
+        around = [rss[pid] for when, rss in samples if pid in rss and near_a_reload(when, when)]
+        if steady and around:
+            rises[names.get(pid, f"pid {pid}")] = round((max(around) - float(np.median(steady))) / 2**20, 1)
+    return dict(sorted(rises.items(), key=lambda item: -item[1]))
+
+
+def load_weights(triton: tc.InferenceServerClient, weights: Path, served: Path | None) -> None:
+    """Load ``weights``: sent with the call, or (``served``) put where --weights names and reloaded from there."""
+    if served is None:
+        triton.load_model("resnet18", files={"file:1/weights.pt": weights.read_bytes()})
+        return
+    staging = served.with_suffix(".new")
+    shutil.copyfile(weights, staging)
+    os.replace(staging, served)
+    triton.load_model("resnet18")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=1e-5,
                         help="largest difference from torchvision's fp32 probabilities (default 1e-5; fp16 on a GPU "
                              "needs about 1e-3)")
+    parser.add_argument("--from-path", action="store_true",
+                        help="reload from the server's --weights file, rewritten before each load (as SIGHUP after a "
+                             "volume's update does), instead of sending the file")
     parser.add_argument("--json", metavar="FILE", help="also write the results here")
     args = parser.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="reload-bench-"))
@@ -161,10 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     compiled = ["--compile", "--compile-cache", str(folder / "inductor")] if args.compile else []
     extra = ["--device", args.device, *shlex.split(args.server_flags), *compiled]
     if args.compile:  # a first start fills the cache, as a deployment's earlier start would have
-        warming = start_server(first, extra)
+        warming, _ = start_server(first, extra)
         warming.send_signal(signal.SIGTERM)
         warming.wait(120)
-    server = start_server(first, extra)
+    served = folder / "served.pt"  # --weights, rewritten before each load with --from-path
+    shutil.copyfile(first, served)
+    server, names = start_server(served, extra)
     files = [second, first]
     references = {str(version): (first_reference, second_reference)[(version - 1) % 2]
                   for version in range(1, args.reloads + 2)}
@@ -176,15 +214,16 @@ def main(argv: list[str] | None = None) -> int:
         for index in range(args.reloads):
             time.sleep(pause)
             since = time.monotonic()
-            triton.load_model("resnet18", files={"file:1/weights.pt": files[index % 2].read_bytes()})
+            load_weights(triton, files[index % 2], served if args.from_path else None)
             reloads.append((since, time.monotonic()))
         time.sleep(pause)
     finally:
         load.stop()
         server.send_signal(signal.SIGTERM)
         server.wait(120)
-    results = summarise(load, reloads, first.stat().st_size)
-    results.update(device=args.device, compile=args.compile, callers=args.callers, duration_s=args.duration)
+    results = summarise(load, reloads, first.stat().st_size, names)
+    results.update(device=args.device, compile=args.compile, callers=args.callers, duration_s=args.duration,
+                   sent="path" if args.from_path else "files")
     print(json.dumps(results, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

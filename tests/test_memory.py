@@ -111,3 +111,44 @@ def test_the_operators_own_settings_stand():
 ])
 def test_which_settings_are_the_operators(environ, set_by_operator):
     assert malloc_set_by_operator(environ) is set_by_operator
+
+
+# What a front-end does with a file of weights a client sends: one block of 40 MB (the request's bytes) and 40 MB
+# in small blocks (gRPC's), each freed in turn; prints the RSS (MB) at each step, in a fresh process whose malloc
+# the server package set.
+FRONTEND_PROBE = """
+import json, sys
+import resnet_server  # keeps freed memory
+from resnet_server.common.memory import give_back_freed_memory, map_huge_blocks
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024
+mapped = map_huge_blocks() if sys.argv[1] == "frontend" else False
+steps = {"start": rss()}
+block = bytearray(40 << 20)
+steps["block"] = rss()
+del block
+steps["block freed"] = rss()
+small = [bytearray(16 << 10) for _ in range(2560)]
+steps["small"] = rss()
+del small
+steps["small freed"] = rss()
+give_back_freed_memory()
+steps["given back"] = rss()
+print(json.dumps({"mapped": mapped, **steps}))
+"""
+
+
+def _frontend_probe(mode: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", FRONTEND_PROBE, mode], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_front_end_hands_back_a_huge_block_when_freed_and_small_ones_when_told():
+    front_end, engine = _frontend_probe("frontend"), _frontend_probe("engine")
+    assert front_end["mapped"] is True and front_end["block"] - front_end["start"] >= 39
+    assert front_end["block freed"] - front_end["start"] <= 2, front_end  # mapped on its own: unmapped when freed
+    assert engine["block freed"] - engine["start"] >= 39, engine  # the heap keeps it (keep_freed_memory)
+    for steps in (front_end, engine):
+        assert steps["small freed"] - steps["start"] >= 38, steps  # the heap keeps freed small blocks ...
+        assert steps["given back"] - steps["start"] <= 4, steps  # ... until give_back_freed_memory

@@ -25,9 +25,12 @@ import os
 from collections.abc import Mapping
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
+M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 TRIM_THRESHOLD = 1024 * 1024 * 1024  # free memory at the heap's top is kept up to this much
+HUGE_BLOCK = 32 * 1024 * 1024  # glibc's largest mmap threshold
+MMAP_MAX_DEFAULT = 65536  # glibc's own default for M_MMAP_MAX
 SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 # glibc's own ways to set the same parameters, at process start: where any is set, the operator's malloc stands.
@@ -47,6 +50,21 @@ def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all(mallopt(parameter, value) == 1 for parameter, value in SETTINGS)
+
+
+def map_huge_blocks(environ: Mapping[str, str] = os.environ) -> bool:
+    """Let blocks of HUGE_BLOCK or more have mappings of their own again, returned to the kernel when freed (a
+    front-end's only such blocks are a file of weights a client sends, and gRPC's copies of it); smaller blocks
+    still come from the heap as keep_freed_memory set. True if it took."""
+    if malloc_set_by_operator(environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return all(mallopt(parameter, value) == 1 for parameter, value in ((M_MMAP_THRESHOLD, HUGE_BLOCK),
+                                                                       (M_MMAP_MAX, MMAP_MAX_DEFAULT)))
 
 
 def give_back_freed_memory() -> bool:

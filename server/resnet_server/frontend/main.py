@@ -7,6 +7,7 @@ from multiprocessing.connection import Connection
 from resnet_server.boundary.protocol import EngineLink
 from resnet_server.common.lifetime import die_with_supervisor, report_stopped
 from resnet_server.common.logs import configure_logging
+from resnet_server.common.memory import map_huge_blocks
 from resnet_server.common.metrics import Metrics, serve_child_metrics
 from resnet_server.common.model import ServedWeights
 from resnet_server.common.sections import FrontendConfig
@@ -26,6 +27,7 @@ def frontend_main(config: FrontendConfig, index: int, engines: list[EngineLink],
     Triton's trace settings as set while serving; ``regions``: the clients' shared-memory regions registered now."""
     reports, orders = pipes
     die_with_supervisor()
+    map_huge_blocks()
     configure_logging(config.observability.log_level, config.observability.log_format)
     metrics = Metrics(config.largest_batch, statistics)
     if with_metrics:
