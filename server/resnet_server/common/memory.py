@@ -42,20 +42,18 @@ OPERATOR_TUNABLES = ("glibc.malloc.arena_max", "glibc.malloc.mmap_max", "glibc.m
 def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
     """Set this process's malloc to one arena, no block mapped on its own, the heap not trimmed below 1 GB;
     True if it took."""
-    if malloc_set_by_operator(environ):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return all(mallopt(parameter, value) == 1 for parameter, value in SETTINGS)
+    return _set_malloc(SETTINGS, environ)
 
 
 def map_huge_blocks(environ: Mapping[str, str] = os.environ) -> bool:
     """Let blocks of HUGE_BLOCK or more have mappings of their own again, returned to the kernel when freed (a
     front-end's only such blocks are a file of weights a client sends, and gRPC's copies of it); smaller blocks
     still come from the heap as keep_freed_memory set. True if it took."""
+    return _set_malloc(((M_MMAP_THRESHOLD, HUGE_BLOCK), (M_MMAP_MAX, MMAP_MAX_DEFAULT)), environ)
+
+
+def _set_malloc(settings: tuple[tuple[int, int], ...], environ: Mapping[str, str]) -> bool:
+    """``mallopt`` each (parameter, value), unless the operator set malloc; True if all took."""
     if malloc_set_by_operator(environ):
         return False
     try:
@@ -63,8 +61,7 @@ def map_huge_blocks(environ: Mapping[str, str] = os.environ) -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return all(mallopt(parameter, value) == 1 for parameter, value in ((M_MMAP_THRESHOLD, HUGE_BLOCK),
-                                                                       (M_MMAP_MAX, MMAP_MAX_DEFAULT)))
+    return all(mallopt(parameter, value) == 1 for parameter, value in settings)
 
 
 def give_back_freed_memory() -> bool:
