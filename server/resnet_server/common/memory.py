@@ -11,6 +11,10 @@ So the process keeps one arena, the main one, which grows in one piece (brk) wit
 get their own mapping, however large; and the heap's top is trimmed only past 1 GB: no faults, a smaller process,
 and serving level with per-thread arenas.
 
+A front-end runs no forward pass; it lets blocks of 32 MB or more be mapped on their own again (map_huge_blocks):
+its only such blocks are a file of weights a client sends and gRPC's copies of it, which then go back to the
+kernel when freed instead of staying in its heap.
+
 glibc only: ``mallopt`` elsewhere (musl) does nothing or is missing, and this then reports False. Set before any
 thread starts (the server package does it when imported): a thread that has allocated already keeps its arena.
 An operator who tunes any of these with glibc's own settings (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_MAX_``,
