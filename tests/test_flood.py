@@ -30,6 +30,7 @@ from tests.helpers import encode, random_rgb
 
 CLASSIFY = "/resnet.v1.Classifier/Classify"
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+MODEL_LOAD = "/inference.GRPCInferenceService/RepositoryModelLoad"
 MIB = 1 << 20
 # A generous bound for refusing what today takes seconds: the reader walks at most a few hundred fields.
 REFUSED_WITHIN = 0.5
@@ -46,6 +47,12 @@ def bytes_tensor_of_empty_elements(size: int) -> bytes:
     return request.SerializeToString()
 
 
+def tiny_files(size: int) -> bytes:
+    """RepositoryModelLoadRequest.parameters, each entry a file: key "file:" and an empty value."""
+    entry = b"\x0a\x05file:\x12\x00"
+    return (b"\x1a" + bytes([len(entry)]) + entry) * (size // (len(entry) + 2))
+
+
 FLOODS = {
     "Classify: empty images": (CLASSIFY, empty_images(4 * MIB), "request has more than 64 images"),
     "Classify: unknown fields": (CLASSIFY, b"\x78\x00" * (2 * MIB), "more than 64 fields besides field 1"),
@@ -56,6 +63,8 @@ FLOODS = {
     "ModelInfer: empty inputs": (MODEL_INFER, b"\x2a\x00" * (2 * MIB), "more than 64 fields besides field 7"),
     "ModelInfer: a BYTES tensor of empty elements": (MODEL_INFER, bytes_tensor_of_empty_elements(4 * MIB),
                                                      "input declares 1048576 images, over the limit of 64"),
+    # Read before the handler says the repository is closed (the server runs without --model-control explicit).
+    "RepositoryModelLoad: tiny files": (MODEL_LOAD, tiny_files(4 * MIB), "--model-control explicit"),
 }
 
 
@@ -96,7 +105,8 @@ def test_a_flood_is_refused_at_once_while_health_answers_within_a_second(server,
             for _ in range(3):
                 with pytest.raises(grpc.RpcError) as refused:
                     channel.unary_unary(method)(wire, timeout=30)
-                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert refused.value.code() == (grpc.StatusCode.PERMISSION_DENIED if method == MODEL_LOAD
+                                                else grpc.StatusCode.INVALID_ARGUMENT)
                 assert reason in refused.value.details()
         finally:
             stop.set()

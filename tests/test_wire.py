@@ -14,7 +14,8 @@ from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 from resnet_server.common.preprocess import EncodedImage, RawImage
 from resnet_server.frontend.classify_request import image_input, read_classify_request
 from resnet_server.frontend.oip_service import read_infer_request
-from resnet_server.frontend.repository_service import read_load_request
+from resnet_server.frontend.repository_service import MOST_FILES, read_load_request
+from resnet_server.frontend.wire import FALLBACK_BYTES
 from tests.helpers import encode, random_rgb
 
 PIXELS = bytes(range(256)) * 588  # 150,528 bytes: a uint8 224x224x3 image
@@ -226,3 +227,17 @@ def test_a_load_request_that_is_no_protobuf_is_unreadable_as_protobuf_finds_it()
     read = read_load_request(wire)
     assert read.files == []
     assert read.unreadable == f"the request is not an inference.RepositoryModelLoadRequest: {caught.value}"
+
+
+def test_a_flood_of_files_is_not_walked_past_a_few():
+    """Tiny file entries, millions in a message gRPC accepts, would hold the event loop for seconds: the walk stops
+    after MOST_FILES and a request that large is refused unread; a small one is protobuf's to read."""
+    many = {f"{index}/model.pt": b"w" for index in range(MOST_FILES + 1)}
+    read = read_load_request(serialized(load_request(**many)))
+    assert len(read.files) == MOST_FILES + 1 and read.unreadable is None  # protobuf read it: under 1 MiB
+    flood = serialized(load_request(**{str(index): b"" for index in range(120_000)}))
+    assert len(flood) > FALLBACK_BYTES
+    refused = read_load_request(flood)
+    assert refused.files == [] and refused.unreadable == (
+        "the request is not an inference.RepositoryModelLoadRequest as this server reads one (more than "
+        f"{MOST_FILES} files, in {len(flood)} bytes)")

@@ -42,6 +42,7 @@ FILE_PREFIX = "file:"  # a parameter holding a file's bytes, as tritonclient's l
 _PARAMETERS = 3  # RepositoryModelLoadRequest.parameters: map entries, each a key (1) and a value (2)
 _ENTRY_VALUE = 2
 _BYTES_PARAM = 4  # ModelRepositoryParameter.bytes_param
+MOST_FILES = 8  # the walk runs on the event loop: past this many files it stops (one is loaded; more are refused)
 
 
 class LoadRequest(NamedTuple):
@@ -75,6 +76,8 @@ def _split_files(view: memoryview) -> LoadRequest:
     others, other_count, files = bytearray(), 0, []
     for field, wire_type, key_at, start, end in fields(view, 0, len(view)):
         if field == _PARAMETERS and wire_type == LENGTH_DELIMITED and (file := _file(view[start:end])) is not None:
+            if len(files) == MOST_FILES:
+                raise WireError(f"more than {MOST_FILES} files")
             files.append(file)
             continue
         other_count += 1
