@@ -73,7 +73,8 @@ def read_load_request(data: bytes) -> LoadRequest:
 
 
 def _split_files(view: memoryview) -> LoadRequest:
-    others, other_count, files = bytearray(), 0, []
+    others, other_count = bytearray(), 0
+    files: list[tuple[str, memoryview]] = []
     for field, wire_type, key_at, start, end in fields(view, 0, len(view)):
         if field == _PARAMETERS and wire_type == LENGTH_DELIMITED and (file := _file(view[start:end])) is not None:
             if len(files) == MOST_FILES:
