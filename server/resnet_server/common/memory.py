@@ -12,8 +12,8 @@ get their own mapping, however large; and the heap's top is trimmed only past 1 
 and serving level with per-thread arenas.
 
 A front-end runs no forward pass; it lets blocks of 32 MB or more be mapped on their own again (map_huge_blocks):
-its only such blocks are a file of weights a client sends and gRPC's copies of it, which then go back to the
-kernel when freed instead of staying in its heap.
+such blocks are rare there (a file of weights a client sends and gRPC's copies of it; a request of tens of MB),
+and they then go back to the kernel when freed instead of staying in its heap for good.
 
 glibc only: ``mallopt`` elsewhere (musl) does nothing or is missing, and this then reports False. Set before any
 thread starts (the server package does it when imported): a thread that has allocated already keeps its arena.
@@ -51,8 +51,8 @@ def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
 
 def map_huge_blocks(environ: Mapping[str, str] = os.environ) -> bool:
     """Let blocks of HUGE_BLOCK or more have mappings of their own again, returned to the kernel when freed (a
-    front-end's only such blocks are a file of weights a client sends, and gRPC's copies of it); smaller blocks
-    still come from the heap as keep_freed_memory set. True if it took."""
+    front-end's are rare: a file of weights a client sends and gRPC's copies of it, a request of tens of MB);
+    smaller blocks still come from the heap as keep_freed_memory set. True if it took."""
     return _set_malloc(((M_MMAP_THRESHOLD, HUGE_BLOCK), (M_MMAP_MAX, MMAP_MAX_DEFAULT)), environ)
 
 
