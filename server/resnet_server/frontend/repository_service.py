@@ -135,8 +135,9 @@ class RepositoryService:
             _check_config(request.message, served)
         try:
             path = await self._received_weights(request.files)
-        finally:  # gRPC's copies of the file, freed as it was received (its own bytes stay until the answer)
-            give_back_freed_memory()
+        finally:
+            if request.files:  # gRPC's copies of the file, freed as it was received (its bytes stay until answered)
+                give_back_freed_memory()
         await self.control.load(str(path) if path is not None else None)
         return oip.RepositoryModelLoadResponse()
 
