@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
 M_MMAP_THRESHOLD = -3
@@ -58,25 +58,27 @@ def map_huge_blocks(environ: Mapping[str, str] = os.environ) -> bool:
 
 def _set_malloc(settings: tuple[tuple[int, int], ...], environ: Mapping[str, str]) -> bool:
     """``mallopt`` each (parameter, value), unless the operator set malloc; True if all took."""
-    if malloc_set_by_operator(environ):
+    mallopt = _libc("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None or malloc_set_by_operator(environ):
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all(mallopt(parameter, value) == 1 for parameter, value in settings)
 
 
 def give_back_freed_memory() -> bool:
     """Return the heap's free memory to the kernel now (glibc's ``malloc_trim``): after a rare large request
     whose buffers the heap would otherwise keep for good. True if it gave any back."""
+    trim = _libc("malloc_trim", [ctypes.c_size_t])
+    return trim is not None and trim(0) == 1
+
+
+def _libc(name: str, argtypes: list) -> Callable[..., int] | None:
+    """The C library's function ``name`` (returning an int), or None where it has none (not glibc)."""
     try:
-        trim = ctypes.CDLL(None).malloc_trim
+        function = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim(0) == 1
+        return None
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
 
 
 def malloc_set_by_operator(environ: Mapping[str, str]) -> bool:
