@@ -62,13 +62,13 @@ REQUEST = pb.ClassifyRequest(images=[pb.Image(raw=pb.RawTensor(dtype=pb.RawTenso
                                                                data=bytes(224 * 224 * 3)))], top_k=1)
 
 
-def load(target: str, method: str, concurrency: int, duration: float, results) -> None:
-    """One client process: ``concurrency`` calls in flight on one channel; sends how many ended in the window and
-    how many in all."""
+def load(target: str, method: str, concurrency: int, duration: float, results, payload: bytes | None = None) -> None:
+    """One client process: ``concurrency`` calls in flight on one channel, each sending ``payload`` (by default
+    REQUEST); sends how many ended in the window and how many in all."""
     async def main() -> tuple[int, int]:
         async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
             call = channel.unary_unary(method)  # bytes in, bytes out: the same client work for both servers
-            payload = REQUEST.SerializeToString()
+            sent = REQUEST.SerializeToString() if payload is None else payload
             start = time.monotonic() + 1.0  # a second of warm-up
             end = start + duration
             counted = made = 0
@@ -76,7 +76,7 @@ def load(target: str, method: str, concurrency: int, duration: float, results) -
             async def caller() -> None:
                 nonlocal counted, made
                 while time.monotonic() < end:
-                    await call(payload, timeout=30)
+                    await call(sent, timeout=30)
                     counted += start <= time.monotonic() < end
                     made += 1
 

@@ -8,29 +8,41 @@ figures). Each load runs at ``--concurrency`` for about ``--duration`` seconds, 
 - Triton's perf_analyzer (``scripts/perf_analyzer.py``) on ``resnet18`` (FP32 [1, 3, 224, 224], 602 KB a request)
   and ``resnet18_uint8`` (UINT8 [1, 224, 224, 3], 150 KB), without and with ``--shared-memory system``;
 - ``resnet-client bench`` with ``--input fp32`` and ``--input uint8`` (224x224), its own Classify calls by value
-  and ModelInfer by reference with ``--shared-memory system``.
+  and ModelInfer by reference with ``--shared-memory system``;
+- ``grpc``: gRPC alone, the floor under both. A bare ``grpc.aio`` server on uvloop, as the front-end's
+  (``grpc_floor.serve_aio``: one method that ignores its request and answers 4,000 bytes), sent the bytes of the
+  ModelInferRequest perf_analyzer sends, by value (the image inline) and by reference (the input and four outputs
+  named in regions). What it spends a call is what no handler can save: the front-end's saving by reference can
+  be at most the ratio of its two costs, and less by whatever the handler spends on both.
 
 Reported per load and input: the medians of the rounds' requests/s and of the front-end process's CPU time a
-request (its /proc CPU time over the requests its /metrics counted in the same interval), and the ratios. The
-server is stopped (SIGTERM, by PID) when done.
+request (its /proc CPU time over the requests its /metrics counted in the same interval; the bare server's over
+the calls its client made), and the ratios. The servers are stopped (SIGTERM, by PID; the bare one by an event)
+when done.
 
 Usage: python scripts/benchmarks/shared_memory_cost.py [--concurrency 16] [--duration 10] [--rounds 3]
-       [--runner free|model] [--loads perf_analyzer,bench] [--json]
+       [--runner free|model] [--loads perf_analyzer,bench,grpc] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import json
+import math
+import multiprocessing
 import re
 import statistics
 import sys
 import urllib.request
 from pathlib import Path
 
+from frontend_cost import Server, bare_server, cpu_seconds, load
 from served import ServedProcess
+
+from resnet_client.api import grpc_predict_v2_pb2 as oip
 
 SCRIPTS = Path(__file__).resolve().parent.parent
 PORT, METRICS_PORT = 50211, 50212
@@ -70,12 +82,53 @@ def bench_load(server: ServedProcess, input_kind: str, by_reference: bool, concu
     return float(point["requests_per_s"])
 
 
-LOADS = {"perf_analyzer": perf_analyzer_load, "bench": bench_load}
+def infer_request(input_kind: str, by_reference: bool) -> bytes:
+    """The bytes of a ModelInferRequest as perf_analyzer sends it for one 224x224 image: the image inline, or the
+    input and the four outputs named in regions."""
+    shape, datatype, itemsize = ([1, 3, 224, 224], "FP32", 4) if input_kind == "fp32" else ([1, 224, 224, 3],
+                                                                                            "UINT8", 1)
+    size = math.prod(shape) * itemsize
+
+    def in_region(name: str, byte_size: int) -> dict[str, oip.InferParameter]:
+        return {"shared_memory_region": oip.InferParameter(string_param=name),
+                "shared_memory_byte_size": oip.InferParameter(int64_param=byte_size)}
+
+    tensor = oip.ModelInferRequest.InferInputTensor(name="input", datatype=datatype, shape=shape,
+                                                    parameters=in_region("input_data", size) if by_reference else {})
+    request = oip.ModelInferRequest(model_name="resnet18" if input_kind == "fp32" else "resnet18_uint8",
+                                    inputs=[tensor])
+    if by_reference:
+        request.outputs.extend(oip.ModelInferRequest.InferRequestedOutputTensor(
+            name=name, parameters=in_region(f"{name}_data", 4000))
+            for name in ("probabilities", "top_k_indices", "top_k_probabilities", "top_k_labels"))
+    else:
+        request.raw_input_contents.append(bytes(size))
+    return request.SerializeToString()
 
 
-def measure(server: ServedProcess, load: str, input_kind: str, by_reference: bool, concurrency: int,
-            duration: float) -> tuple[float, float]:
-    """requests/s, and the front-end's CPU milliseconds a request."""
+def grpc_alone(bare: Server, input_kind: str, by_reference: bool, concurrency: int, duration: float
+               ) -> tuple[float, float]:
+    """The bare server's calls/s and CPU milliseconds a call, one client process sending it the request's bytes."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    before = cpu_seconds(bare.processes)["bare"]
+    client = context.Process(target=load, args=(bare.target, bare.method, concurrency, duration, sender,
+                                                infer_request(input_kind, by_reference)))
+    client.start()
+    counted, made = receiver.recv()
+    client.join(30)
+    return counted / duration, 1000 * (cpu_seconds(bare.processes)["bare"] - before) / max(made, 1)
+
+
+LOADS = {"perf_analyzer": perf_analyzer_load, "bench": bench_load, "grpc": grpc_alone}
+
+
+def measure(server: ServedProcess, bare: Server | None, load: str, input_kind: str, by_reference: bool,
+            concurrency: int, duration: float) -> tuple[float, float]:
+    """requests/s, and the front-end's CPU milliseconds a request (for ``grpc``, the bare server's)."""
+    if load == "grpc":
+        assert bare is not None
+        return grpc_alone(bare, input_kind, by_reference, concurrency, duration)
     cpu_before, requests_before = counters(server)
     rate = LOADS[load](server, input_kind, by_reference, concurrency, duration)
     cpu_after, requests_after = counters(server)
@@ -101,31 +154,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each measurement once a round (default 3)")
     parser.add_argument("--runner", choices=("free", "model"), default="free",
                         help="the server's --runner (default free: the serving path alone)")
-    parser.add_argument("--loads", default="perf_analyzer,bench",
+    parser.add_argument("--loads", default="perf_analyzer,bench,grpc",
                         type=lambda text: [load for load in text.split(",") if load],
-                        help="comma-separated: perf_analyzer, bench (default both)")
+                        help="comma-separated: perf_analyzer, bench, grpc (default all three)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
     if unknown := set(args.loads) - set(LOADS):
         parser.error(f"argument --loads: unknown {sorted(unknown)}; choose from {', '.join(LOADS)}")
-    server = ServedProcess(PORT, ["--metrics-port", str(METRICS_PORT), "--metrics-host", "127.0.0.1", "--runner",
-                                  args.runner, "--allow-client-shm"])
     measured = {(load, kind): {False: [], True: []} for load in args.loads for kind in INPUTS}
-    try:
+    with contextlib.ExitStack() as servers:
+        server = ServedProcess(PORT, ["--metrics-port", str(METRICS_PORT), "--metrics-host", "127.0.0.1",
+                                      "--runner", args.runner, "--allow-client-shm"])
+        servers.callback(server.stop)
+        bare = servers.enter_context(bare_server("uvloop")) if "grpc" in args.loads else None
         for round_index in range(args.rounds):
             for (load, kind), points in measured.items():
                 for by_reference in (bool(round_index % 2), not round_index % 2):
-                    points[by_reference].append(measure(server, load, kind, by_reference, args.concurrency,
+                    points[by_reference].append(measure(server, bare, load, kind, by_reference, args.concurrency,
                                                         args.duration))
-    finally:
-        server.stop()
     results = {f"{load} {kind}": summary(points) for (load, kind), points in measured.items()}
     if args.json:
         print(json.dumps(results))
         return 0
     for name, row in results.items():
+        who = "bare server" if name.startswith("grpc") else "front-end"
         print(f"{name:>20}  {row['by_value_requests_per_s']:7.1f} -> {row['by_reference_requests_per_s']:7.1f} req/s "
-              f"(x{row['throughput_ratio']:.2f})  front-end {row['by_value_frontend_cpu_ms']:.3f} -> "
+              f"(x{row['throughput_ratio']:.2f})  {who} {row['by_value_frontend_cpu_ms']:.3f} -> "
               f"{row['by_reference_frontend_cpu_ms']:.3f} ms CPU a request ({row['frontend_cpu_saved']:.2f}x less)")
     return 0
 
