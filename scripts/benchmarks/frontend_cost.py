@@ -62,28 +62,29 @@ REQUEST = pb.ClassifyRequest(images=[pb.Image(raw=pb.RawTensor(dtype=pb.RawTenso
                                                                data=bytes(224 * 224 * 3)))], top_k=1)
 
 
-def load(target: str, method: str, concurrency: int, duration: float, results, payload: bytes | None = None) -> None:
-    """One client process: ``concurrency`` calls in flight on one channel, each sending ``payload`` (by default
-    REQUEST); sends how many ended in the window and how many in all."""
-    async def main() -> tuple[int, int]:
-        async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
-            call = channel.unary_unary(method)  # bytes in, bytes out: the same client work for both servers
-            sent = REQUEST.SerializeToString() if payload is None else payload
-            start = time.monotonic() + 1.0  # a second of warm-up
-            end = start + duration
-            counted = made = 0
+async def closed_loop(target: str, method: str, concurrency: int, duration: float, payload: bytes) -> tuple[int, int]:
+    """``concurrency`` calls in flight on one channel, each sending ``payload``, for a second of warm-up and then
+    ``duration`` seconds: how many ended in the window and how many were made in all."""
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        call = channel.unary_unary(method)  # bytes in, bytes out: the same client work for every server
+        start = time.monotonic() + 1.0
+        end = start + duration
+        counted = made = 0
 
-            async def caller() -> None:
-                nonlocal counted, made
-                while time.monotonic() < end:
-                    await call(sent, timeout=30)
-                    counted += start <= time.monotonic() < end
-                    made += 1
+        async def caller() -> None:
+            nonlocal counted, made
+            while time.monotonic() < end:
+                await call(payload, timeout=30)
+                counted += start <= time.monotonic() < end
+                made += 1
 
-            await asyncio.gather(*(caller() for _ in range(concurrency)))
-            return counted, made
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+        return counted, made
 
-    results.send(asyncio.run(main()))
+
+def load(target: str, method: str, concurrency: int, duration: float, results) -> None:
+    """One client process of REQUEST calls (closed_loop); sends how many ended in the window and how many in all."""
+    results.send(asyncio.run(closed_loop(target, method, concurrency, duration, REQUEST.SerializeToString())))
 
 
 def calls_per_second(server: Server, args: argparse.Namespace) -> tuple[float, dict[str, float]]:

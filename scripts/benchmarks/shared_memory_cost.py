@@ -27,19 +27,19 @@ Usage: python scripts/benchmarks/shared_memory_cost.py [--concurrency 16] [--dur
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import functools
 import importlib.util
 import json
 import math
-import multiprocessing
 import re
 import statistics
 import sys
 import urllib.request
 from pathlib import Path
 
-from frontend_cost import Server, bare_server, cpu_seconds, load
+from frontend_cost import Server, bare_server, closed_loop, cpu_seconds
 from served import ServedProcess
 
 from resnet_client.api import grpc_predict_v2_pb2 as oip
@@ -108,15 +108,10 @@ def infer_request(input_kind: str, by_reference: bool) -> bytes:
 
 def grpc_alone(bare: Server, input_kind: str, by_reference: bool, concurrency: int, duration: float
                ) -> tuple[float, float]:
-    """The bare server's calls/s and CPU milliseconds a call, one client process sending it the request's bytes."""
-    context = multiprocessing.get_context("spawn")
-    receiver, sender = context.Pipe(duplex=False)
+    """The bare server's calls/s and CPU milliseconds a call, this process sending it the request's bytes."""
     before = cpu_seconds(bare.processes)["bare"]
-    client = context.Process(target=load, args=(bare.target, bare.method, concurrency, duration, sender,
-                                                infer_request(input_kind, by_reference)))
-    client.start()
-    counted, made = receiver.recv()
-    client.join(30)
+    counted, made = asyncio.run(closed_loop(bare.target, bare.method, concurrency, duration,
+                                            infer_request(input_kind, by_reference)))
     return counted / duration, 1000 * (cpu_seconds(bare.processes)["bare"] - before) / max(made, 1)
 
 
