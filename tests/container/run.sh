@@ -8,7 +8,8 @@
 # Where no registry is reachable it first builds stand-ins for the public base images from Debian
 # (debootstrap), and only for images that are missing, so on a normal machine nothing is faked.
 # Needs root (dockerd, debootstrap). Usage: PYTHON=.venv/bin/python tests/container/run.sh
-# (BUILD_ONLY=1: stop once the image is built.)
+# (BUILD_ONLY=1: stop once the image is built. SKIP_BUILD=1: use the resnet-grpc:latest a BUILD_ONLY run of this
+# tree just built; the builder's cache check alone reads all of torch's files again, about a minute with vfs.)
 set -euo pipefail
 # -h/--help: the comment above; any other option is a usage error (exit 2), never a folder of that name.
 case ${1:-} in
@@ -155,12 +156,16 @@ stand_in "$PROM_IMAGE" prometheus,ca-certificates 'true' '["/bin/prometheus"]'
 stand_in "$NGINX_IMAGE" nginx-light,ca-certificates 'true' '["nginx", "-g", "daemon off;"]'
 trap cleanup EXIT
 
-step "building the server image"
-# The classic builder with host networking: pip inside the build reaches the package index the same way
-# the host does (BuildKit's buildx plugin is often missing on hosts that run dockerd by hand).
-DOCKER_BUILDKIT=0 docker build --network host -t resnet-grpc:latest --build-arg BASE_IMAGE="$PY_IMAGE" . \
-  | grep -E '^(Step|Successfully)' || true
-docker image inspect resnet-grpc:latest >/dev/null || { echo "FAILED: docker build" >&2; exit 1; }
+if [ -n "${SKIP_BUILD:-}" ] && docker image inspect resnet-grpc:latest >/dev/null 2>&1; then
+  step "the server image as this tree's build left it"
+else
+  step "building the server image"
+  # The classic builder with host networking: pip inside the build reaches the package index the same way
+  # the host does (BuildKit's buildx plugin is often missing on hosts that run dockerd by hand).
+  DOCKER_BUILDKIT=0 docker build --network host -t resnet-grpc:latest --build-arg BASE_IMAGE="$PY_IMAGE" . \
+    | grep -E '^(Step|Successfully)' || true
+  docker image inspect resnet-grpc:latest >/dev/null || { echo "FAILED: docker build" >&2; exit 1; }
+fi
 if [ -n "${BUILD_ONLY:-}" ]; then  # CI builds beside its tests and runs the stack after them: a rebuild from the
   trap - EXIT                     # layers kept here (the builder stage's among them: no prune yet)
   step "image built"
