@@ -380,6 +380,16 @@ def test_grpc_floor_times_both_minimal_servers():
         assert empty > 0 and image > 0
 
 
+def test_grpc_floor_measures_what_receiving_one_large_message_costs_each_server():
+    """--message-mb: each bare server's RSS rises by at least the one copy of the message it must hold."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmarks" / "grpc_floor.py"), "--calls", "5",
+                           "--message-mb", "16"], capture_output=True, text=True, timeout=120, check=True)
+    rises = [line for line in done.stdout.splitlines() if "MiB message" in line]
+    assert [line.split(":")[0] for line in rises] == ["grpc.aio server", "thread-pool server"]
+    for line in rises:
+        assert float(re.search(r"\(([\d.]+) copies\)", line).group(1)) >= 0.9
+
+
 def test_frontend_cost_measures_both_servers_in_rounds_and_each_process_cpu_a_call():
     """scripts/benchmarks/frontend_cost.py end to end, briefly: both servers answered in each of two rounds, the
     ratios are the medians of the rounds' ratios, and the CPU time a call of the bare server, the front-end and its

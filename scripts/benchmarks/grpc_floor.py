@@ -6,7 +6,12 @@ answers 4,000 bytes, about a ClassifyResponse; a blocking client times 400 calls
 on a free port of 127.0.0.1 and is stopped when its calls are done. What the served c=1 latency cannot go
 below, whatever the serving path does.
 
-Usage: python scripts/benchmarks/grpc_floor.py [--calls 400]
+With ``--message-mb N``, each server then receives one message of N MiB (a weights file sent with
+RepositoryModelLoad is 44.7) while its resident memory is sampled every 2 ms: its peak rise over the RSS
+before, in MiB and in copies of the message. What a server's memory rises by before any handler of its own
+runs (grpcio 1.85 holds three copies: the received slices, a bytearray and the bytes made from it).
+
+Usage: python scripts/benchmarks/grpc_floor.py [--calls 400] [--message-mb 44.7]
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import argparse
 import asyncio
 import multiprocessing
 import statistics
+import threading
 import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 
@@ -78,10 +85,44 @@ def median_round_trip_ms(port: int, payload: bytes, calls: int) -> float:
     return statistics.median(latencies)
 
 
+def resident_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def receive_rise_mb(pid: int, port: int, size: int) -> float:
+    """The server's peak RSS while it receives one ``size``-byte message, over its RSS just before."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary("/floor.Floor/Call")
+        call(b"", timeout=10)  # connected and warm before the baseline
+        message = bytes(size)
+        before = resident_mb(pid)
+        peak, done = [before], threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], resident_mb(pid))
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            call(message, timeout=120)
+        finally:
+            done.set()
+            sampler.join()
+    return peak[0] - before
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--message-mb", type=float, default=0.0,
+                        help="then send each server one message of this many MiB and report its peak RSS rise")
     args = parser.parse_args()
+    if not 0 <= args.message_mb <= 60:
+        parser.error(f"argument --message-mb: must be between 0 and 60 (the servers take up to 64 MiB), got "
+                     f"{args.message_mb}")
     for name, serve in (("grpc.aio server", serve_aio), ("thread-pool server", serve_threads)):
         ports, stop = multiprocessing.Queue(), multiprocessing.Event()
         server = multiprocessing.Process(target=serve, args=(ports, stop))
@@ -91,6 +132,10 @@ def main() -> None:
             empty = median_round_trip_ms(port, b"", args.calls)
             image = median_round_trip_ms(port, IMAGE, args.calls)
             print(f"{name}: empty request {empty:.2f} ms, 150 KB request {image:.2f} ms (medians of {args.calls})")
+            if args.message_mb:
+                rise = receive_rise_mb(server.pid, port, int(args.message_mb * 2**20))
+                print(f"{name}: one {args.message_mb:g} MiB message raised its RSS by {rise:.0f} MiB "
+                      f"({rise / args.message_mb:.1f} copies)")
         finally:
             stop.set()
             server.join(10)
