@@ -115,7 +115,8 @@ def grpc_alone(bare: Server, input_kind: str, by_reference: bool, concurrency: i
     return counted / duration, 1000 * (cpu_seconds(bare.processes)["bare"] - before) / max(made, 1)
 
 
-LOADS = {"perf_analyzer": perf_analyzer_load, "bench": bench_load, "grpc": grpc_alone}
+LOADS = {"perf_analyzer": perf_analyzer_load, "bench": bench_load}  # against the server; "grpc": the bare one
+LOAD_NAMES = (*LOADS, "grpc")
 
 
 def measure(server: ServedProcess, bare: Server | None, load: str, input_kind: str, by_reference: bool,
@@ -154,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: perf_analyzer, bench, grpc (default all three)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
-    if unknown := set(args.loads) - set(LOADS):
-        parser.error(f"argument --loads: unknown {sorted(unknown)}; choose from {', '.join(LOADS)}")
+    if unknown := set(args.loads) - set(LOAD_NAMES):
+        parser.error(f"argument --loads: unknown {sorted(unknown)}; choose from {', '.join(LOAD_NAMES)}")
     measured = {(load, kind): {False: [], True: []} for load in args.loads for kind in INPUTS}
     with contextlib.ExitStack() as servers:
         server = ServedProcess(PORT, ["--metrics-port", str(METRICS_PORT), "--metrics-host", "127.0.0.1",
