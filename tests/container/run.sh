@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The container proof, end to end, on this machine: builds the image, runs the compose stack with two
-# server replicas (seeded random weights, CPU), classifies through the gateway, checks Prometheus sees
-# BOTH replicas, evaluates every Grafana dashboard query, starts a server with --compile in the image, sends a
-# traced call through the stack with its tracing profile on and finds its spans at the OTLP receiver, and tears
-# everything down, even on failure.
+# The container proof, end to end, on this machine: builds the image, starts a server with --compile in it, runs
+# the compose stack with two server replicas (seeded random weights, CPU) and its tracing profile, classifies
+# through the gateway, checks Prometheus sees BOTH replicas, evaluates every Grafana dashboard query, sends a
+# traced call through the gateway and finds its spans at the OTLP receiver, and tears everything down, even on
+# failure.
 #
 # Where no registry is reachable it first builds stand-ins for the public base images from Debian
 # (debootstrap), and only for images that are missing, so on a normal machine nothing is faked.
@@ -106,24 +106,21 @@ check_compile() {
   docker rm -f $name >/dev/null
 }
 
-# The tracing profile: the servers recreated pointing at its receiver (Jaeger, or where no Jaeger image can be
-# had, tests/container/otlp_receiver.py in the server's image), one call through the gateway with --trace, and
-# that call's server span found at the receiver.
-check_tracing() {
-  local files=("${compose[@]}") stand_in="" trace_id="" printed
+# The stack's compose files and its OTLP receiver: Jaeger, or where no Jaeger image can be had,
+# tests/container/otlp_receiver.py in the server's image standing in for it.
+receiver_files() {
+  stack=("${compose[@]}") stand_in=""
   if ! docker image inspect "$JAEGER_IMAGE" >/dev/null 2>&1 && ! docker pull -q "$JAEGER_IMAGE" >/dev/null 2>&1; then
     echo "no $JAEGER_IMAGE here (no registry): tests/container/otlp_receiver.py stands in for it"
-    files+=(-f tests/container/otlp-stand-in.yml) stand_in=1
+    stack+=(-f tests/container/otlp-stand-in.yml) stand_in=1
   fi
-  # The checked stack goes first: with vfs storage every container is a whole copy of its image, and two servers
-  # beside two more (one recreated, the stand-in) filled the CI machine's disk.
-  "${compose[@]}" down >/dev/null 2>&1 || true
-  if ! RESNET_SERVER_OTLP_ENDPOINT=jaeger:4317 "${files[@]}" --profile tracing up -d --no-build --pull never \
-      --wait --wait-timeout 900 server gateway jaeger; then
-    "${files[@]}" logs --tail 30 server jaeger >&2 || true
-    echo "FAILED: docker compose --profile tracing up" >&2
-    return 1
-  fi
+}
+
+# The tracing profile (up with the rest of the stack, the servers exporting to its receiver but tracing only
+# calls whose caller asks, --trace-rate 0): one call through the gateway with --trace, and that call's server
+# span found at the receiver.
+check_tracing() {
+  local trace_id="" printed
   printed=$("${PYTHON:-python3}" -m resnet_client.cli --server "127.0.0.1:$GATEWAY_PORT" classify \
     docs/samples/gradient.jpg --trace)
   trace_id=$(grep -o 'trace [0-9a-f]\{32\}' <<<"$printed" | cut -d' ' -f2 || true)
@@ -131,7 +128,7 @@ check_tracing() {
   arrived() {  # read whole first: under pipefail a grep -q that stops reading early fails its pipeline
     local seen
     if [ -n "$stand_in" ]; then
-      seen=$("${files[@]}" logs jaeger 2>/dev/null || true)
+      seen=$("${stack[@]}" logs jaeger 2>/dev/null || true)
       grep -q "span $trace_id resnet.v1.Classifier/Classify" <<<"$seen"
     else
       seen=$(curl -sf "http://127.0.0.1:${JAEGER_UI_PORT:-16686}/api/traces/$trace_id" || true)
@@ -140,7 +137,7 @@ check_tracing() {
   }
   for _ in $(seq 60); do arrived && break; sleep 1; done  # bounded: the batch processor exports within 5 s
   if ! arrived; then
-    "${files[@]}" logs --tail 20 jaeger server >&2 || true
+    "${stack[@]}" logs --tail 20 jaeger server >&2 || true
     echo "FAILED: the receiver has no span of trace $trace_id" >&2
     return 1
   fi
@@ -174,16 +171,23 @@ fi
 # Earlier builds' images are dangling now; with vfs each holds several full copies of torch, so drop them.
 docker image prune -f >/dev/null
 
-services=(server gateway prometheus)
+# Alone first (its compiling wants the cores), and gone before the stack starts: with vfs storage every container
+# is a whole copy of its image, and four copies of the server's at once filled the CI machine's disk.
+step "a server with --compile in the image"
+check_compile
+
+services=(server gateway prometheus jaeger)
 if docker image inspect "$GRAFANA_IMAGE" >/dev/null 2>&1 || docker pull -q "$GRAFANA_IMAGE" >/dev/null 2>&1; then
   services+=(grafana)
 else
   echo "no $GRAFANA_IMAGE here (no registry, and Debian has no Grafana package): skipping the Grafana check"
 fi
+receiver_files
 
-step "docker compose up --scale server=2 (${services[*]})"
-if ! "${compose[@]}" up -d --no-build --pull never --wait --wait-timeout 900 --scale server=2 "${services[@]}"; then
-  "${compose[@]}" logs --tail 30 >&2 || true
+step "docker compose --profile tracing up --scale server=2 (${services[*]})"
+if ! RESNET_SERVER_OTLP_ENDPOINT=jaeger:4317 RESNET_SERVER_TRACE_RATE=0 "${stack[@]}" --profile tracing up -d \
+    --no-build --pull never --wait --wait-timeout 900 --scale server=2 "${services[@]}"; then
+  "${stack[@]}" logs --tail 30 >&2 || true
   echo "FAILED: docker compose up" >&2
   exit 1
 fi
@@ -193,8 +197,6 @@ started_checks=$SECONDS
 "${PYTHON:-python3}" tests/container/check_stack.py --gateway "127.0.0.1:$GATEWAY_PORT" \
   --prometheus "http://127.0.0.1:$PROMETHEUS_PORT" --replicas 2 \
   $([[ " ${services[*]} " == *" grafana "* ]] && echo --grafana http://127.0.0.1:${GRAFANA_PORT:-3000})
-step "a server with --compile in the image"
-check_compile
 step "the tracing profile: a traced call's spans at the OTLP receiver"
 check_tracing
 step "container proof passed (checks $((SECONDS - started_checks))s)"
