@@ -1,6 +1,7 @@
 """A ``resnet-server`` that a benchmark of this folder starts on 127.0.0.1 and stops (SIGTERM, by PID): started
 with the flags given, ready once it logs that it serves, its first front-end's CPU time read from /proc, and
-``resnet-client bench`` points against it.
+``resnet-client bench`` points against it. Several start side by side (``serving``), each importing torch while
+the others do, and stop side by side (``stop_all``).
 A module of the benchmarks that run whole servers (tracing_cost.py, shared_memory_cost.py)."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -20,7 +23,11 @@ class ServedProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
              "--weights", "random", "--frontends", "1", *flags], stderr=subprocess.PIPE, text=True)
+        self.flags = flags
         self.frontend = 0
+
+    def wait_serving(self) -> None:
+        """Returns once the server logs that it serves; SystemExit if it ends first."""
         assert self.process.stderr is not None
         for line in self.process.stderr:
             if "started resnet-frontend-0 (pid " in line:
@@ -28,7 +35,7 @@ class ServedProcess:
             if "serving resnet18 on" in line:
                 threading.Thread(target=self.process.stderr.read, daemon=True).start()  # keeps the pipe drained
                 return
-        raise SystemExit(f"a server exited before serving (flags {flags})")
+        raise SystemExit(f"a server exited before serving (flags {self.flags})")
 
     def frontend_cpu_seconds(self) -> float:
         fields = Path(f"/proc/{self.frontend}/stat").read_text().rsplit(")", 1)[1].split()
@@ -42,6 +49,25 @@ class ServedProcess:
             timeout=duration * 4 + 120)
         return json.loads(done.stdout.splitlines()[-1])
 
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(60)
+
+def stop_all(servers: Iterable[ServedProcess]) -> None:
+    servers = list(servers)
+    for server in servers:
+        server.process.send_signal(signal.SIGTERM)
+    for server in servers:
+        server.process.wait(60)
+
+
+@contextmanager
+def serving(flags_by_port: dict[int, list[str]]) -> Iterator[dict[int, ServedProcess]]:
+    """A server on each port with its flags, all started before any is waited for; all stopped at the end, those
+    that served and those that did not."""
+    servers: dict[int, ServedProcess] = {}
+    try:
+        for port, flags in flags_by_port.items():
+            servers[port] = ServedProcess(port, flags)
+        for server in servers.values():
+            server.wait_serving()
+        yield servers
+    finally:
+        stop_all(servers.values())

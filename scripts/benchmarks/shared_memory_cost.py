@@ -40,7 +40,7 @@ import urllib.request
 from pathlib import Path
 
 from frontend_cost import Server, bare_server, closed_loop, cpu_seconds
-from served import ServedProcess
+from served import ServedProcess, serving
 
 from resnet_client.api import grpc_predict_v2_pb2 as oip
 
@@ -159,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --loads: unknown {sorted(unknown)}; choose from {', '.join(LOAD_NAMES)}")
     measured = {(load, kind): {False: [], True: []} for load in args.loads for kind in INPUTS}
     with contextlib.ExitStack() as servers:
-        server = ServedProcess(PORT, ["--metrics-port", str(METRICS_PORT), "--metrics-host", "127.0.0.1",
-                                      "--runner", args.runner, "--allow-client-shm"])
-        servers.callback(server.stop)
+        server = servers.enter_context(serving({PORT: ["--metrics-port", str(METRICS_PORT), "--metrics-host",
+                                                       "127.0.0.1", "--runner", args.runner,
+                                                       "--allow-client-shm"]}))[PORT]
         bare = servers.enter_context(bare_server("uvloop")) if "grpc" in args.loads else None
         for round_index in range(args.rounds):
             for (load, kind), points in measured.items():
