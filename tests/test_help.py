@@ -82,6 +82,13 @@ def test_every_shell_script_answers_help_and_refuses_an_unknown_option(script, t
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+def test_the_container_proof_refuses_an_unknown_stage_before_it_starts_anything(tmp_path):
+    done = subprocess.run(["bash", str(ROOT / "tests/container/run.sh")], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, env={**os.environ, "STAGES": "build stak"})
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "run.sh: unknown stage 'stak' in STAGES (build, compile, stack)\n"
+
+
 def test_the_server_help_shows_each_default_and_environment_twin():
     done = subprocess.run([str(BIN / "resnet-server"), "-h"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COLUMNS": "400"})

@@ -8,8 +8,9 @@
 # Where no registry is reachable it first builds stand-ins for the public base images from Debian
 # (debootstrap), and only for images that are missing, so on a normal machine nothing is faked.
 # Needs root (dockerd, debootstrap). Usage: PYTHON=.venv/bin/python tests/container/run.sh
-# (BUILD_ONLY=1: stop once the image is built. SKIP_BUILD=1: use the resnet-grpc:latest a BUILD_ONLY run of this
-# tree just built; the builder's cache check alone reads all of torch's files again, about a minute with vfs.)
+# STAGES (default "build compile stack") runs only the stages it names, in that order: CI builds the image and
+# checks --compile beside its tests (STAGES="build compile") and runs the stack after them on that image
+# (STAGES=stack; a stage list without build uses the resnet-grpc:latest there is, and fails if there is none).
 set -euo pipefail
 # -h/--help: the comment above; any other option is a usage error (exit 2), never a folder of that name.
 case ${1:-} in
@@ -17,6 +18,13 @@ case ${1:-} in
   -*) echo "$(basename "$0"): unknown option $1 (--help says how to run it)" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/../.."
+stages=" ${STAGES:-build compile stack} "
+for stage in $stages; do
+  case $stage in
+    build|compile|stack) ;;
+    *) echo "$(basename "$0"): unknown stage '$stage' in STAGES (build, compile, stack)" >&2; exit 2 ;;
+  esac
+done
 export COMPOSE_PROJECT_NAME=resnet-proof
 export RESNET_SERVER_WEIGHTS=random GATEWAY_PORT=${GATEWAY_PORT:-50050} PROMETHEUS_PORT=${PROMETHEUS_PORT:-9090}
 PY_IMAGE=python:3.11-slim
@@ -153,28 +161,27 @@ stand_in "$PROM_IMAGE" prometheus,ca-certificates 'true' '["/bin/prometheus"]'
 stand_in "$NGINX_IMAGE" nginx-light,ca-certificates 'true' '["nginx", "-g", "daemon off;"]'
 trap cleanup EXIT
 
-if [ -n "${SKIP_BUILD:-}" ] && docker image inspect resnet-grpc:latest >/dev/null 2>&1; then
-  step "the server image as this tree's build left it"
-else
+if [[ $stages == *" build "* ]]; then
   step "building the server image"
   # The classic builder with host networking: pip inside the build reaches the package index the same way
   # the host does (BuildKit's buildx plugin is often missing on hosts that run dockerd by hand).
   DOCKER_BUILDKIT=0 docker build --network host -t resnet-grpc:latest --build-arg BASE_IMAGE="$PY_IMAGE" . \
     | grep -E '^(Step|Successfully)' || true
   docker image inspect resnet-grpc:latest >/dev/null || { echo "FAILED: docker build" >&2; exit 1; }
+  # Earlier builds' images are dangling now; with vfs each holds several full copies of torch, so drop them.
+  docker image prune -f >/dev/null
+else
+  docker image inspect resnet-grpc:latest >/dev/null 2>&1 || { echo "FAILED: no resnet-grpc:latest to run" >&2; exit 1; }
+  step "the server image as it is (STAGES without build)"
 fi
-if [ -n "${BUILD_ONLY:-}" ]; then  # CI builds beside its tests and runs the stack after them: a rebuild from the
-  trap - EXIT                     # layers kept here (the builder stage's among them: no prune yet)
-  step "image built"
-  exit 0
-fi
-# Earlier builds' images are dangling now; with vfs each holds several full copies of torch, so drop them.
-docker image prune -f >/dev/null
 
-# Alone first (its compiling wants the cores), and gone before the stack starts: with vfs storage every container
-# is a whole copy of its image, and four copies of the server's at once filled the CI machine's disk.
-step "a server with --compile in the image"
-check_compile
+# Before the stack and gone before it starts: with vfs storage every container is a whole copy of its image, and
+# four copies of the server's at once filled the CI machine's disk.
+if [[ $stages == *" compile "* ]]; then
+  step "a server with --compile in the image"
+  check_compile
+fi
+[[ $stages == *" stack "* ]] || { step "stages done (${STAGES})"; exit 0; }
 
 services=(server gateway prometheus jaeger)
 if docker image inspect "$GRAFANA_IMAGE" >/dev/null 2>&1 || docker pull -q "$GRAFANA_IMAGE" >/dev/null 2>&1; then
