@@ -746,11 +746,55 @@ def test_tracing_cost_measures_the_three_settings_and_the_traced_ones_export():
 def test_shared_memory_cost_measures_each_load_by_value_and_by_reference():
     """scripts/benchmarks/shared_memory_cost.py end to end, briefly: perf_analyzer and our bench, FP32 and UINT8,
     each by value and by reference against one server, with the front-end's CPU a request; and gRPC alone, a bare
-    server sent the same requests' bytes, whose 602 KB FP32 image inline costs it more than the image's region."""
+    server sent the same requests' bytes, whose 602 KB FP32 image inline costs it more than the image's region; and
+    the same bare server with the least handler there can be."""
     result = run_benchmark("shared_memory_cost", "--concurrency", "2", "--duration", "1.5", "--rounds", "1", "--json")
-    loads, kinds = ("perf_analyzer", "bench", "grpc"), ("fp32", "uint8")
+    loads, kinds = ("perf_analyzer", "bench", "grpc", "handler"), ("fp32", "uint8")
     assert set(result) == {f"{load} {kind}" for load in loads for kind in kinds}
     for row in result.values():
         assert row["by_value_requests_per_s"] > 0 and row["by_reference_requests_per_s"] > 0
         assert row["by_value_frontend_cpu_ms"] > 0 and row["by_reference_frontend_cpu_ms"] > 0
     assert result["grpc fp32"]["by_value_frontend_cpu_ms"] > result["grpc fp32"]["by_reference_frontend_cpu_ms"]
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("handler-floor-")]  # its regions removed
+
+
+HANDLER_FLOOR_CALLS = """
+import json, os
+import grpc
+from frontend_cost import bare_server
+from handler_floor import serve_handler
+from shared_memory_cost import infer_request
+from resnet_client.api import grpc_predict_v2_pb2 as oip
+
+with bare_server("uvloop", serve_handler) as server, grpc.insecure_channel(server.target) as channel:
+    call = channel.unary_unary(server.method, response_deserializer=oip.ModelInferResponse.FromString)
+    prefix = f"handler-floor-{server.processes['bare']}-"
+    regions = sorted(name[len(prefix):] for name in os.listdir("/dev/shm") if name.startswith(prefix))
+    by_value = call(infer_request("fp32", False), timeout=30)
+    by_reference = call(infer_request("fp32", True), timeout=30)
+    nan = bytearray(infer_request("fp32", False))
+    nan[-4:] = bytes.fromhex("0000c07f")  # the last float a NaN
+    try:
+        call(bytes(nan), timeout=30)
+        refused = ""
+    except grpc.RpcError as error:
+        refused = error.code().name
+print(json.dumps({"regions": regions, "refused": refused,
+                  "by_value": [len(data) for data in by_value.raw_output_contents],
+                  "by_reference": {output.name: [output.parameters["shared_memory_region"].string_param, len(data)]
+                                   for output, data in zip(by_reference.outputs, by_reference.raw_output_contents)}}))
+"""
+
+
+def test_the_handler_floor_answers_by_value_inline_and_by_reference_in_its_regions():
+    """scripts/benchmarks/handler_floor.py does the work it stands for: the probabilities inline by value, each
+    output named in its region by reference, a NaN refused; its regions made at its start and removed at its end."""
+    done = subprocess.run([sys.executable, "-c", HANDLER_FLOOR_CALLS], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT / "scripts" / "benchmarks")
+    assert done.returncode == 0, done.stderr
+    answered = json.loads(done.stdout)
+    outputs = ("probabilities", "top_k_indices", "top_k_probabilities", "top_k_labels")
+    assert answered["regions"] == sorted(["input_data", *(f"{name}_data" for name in outputs)])
+    assert answered["by_value"] == [4000] and answered["refused"] == "UNKNOWN"
+    assert answered["by_reference"] == {name: [f"{name}_data", 0] for name in outputs}
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("handler-floor-")]

@@ -109,10 +109,12 @@ def cpu_seconds(processes: dict[str, int]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def bare_server(loop: str) -> Iterator[Server]:
+def bare_server(loop: str, serve=serve_aio) -> Iterator[Server]:
+    """A bare gRPC server in a process of its own (``serve``: grpc_floor.serve_aio, or a function that serves as
+    it does), stopped at the end."""
     context = multiprocessing.get_context("spawn")
     ports, stop = context.Queue(), context.Event()
-    server = context.Process(target=serve_aio, args=(ports, stop, loop))
+    server = context.Process(target=serve, args=(ports, stop, loop))
     server.start()
     try:
         yield Server(f"127.0.0.1:{ports.get(timeout=60)}", BARE_METHOD, {"bare": server.pid})

@@ -36,14 +36,16 @@ def _one_method(method) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler("floor.Floor", {"Call": grpc.unary_unary_rpc_method_handler(method)})
 
 
-def serve_aio(ports, stop, loop: str = "asyncio") -> None:
-    """Serve on ``loop`` (asyncio's own, or uvloop) until ``stop`` is set."""
-    async def call(request: bytes, context) -> bytes:
-        return ANSWER
+async def _answer(request: bytes, context) -> bytes:
+    return ANSWER
 
+
+def serve_aio(ports, stop, loop: str = "asyncio", method=_answer) -> None:
+    """Serve ``method`` (by default one that ignores its request) on ``loop`` (asyncio's own, or uvloop) until
+    ``stop`` is set."""
     async def main() -> None:
         server = grpc.aio.server(options=OPTIONS)
-        server.add_generic_rpc_handlers((_one_method(call),))
+        server.add_generic_rpc_handlers((_one_method(method),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         ports.put(port)

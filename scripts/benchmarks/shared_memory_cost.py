@@ -14,6 +14,9 @@ figures). Each load runs at ``--concurrency`` for about ``--duration`` seconds, 
   ModelInferRequest perf_analyzer sends, by value (the image inline) and by reference (the input and four outputs
   named in regions). What it spends a call is what no handler can save: the front-end's saving by reference can
   be at most the ratio of its two costs, and less by whatever the handler spends on both.
+- ``handler``: the same bare server and requests with the least handler there can be (``handler_floor.py``: the
+  request read, the image copied in and its floats checked, the outputs written to their regions; no engine, no
+  metrics): what a handler must add to gRPC's cost, and the ratio that is left.
 
 Reported per load and input: the medians of the rounds' requests/s and of the front-end process's CPU time a
 request (its /proc CPU time over the requests its /metrics counted in the same interval; the bare server's over
@@ -21,7 +24,7 @@ the calls its client made), and the ratios. The servers are stopped (SIGTERM, by
 when done.
 
 Usage: python scripts/benchmarks/shared_memory_cost.py [--concurrency 16] [--duration 10] [--rounds 3]
-       [--runner free|model] [--loads perf_analyzer,bench,grpc] [--json]
+       [--runner free|model] [--loads perf_analyzer,bench,grpc,handler] [--json]
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ import urllib.request
 from pathlib import Path
 
 from frontend_cost import Server, bare_server, closed_loop, cpu_seconds
+from grpc_floor import serve_aio
+from handler_floor import serve_handler
 from served import ServedProcess, serving
 
 from resnet_client.api import grpc_predict_v2_pb2 as oip
@@ -106,8 +111,8 @@ def infer_request(input_kind: str, by_reference: bool) -> bytes:
     return request.SerializeToString()
 
 
-def grpc_alone(bare: Server, input_kind: str, by_reference: bool, concurrency: int, duration: float
-               ) -> tuple[float, float]:
+def bare_load(bare: Server, input_kind: str, by_reference: bool, concurrency: int, duration: float
+              ) -> tuple[float, float]:
     """The bare server's calls/s and CPU milliseconds a call, this process sending it the request's bytes."""
     before = cpu_seconds(bare.processes)["bare"]
     counted, made = asyncio.run(closed_loop(bare.target, bare.method, concurrency, duration,
@@ -115,16 +120,16 @@ def grpc_alone(bare: Server, input_kind: str, by_reference: bool, concurrency: i
     return counted / duration, 1000 * (cpu_seconds(bare.processes)["bare"] - before) / max(made, 1)
 
 
-LOADS = {"perf_analyzer": perf_analyzer_load, "bench": bench_load}  # against the server; "grpc": the bare one
-LOAD_NAMES = (*LOADS, "grpc")
+LOADS = {"perf_analyzer": perf_analyzer_load, "bench": bench_load}  # against the server
+BARE_SERVERS = {"grpc": serve_aio, "handler": serve_handler}  # each load its own bare server, sent bytes from here
+LOAD_NAMES = (*LOADS, *BARE_SERVERS)
 
 
-def measure(server: ServedProcess, bare: Server | None, load: str, input_kind: str, by_reference: bool,
+def measure(server: ServedProcess, bare: dict[str, Server], load: str, input_kind: str, by_reference: bool,
             concurrency: int, duration: float) -> tuple[float, float]:
-    """requests/s, and the front-end's CPU milliseconds a request (for ``grpc``, the bare server's)."""
-    if load == "grpc":
-        assert bare is not None
-        return grpc_alone(bare, input_kind, by_reference, concurrency, duration)
+    """requests/s, and the front-end's CPU milliseconds a request (for a bare server's load, that server's)."""
+    if load in bare:
+        return bare_load(bare[load], input_kind, by_reference, concurrency, duration)
     cpu_before, requests_before = counters(server)
     rate = LOADS[load](server, input_kind, by_reference, concurrency, duration)
     cpu_after, requests_after = counters(server)
@@ -150,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each measurement once a round (default 3)")
     parser.add_argument("--runner", choices=("free", "model"), default="free",
                         help="the server's --runner (default free: the serving path alone)")
-    parser.add_argument("--loads", default="perf_analyzer,bench,grpc",
+    parser.add_argument("--loads", default=",".join(LOAD_NAMES),
                         type=lambda text: [load for load in text.split(",") if load],
-                        help="comma-separated: perf_analyzer, bench, grpc (default all three)")
+                        help="comma-separated: perf_analyzer, bench, grpc, handler (default all four)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
     if unknown := set(args.loads) - set(LOAD_NAMES):
@@ -162,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         server = servers.enter_context(serving({PORT: ["--metrics-port", str(METRICS_PORT), "--metrics-host",
                                                        "127.0.0.1", "--runner", args.runner,
                                                        "--allow-client-shm"]}))[PORT]
-        bare = servers.enter_context(bare_server("uvloop")) if "grpc" in args.loads else None
+        bare = {load: servers.enter_context(bare_server("uvloop", serve))
+                for load, serve in BARE_SERVERS.items() if load in args.loads}
         for round_index in range(args.rounds):
             for (load, kind), points in measured.items():
                 for by_reference in (bool(round_index % 2), not round_index % 2):
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results))
         return 0
     for name, row in results.items():
-        who = "bare server" if name.startswith("grpc") else "front-end"
+        who = "bare server" if name.split()[0] in BARE_SERVERS else "front-end"
         print(f"{name:>20}  {row['by_value_requests_per_s']:7.1f} -> {row['by_reference_requests_per_s']:7.1f} req/s "
               f"(x{row['throughput_ratio']:.2f})  {who} {row['by_value_frontend_cpu_ms']:.3f} -> "
               f"{row['by_reference_frontend_cpu_ms']:.3f} ms CPU a request ({row['frontend_cpu_saved']:.2f}x less)")
