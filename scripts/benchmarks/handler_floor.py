@@ -26,7 +26,7 @@ from resnet_server.frontend.wire import pull_out
 
 IMAGE_BYTES = 3 * 224 * 224 * 4  # the largest image the requests carry: FP32 [1, 3, 224, 224]
 OUTPUTS = ("probabilities", "top_k_indices", "top_k_probabilities", "top_k_labels")
-REGIONS = {"input_data": IMAGE_BYTES, **{f"{name}_data": 4000 for name in OUTPUTS}}
+REGIONS = {"input_data": IMAGE_BYTES, **{f"{name}_data": 4000 for name in OUTPUTS}}  # perf_analyzer's names
 RAW_INPUT_CONTENTS = oip.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
 PROBABILITIES = bytes(4000)
 BY_VALUE_ANSWER = oip.ModelInferResponse(

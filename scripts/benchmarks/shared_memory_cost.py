@@ -44,7 +44,7 @@ from pathlib import Path
 
 from frontend_cost import Server, bare_server, closed_loop, cpu_seconds
 from grpc_floor import serve_aio
-from handler_floor import serve_handler
+from handler_floor import OUTPUTS, REGIONS, serve_handler
 from served import ServedProcess, serving
 
 from resnet_client.api import grpc_predict_v2_pb2 as oip
@@ -104,8 +104,7 @@ def infer_request(input_kind: str, by_reference: bool) -> bytes:
                                     inputs=[tensor])
     if by_reference:
         request.outputs.extend(oip.ModelInferRequest.InferRequestedOutputTensor(
-            name=name, parameters=in_region(f"{name}_data", 4000))
-            for name in ("probabilities", "top_k_indices", "top_k_probabilities", "top_k_labels"))
+            name=name, parameters=in_region(f"{name}_data", REGIONS[f"{name}_data"])) for name in OUTPUTS)
     else:
         request.raw_input_contents.append(bytes(size))
     return request.SerializeToString()
@@ -157,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the server's --runner (default free: the serving path alone)")
     parser.add_argument("--loads", default=",".join(LOAD_NAMES),
                         type=lambda text: [load for load in text.split(",") if load],
-                        help="comma-separated: perf_analyzer, bench, grpc, handler (default all four)")
+                        help=f"comma-separated: {', '.join(LOAD_NAMES)} (default all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
     if unknown := set(args.loads) - set(LOAD_NAMES):
