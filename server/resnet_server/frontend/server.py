@@ -10,10 +10,12 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from types import ModuleType
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from resnet_client.api import classifier_pb2 as pb
 from resnet_client.api import classifier_pb2_grpc as pb_grpc
@@ -32,12 +34,19 @@ from resnet_server.common.model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSI
 from resnet_server.common.preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
 from resnet_server.common.sections import FrontendConfig
 from resnet_server.common.threads import use_torch_threads
+from resnet_server.frontend.bounded_handlers import bounded
+from resnet_server.frontend.bounds import WireBounds, served_bounds
 from resnet_server.frontend.classifier_service import ClassifierService
 from resnet_server.frontend.classify_request import read_classify_request
 from resnet_server.frontend.core import InferenceCore, Limits
 from resnet_server.frontend.engine_client import EngineClient
 from resnet_server.frontend.model_control import ModelControl
-from resnet_server.frontend.oip_service import DECLARED_INPUTS, InferenceService, read_infer_request
+from resnet_server.frontend.oip_service import (
+    DECLARED_INPUTS,
+    MOST_RAW_INPUT_CONTENTS,
+    InferenceService,
+    read_infer_request,
+)
 from resnet_server.frontend.repository_service import RepositoryService, read_load_request
 from resnet_server.frontend.router import EngineHandle, Router
 from resnet_server.frontend.security import TokenAuthInterceptor, load_tokens, server_credentials
@@ -132,14 +141,18 @@ class App:
         ])
         # Requests that carry pixels are read with the pixels left in gRPC's bytes (server.frontend.wire).
         read_classify = functools.partial(read_classify_request, max_images=config.max_images_per_request)
-        add_servicer(pb_grpc.add_ClassifierServicer_to_server, self.classifier, self._server,
-                     {"Classify": read_classify, "ClassifyStream": read_classify})
+        bounds = served_bounds(config.max_images_per_request, MOST_RAW_INPUT_CONTENTS)
+        add_servicer(pb_grpc.add_ClassifierServicer_to_server, self.classifier, self._server, _service(pb, "Classifier"),
+                     bounds, {"Classify": read_classify, "ClassifyStream": read_classify})
         add_servicer(oip_grpc.add_GRPCInferenceServiceServicer_to_server, self.inference, self._server,
+                     _service(oip_pb, "GRPCInferenceService"), bounds,
                      {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request},
                      rare={"RepositoryModelLoad": read_load_request})
-        add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.health, self._server)
+        add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.health, self._server,
+                     _service(health_pb2, "Health"), bounds)
         add_servicer(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflection.aio.ReflectionServicer(  # type: ignore[attr-defined]  # as health.aio
-            (*SERVICE_NAMES, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), self._server)
+            (*SERVICE_NAMES, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), self._server,
+            _service(reflection_pb2, "ServerReflection"), bounds)
         address = host_port(network.host, network.port)
         try:
             self.port = (self._server.add_secure_port(address, self.credentials) if self.credentials
@@ -309,9 +322,11 @@ class _Handlers:
 
 
 def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Server,
+                 service: ServiceDescriptor, bounds: WireBounds,
                  deserializers: dict[str, Callable[[bytes], object]] | None = None,
                  rare: dict[str, Callable[[bytes], object]] | None = None) -> None:
-    """``add_to_server(servicer, server)`` (the generated one), with the methods of ``deserializers`` (those that
+    """``add_to_server(servicer, server)`` (the generated one), every method's requests checked against
+    ``bounds`` before they are read (server.frontend.bounds), with the methods of ``deserializers`` (those that
     carry pixels) registered with gRPC and their requests read by it instead of protobuf's parse; the others only
     in a generic handler, ``rare`` ones read by the reader given. gRPC's server loop waits on one future per
     registered method for every call it takes, so a registered method nobody calls costs every call."""
@@ -319,12 +334,18 @@ def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Ser
     readers = {**(rare or {}), **deserializers}
     generated = _Handlers()
     add_to_server(servicer, generated)
-    handlers = {name: handler._replace(request_deserializer=readers[name]) if name in readers else handler
+    handlers = {name: bounded(handler._replace(request_deserializer=readers[name]) if name in readers else handler,
+                              service.methods_by_name[name].input_type, bounds)
                 for name, handler in generated.handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generated.service, handlers),))
     # grpcio 1.62's API, newer than grpc-stubs.
     registered = {name: handlers[name] for name in deserializers}
     server.add_registered_method_handlers(generated.service, registered)  # type: ignore[attr-defined]
+
+
+def _service(module: ModuleType, name: str) -> ServiceDescriptor:
+    """A service's descriptor, from the module protoc made for its file."""
+    return module.DESCRIPTOR.services_by_name[name]  # type: ignore[no-any-return]
 
 
 def _connection_age_options(config: FrontendConfig) -> list[tuple[str, int]]:
