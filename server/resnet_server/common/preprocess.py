@@ -17,6 +17,7 @@ becomes there.
 from __future__ import annotations
 
 import functools
+import io
 import math
 from typing import NamedTuple, Protocol
 
@@ -304,13 +305,23 @@ def decode(data: bytes, max_pixels: int) -> torch.Tensor:
     """Encoded bytes to uint8 [3, H, W] RGB, refusing images over max_pixels before decoding them."""
     check_header(data, max_pixels)
     try:
-        decoded = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    except (RuntimeError, ValueError) as exc:
+        if image_format(data) == "GIF":
+            decoded = _first_gif_frame(data)
+        else:  # an animated WEBP is refused by the decoder; an animated PNG decodes as its default image
+            decoded = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except (RuntimeError, ValueError, OSError) as exc:
         raise _undecodable(data, exc) from exc
-    if decoded.ndim == 4:  # animated GIF: classify the first frame
-        decoded = decoded[0]
     _check_pixels(decoded.shape[-2], decoded.shape[-1], max_pixels)
     return decoded
+
+
+def _first_gif_frame(data: bytes) -> torch.Tensor:
+    """An animated GIF is classified by its first frame, and only that frame is decoded: torchvision's decoder
+    makes every frame at the canvas's size, so a few KB of one-pixel frames on a large canvas asked for gigabytes.
+    PIL reads frames lazily; its first frame is torchvision's, pixel for pixel."""
+    with Image.open(io.BytesIO(data)) as image:
+        rgb = np.asarray(image.convert("RGB"))
+    return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
 
 
 def _undecodable(data: bytes, exc: Exception) -> InvalidInput:
