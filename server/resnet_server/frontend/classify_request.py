@@ -40,6 +40,10 @@ class ReadRequest(NamedTuple):
     fields: pb.ClassifyRequest
     unreadable: str | None = None
 
+    def size(self) -> int:
+        """The bytes it holds: its images'."""
+        return sum(len(image.data) for image in self.images)
+
 
 def too_many_images(most: int) -> str:
     return f"request has more than {most} images, the limit of {most} (--max-images-per-request)"

@@ -84,6 +84,10 @@ class InferRequest(NamedTuple):
     raw_input_contents: list
     unreadable: str | None = None
 
+    def size(self) -> int:
+        """The bytes it holds: its raw contents and the rest of its message."""
+        return sum(len(contents) for contents in self.raw_input_contents) + self.message.ByteSize()
+
 
 def read_infer_request(data: bytes) -> InferRequest:
     """gRPC's request deserializer for ModelInfer and ModelStreamInfer; it runs on the event loop, so it reads
@@ -404,7 +408,7 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
                     infer_response=oip.ModelInferResponse(model_name=request.message.model_name,
                                                           id=request.message.id))
 
-        async for response in in_order(request_iterator, one):
+        async for response in in_order(request_iterator, one, weigh=InferRequest.size):
             yield response
 
     async def TraceSetting(self, request, context):
@@ -414,11 +418,11 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
         """Triton's trace settings: each update applies on every front-end at once; with none, what they are."""
         if request.model_name:
             check_model(request.model_name, "", self._version)
-        asked = {key: list(value.value) for key, value in request.settings.items()}
-        if asked:
+        if request.settings:  # entries and values bounded before the request was parsed (server.frontend.bounds)
             if self.tracing is None:
                 raise FailedPrecondition("tracing is off: start the server with --otlp-endpoint (an OTLP receiver) "
                                          "to trace calls")
+            asked = {key: list(value.value) for key, value in request.settings.items()}
             await self._control.set_trace(checked_settings(asked))
         current = self.tracing.sampler.settings() if self.tracing is not None else {"trace_level": ["OFF"]}
         value = oip.TraceSettingResponse.SettingValue

@@ -177,6 +177,15 @@ TRACE_LEVELS = ("OFF", "TIMESTAMPS")
 IGNORED_SETTINGS = ("log_frequency", "trace_file", "trace_mode")
 
 
+MOST_SHOWN = 32  # characters of a client's value a refusal shows
+
+
+def _shown(values: list[str]) -> str:
+    """A client's list of values as a refusal shows it: how many, and the first one cut."""
+    first = f"{values[0][:MOST_SHOWN]!r}" if values else "none"
+    return f"{len(values)} value{'s' if len(values) != 1 else ''}, the first {first}" if len(values) > 1 else first
+
+
 def checked_settings(asked: dict[str, list[str]]) -> dict[str, list[str]]:
     """The settings a TraceSetting request asks for, checked; InvalidInput names the first it cannot honour."""
     checked = {}
@@ -184,15 +193,15 @@ def checked_settings(asked: dict[str, list[str]]) -> dict[str, list[str]]:
         if key in IGNORED_SETTINGS:
             continue
         if key == "trace_level":
-            if not values or any(value not in TRACE_LEVELS for value in values):
-                raise InvalidInput(f"trace_level must be OFF or TIMESTAMPS, got {values}")
+            if len(values) != 1 or values[0] not in TRACE_LEVELS:
+                raise InvalidInput(f"trace_level must be one value, OFF or TIMESTAMPS, got {_shown(values)}")
         elif key in ("trace_rate", "trace_count"):
             least = 1 if key == "trace_rate" else -1
             if len(values) != 1 or not values[0].lstrip("-").isdigit() or int(values[0]) < least:
-                raise InvalidInput(f"{key} must be one whole number of at least {least}, got {values}")
+                raise InvalidInput(f"{key} must be one whole number of at least {least}, got {_shown(values)}")
         else:
-            raise InvalidInput(f"unknown trace setting {key!r}; this server takes trace_level, trace_rate and "
-                               f"trace_count (and accepts, ignoring them, {', '.join(IGNORED_SETTINGS)})")
+            raise InvalidInput(f"unknown trace setting {key[:MOST_SHOWN]!r}; this server takes trace_level, "
+                               f"trace_rate and trace_count (and accepts, ignoring them, {', '.join(IGNORED_SETTINGS)})")
         checked[key] = list(values)
     return checked
 
