@@ -187,10 +187,13 @@ def unload_then_load(triton: tc.InferenceServerClient, target: str) -> None:
     assert [model.state for model in triton.get_model_repository_index().models] == ["UNAVAILABLE"] * 2
     assert refused(infer, triton).status() == "StatusCode.UNAVAILABLE"
     with Client(target, attempts=1) as client:
-        wait_for(lambda: client.health() == "NOT_SERVING")
+        # Not ready (the services' health), yet live (the server's own): a liveness probe restarts nothing.
+        wait_for(lambda: client.health("resnet.v1.Classifier") == "NOT_SERVING")
+        assert client.health("inference.GRPCInferenceService") == "NOT_SERVING" and client.health() == "SERVING"
+        assert not triton.is_server_ready() and triton.is_server_live()
         triton.load_model("resnet18", config='{"name": "resnet18", "backend": "pytorch"}')  # asks for nothing new
         assert triton.is_model_ready("resnet18") and infer(triton)[0] == "4"
-        wait_for(lambda: client.health() == "SERVING")
+        wait_for(lambda: client.health("resnet.v1.Classifier") == "SERVING")
 
 
 def new_processes_serve_the_weights_served_now(workers: Workers, frontends: list[int], target: str,

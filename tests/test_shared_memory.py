@@ -12,6 +12,7 @@ import struct
 import threading
 import warnings
 from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -205,11 +206,36 @@ def test_another_tokens_regions_are_invisible_to_it(make_server, tmp_path):
             bob.unregister_system_shared_memory("in", headers=as_bob)
         assert refused.value.status() == "StatusCode.NOT_FOUND"
         bob.unregister_system_shared_memory(headers=as_bob)  # all of bob's: none of alice's
+        # Alice's file is hers: Bob cannot register a region of it (to read her images or overwrite her outputs).
+        with pytest.raises(InferenceServerException) as refused:
+            bob.register_system_shared_memory("mine", out_key, PROBABILITIES_BYTES, headers=as_bob)
+        assert refused.value.status() == "StatusCode.PERMISSION_DENIED" and "another client" in \
+            refused.value.message()
         # Bob may use the same name for a region of his own.
-        bob.register_system_shared_memory("in", key, IMAGES.nbytes, headers=as_bob)
+        with region(IMAGES.nbytes) as (bobs_key, _):
+            bob.register_system_shared_memory("in", bobs_key, IMAGES.nbytes, headers=as_bob)
         assert set(alice.get_system_shared_memory_status(as_json=True, headers=as_alice)["regions"]) == {"in", "out"}
         tensor.set_shared_memory("in", IMAGES.nbytes)
         assert alice.infer("resnet18_uint8", [tensor], headers=as_alice).as_numpy("probabilities").shape == (2, 1000)
+
+
+def test_a_key_registered_for_one_file_refuses_another_file_under_it(shm_server):
+    client = tc.InferenceServerClient(shm_server.target)
+    key = f"/test-{secrets.token_hex(6)}"
+    path = Path("/dev/shm") / key.strip("/")
+    try:
+        path.write_bytes(bytes(64))
+        client.register_system_shared_memory("first", key, 64)
+        path.unlink()
+        path.write_bytes(bytes(64))  # the client makes a new file under the same key
+        with pytest.raises(InferenceServerException) as refused:
+            client.register_system_shared_memory("second", key, 64)
+        assert refused.value.status() == "StatusCode.ALREADY_EXISTS" and "another file" in refused.value.message()
+        client.unregister_system_shared_memory("first")
+        client.register_system_shared_memory("second", key, 64)  # once the old file's regions are gone
+        client.unregister_system_shared_memory("second")
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def test_limits_on_regions_and_bytes(make_server):

@@ -180,9 +180,11 @@ class MessageReader(Generic[Message]):
     makes two a message: its length, then its body). Under load an engine's answers and a front-end's
     submits come several to a wake-up; each system call costs as much as decoding a message."""
 
-    def __init__(self, connection: Connection, decoder: msgspec.msgpack.Decoder[Message]) -> None:
-        self._fd = connection.fileno()
+    def __init__(self, source: Connection | int, decoder: msgspec.msgpack.Decoder[Message],
+                 most_message_bytes: int | None = None) -> None:
+        self._fd = source if isinstance(source, int) else source.fileno()
         self._decode = decoder.decode
+        self._most = most_message_bytes  # a larger message is refused (ValueError), not buffered
         self._buffer = memoryview(bytearray(FIRST_READ_BYTES))
         self._kept = 0  # bytes of a message not yet whole, at the buffer's start
 
@@ -215,6 +217,8 @@ class MessageReader(Generic[Message]):
                 return None
             (size,) = _LONG_LENGTH.unpack_from(self._buffer, start)
             start += _LONG_LENGTH.size
+        if self._most is not None and not 0 <= size <= self._most:
+            raise ValueError(f"a message of {size} bytes, over the {self._most} a message may hold")
         return (start, start + size) if start + size <= end else None
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
 import signal
 import sys
 import threading
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import NoReturn
 
 
@@ -27,13 +26,6 @@ def die_with_supervisor() -> None:
 def _terminate_when_gone(supervisor_sentinel: int) -> None:
     wait([supervisor_sentinel])
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-def report_stopped(reports: Connection, code: int) -> None:
-    """Tell the supervisor how this child is about to exit (after a drain): it learns that from the child
-    itself, whatever became of the fork server that would otherwise report the exit code."""
-    with contextlib.suppress(OSError):  # the supervisor has gone: no one to tell
-        reports.send(("stopped", code))
 
 
 def exit_at_once(code: int) -> NoReturn:

@@ -53,17 +53,6 @@ class LoadedWeights:
         return dataclasses.replace(self, state_dict={})
 
 
-@dataclass(frozen=True)
-class ServedWeights:
-    """The weights the server serves, as the supervisor tells the front-ends: where they come from, their version
-    and SHA-256, and whether the model is loaded at all (an unload makes it not ready until the next load)."""
-
-    source: str  # --weights (a path, imagenet or random), or a file of weights a client sent
-    version: int
-    sha256: str = ""  # "" until an engine has loaded them
-    loaded: bool = True
-
-
 def load_weights(spec: str, device: torch.device) -> LoadedWeights:
     """Resolve ``--weights`` (imagenet, random or a path) to a state_dict on ``device``."""
     if spec == "imagenet":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from resnet_server.common.errors import AlreadyExists, InvalidInput, NotFound, Overloaded
+from resnet_server.common.errors import AlreadyExists, InvalidInput, NotFound, Overloaded, PermissionDenied
 
 SHM_FOLDER = "/dev/shm"
 # "sem.": POSIX named semaphores (multiprocessing's among them) live in /dev/shm under this prefix; "resnet":
@@ -47,6 +47,12 @@ class RegionSpec:
     key: str
     offset: int
     byte_size: int
+    # The file's identity when it was registered (st_dev, st_ino): every front-end opens that file, or none.
+    device: int = 0
+    inode: int = 0
+
+    def same_file(self, device: int, inode: int) -> bool:
+        return (self.device, self.inode) == (device, inode)
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,13 @@ class RegionTable:
         if not spec.name:
             raise InvalidInput("a shared-memory region needs a name")
         if (spec.owner, spec.name) in self._regions:
-            raise AlreadyExists(f"shared-memory region {spec.name!r} is registered already; unregister it first")
+            raise AlreadyExists(f"shared-memory region {spec.name[:64]!r} is registered already; unregister it first")
+        for region in self._regions.values():
+            if region.key == spec.key and region.owner != spec.owner:
+                raise PermissionDenied(f"shared-memory key {spec.key[:64]!r} is registered by another client")
+            if region.key == spec.key and not region.same_file(spec.device, spec.inode):
+                raise AlreadyExists(f"shared-memory key {spec.key[:64]!r} names another file than the one registered "
+                                    "under it; unregister its regions first")
         held = [region for region in self._regions.values() if region.owner == spec.owner]
         if len(held) >= self.limits.regions:
             raise Overloaded(f"{len(held)} shared-memory regions are registered by this client, its limit "
@@ -89,7 +101,7 @@ class RegionTable:
         elif (spec := self._regions.get((owner, name))) is not None:
             gone = [spec]
         else:
-            raise NotFound(f"no shared-memory region {name!r} is registered")
+            raise NotFound(f"no shared-memory region {name[:64]!r} is registered")
         for spec in gone:
             del self._regions[spec.owner, spec.name]
         return gone

@@ -141,10 +141,7 @@ def _plan(field_descriptor: FieldDescriptor, bounds: WireBounds) -> _Plan:
 
 
 def _repeated(field_descriptor: FieldDescriptor) -> bool:
-    is_repeated = getattr(field_descriptor, "is_repeated", None)  # protobuf 6 and later; `label` before
-    if is_repeated is not None:
-        return bool(is_repeated)
-    return bool(field_descriptor.label == FieldDescriptor.LABEL_REPEATED)
+    return bool(field_descriptor.is_repeated)  # protobuf's name since 6 (its `label` is deprecated)
 
 
 MOST_DIMENSIONS = 8  # a tensor's shape: the model's inputs have four

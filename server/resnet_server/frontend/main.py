@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from multiprocessing.connection import Connection
 
+from resnet_server.boundary.control import Bound, MetricsPort, Outbox, Serving, frontend_order_inbox
 from resnet_server.boundary.protocol import EngineLink
-from resnet_server.common.lifetime import die_with_supervisor, report_stopped
+from resnet_server.common.lifetime import die_with_supervisor
 from resnet_server.common.logs import configure_logging
 from resnet_server.common.memory import map_huge_blocks
 from resnet_server.common.metrics import Metrics, serve_child_metrics
-from resnet_server.common.model import ServedWeights
 from resnet_server.common.sections import FrontendConfig
+from resnet_server.common.served import ServedWeights
 from resnet_server.common.shared_regions import RegionSpec
 from resnet_server.common.statistics import SharedRow
 from resnet_server.frontend.model_control import ModelControl
@@ -30,10 +31,12 @@ def frontend_main(config: FrontendConfig, index: int, engines: list[EngineLink],
     map_huge_blocks()
     configure_logging(config.observability.log_level, config.observability.log_format)
     metrics = Metrics(config.largest_batch, statistics)
+    # The pipes stay open as long as the process: their ends are read and written by descriptor.
+    control = ModelControl(served, config.uploads, Outbox(reports.fileno()), frontend_order_inbox(orders.fileno()),
+                           trace_settings, regions)
     if with_metrics:
-        reports.send(("metrics", serve_child_metrics(metrics.registry).server_port))
-    control = ModelControl(served, config.uploads, reports, orders, trace_settings, regions)
-    code = run(config, index, engines, owner, metrics, on_bound=lambda port: reports.send(("bound", port)),
-               on_serving=lambda: reports.send(("serving", 0)), load_first=load_first, control=control)
-    report_stopped(reports, code)
+        control.report(MetricsPort(serve_child_metrics(metrics.registry).server_port))
+    code = run(config, index, engines, owner, metrics, on_bound=lambda port: control.report(Bound(port)),
+               on_serving=lambda: control.report(Serving()), load_first=load_first, control=control)
+    control.stopped(code)
     raise SystemExit(code)

@@ -3,11 +3,11 @@ weights (which runs the reload over every engine, server.supervisor.reloads) and
 serves; Triton's trace settings and the clients' shared-memory regions likewise, set through any front-end and
 applied on all.
 
-Requests go up the front-end's report pipe, ("load", (ticket, source or None)), ("unload", (ticket, None)),
-("trace", (ticket, settings)) and ("shm", (ticket, ("register", RegionSpec) or ("unregister", owner, name)));
-the supervisor's orders come down a pipe of their own: ("answer", (ticket, status code, message)), ("weights",
-ServedWeights), ("trace", settings), ("shm_open", RegionSpec) and ("shm_close", [RegionSpec]), read on the event
-loop. Each order reaches every front-end before the answer to the request that caused it.
+Requests go up the front-end's report pipe (Load, Unload, SetTrace, Register, Unregister, each with a call id);
+the supervisor's orders come down a pipe of their own (Answer to a call id, WeightsServed, Trace, RegionOpened,
+RegionsClosed), read on the event loop: the messages of server.boundary.control. Writes never block the loop:
+what the pipe cannot take waits in an outbox, written when the pipe has room. Each order reaches every front-end
+before the answer to the request that caused it.
 """
 
 from __future__ import annotations
@@ -17,24 +17,43 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
 import grpc
 
+from resnet_server.boundary.control import (
+    Answer,
+    Bound,
+    FrontendOrder,
+    FrontendReport,
+    Inbox,
+    Load,
+    MetricsPort,
+    Outbox,
+    PeerStopped,
+    RegionOpened,
+    RegionsClosed,
+    Register,
+    Serving,
+    SetTrace,
+    Stopped,
+    Trace,
+    Unload,
+    Unregister,
+    WeightsServed,
+)
 from resnet_server.common.errors import ServingError, Unavailable
-from resnet_server.common.model import ServedWeights
+from resnet_server.common.served import ServedWeights
 from resnet_server.common.shared_regions import RegionSpec
 
-log = logging.getLogger("server.model_control")
+log = logging.getLogger(__name__)
 
 
 class ModelControl:
     """What this front-end knows of the weights served, and its requests to change them."""
 
-    def __init__(self, served: ServedWeights, uploads: str, reports: Connection | None = None,
-                 orders: Connection | None = None, trace_settings: dict[str, list[str]] | None = None,
+    def __init__(self, served: ServedWeights, uploads: str, reports: Outbox | None = None,
+                 orders: Inbox[FrontendOrder] | None = None, trace_settings: dict[str, list[str]] | None = None,
                  regions: list[RegionSpec] | None = None) -> None:
         self.served = served
         self.trace_settings = dict(trace_settings or {})  # those set while serving, as the supervisor keeps them
@@ -43,7 +62,7 @@ class ModelControl:
         self._trace_listeners: list[Callable[[dict[str, list[str]]], None]] = []
         self.uploads = Path(uploads) if uploads else None  # where a client's weights are written for the engines
         self._reports, self._orders = reports, orders
-        self._tickets = itertools.count(1)
+        self._calls = itertools.count(1)  # a request's call id, never reused in this process
         self._waiting: dict[int, asyncio.Future[tuple[str, str]]] = {}
         self._listeners: list[Callable[[ServedWeights], None]] = []
 
@@ -68,78 +87,115 @@ class ModelControl:
     def listen(self) -> None:
         """Read the supervisor's orders on the running event loop from now on."""
         if self._orders is not None:
-            asyncio.get_running_loop().add_reader(self._orders.fileno(), self._read)
+            asyncio.get_running_loop().add_reader(self._orders.fd, self._read)
 
     def close(self) -> None:
-        if self._orders is not None:
-            with contextlib.suppress(RuntimeError, ValueError, OSError):  # no loop any more, or closed already
-                asyncio.get_running_loop().remove_reader(self._orders.fileno())
+        with contextlib.suppress(RuntimeError, ValueError, OSError):  # no loop any more, or closed already
+            loop = asyncio.get_running_loop()
+            if self._orders is not None:
+                loop.remove_reader(self._orders.fd)
+            if self._reports is not None:
+                loop.remove_writer(self._reports.fd)
         for waiting in self._waiting.values():
             waiting.cancel()
+
+    def report(self, message: Bound | Serving | MetricsPort | Stopped) -> None:
+        """Tell the supervisor how this process stands (none to tell for a front-end run alone)."""
+        if self._reports is not None:
+            with contextlib.suppress(PeerStopped):  # the supervisor has gone: this process ends with it
+                self._send(message)
+
+    def stopped(self, code: int, timeout: float = 5.0) -> None:
+        """The last report, as the process exits: written within ``timeout`` seconds or not at all."""
+        if self._reports is not None:
+            self.report(Stopped(code))
+            self._reports.drain(timeout)
 
     async def load(self, source: str | None) -> None:
         """Reload every engine from ``source`` (None: --weights); returns once all serve it. If none does,
         ServingError with the supervisor's status code says why."""
-        await self._ask("load", source)
+        await self._ask(lambda call: Load(call, source))
 
     async def unload(self) -> None:
-        await self._ask("unload", None)
+        await self._ask(Unload)
 
     async def set_trace(self, settings: dict[str, list[str]]) -> None:
         """Triton's trace settings, on every front-end (on this one alone where it has no supervisor)."""
         if self._reports is None:
             self._apply_trace(settings)
         else:
-            await self._ask("trace", settings)
+            await self._ask(lambda call: SetTrace(call, settings))
 
     async def register_region(self, spec: RegionSpec) -> None:
         """A client's region, opened on every front-end; the supervisor's refusal (a name taken, a limit) raised."""
-        await self._ask("shm", ("register", spec))
+        await self._ask(lambda call: Register(call, spec))
 
     async def unregister_region(self, owner: str, name: str) -> None:
         """``owner``'s region ``name`` (every one of its regions for ""), closed on every front-end."""
-        await self._ask("shm", ("unregister", owner, name))
+        await self._ask(lambda call: Unregister(call, owner, name))
 
-    async def _ask(self, kind: str, payload: object) -> None:
+    async def _ask(self, request: Callable[[int], FrontendReport]) -> None:
         """Ask the supervisor; its answer, unless OK, raised as a ServingError with its status code."""
         if self._reports is None:
             raise Unavailable("this front-end runs without a supervisor: nothing can reload its engines")
-        ticket = next(self._tickets)
-        answered = self._waiting[ticket] = asyncio.get_running_loop().create_future()
+        call = next(self._calls)
+        answered = self._waiting[call] = asyncio.get_running_loop().create_future()
         try:
-            self._reports.send((kind, (ticket, payload)))
+            self._send(request(call))
             code, message = await answered
+        except PeerStopped:
+            raise Unavailable("the supervisor does not answer; retry") from None
         finally:
-            del self._waiting[ticket]
+            del self._waiting[call]
         if code != "OK":
             error = ServingError(message)
             error.code = grpc.StatusCode[code]
             raise error
 
+    def _send(self, message: FrontendReport) -> None:
+        """Written now if the pipe takes it, else when it has room (the loop watches it while bytes wait)."""
+        assert self._reports is not None
+        self._reports.send(message)
+        if self._reports.waiting:
+            with contextlib.suppress(RuntimeError):  # no loop runs (before it starts): the next write takes it
+                asyncio.get_running_loop().add_writer(self._reports.fd, self._flush)
+
+    def _flush(self) -> None:
+        assert self._reports is not None
+        try:
+            done = self._reports.flush()
+        except PeerStopped:
+            done = True
+        if done:
+            asyncio.get_running_loop().remove_writer(self._reports.fd)
+
     def _read(self) -> None:
         assert self._orders is not None
         try:
-            kind, value = self._orders.recv()
-        except (EOFError, OSError):  # the supervisor has gone: this process ends with it
-            asyncio.get_running_loop().remove_reader(self._orders.fileno())
+            orders = self._orders.read()
+        except (EOFError, OSError, PeerStopped):  # the supervisor has gone: this process ends with it
+            asyncio.get_running_loop().remove_reader(self._orders.fd)
             return
-        self._follow(kind, value)
+        for order in orders:
+            self._follow(order)
 
-    def _follow(self, kind: str, value: Any) -> None:
+    def _follow(self, order: object) -> None:
         """One order of the supervisor's."""
-        if kind == "answer":
-            ticket, code, message = value
-            if (waiting := self._waiting.get(ticket)) is not None and not waiting.done():
-                waiting.set_result((code, message))
-        elif kind == "weights":
-            self.served = value
+        if isinstance(order, Answer):
+            if (waiting := self._waiting.get(order.call)) is not None and not waiting.done():
+                waiting.set_result((order.code, order.message))
+        elif isinstance(order, WeightsServed):
+            self.served = order.weights
             for listener in self._listeners:
-                listener(value)
-        elif kind == "trace":
-            self._apply_trace(value)
-        elif kind in ("shm_open", "shm_close"):
-            for opened, closed in self._region_listeners:
-                opened(value) if kind == "shm_open" else closed(value)
+                listener(order.weights)
+        elif isinstance(order, Trace):
+            self._apply_trace(order.settings)
+        elif isinstance(order, RegionOpened):
+            for opened, _ in self._region_listeners:
+                opened(order.region)
+        elif isinstance(order, RegionsClosed):
+            for _, closed in self._region_listeners:
+                closed(order.regions)
 
     def _apply_trace(self, settings: dict[str, list[str]]) -> None:
         self.trace_settings.update(settings)

@@ -30,9 +30,10 @@ from resnet_server.common.errors import StartupError
 from resnet_server.common.lifetime import exit_at_once
 from resnet_server.common.logs import log_trace_ids
 from resnet_server.common.metrics import Metrics
-from resnet_server.common.model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION, ServedWeights
+from resnet_server.common.model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION
 from resnet_server.common.preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
 from resnet_server.common.sections import FrontendConfig
+from resnet_server.common.served import ServedWeights
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.frontend.bounded_handlers import bounded
 from resnet_server.frontend.bounds import WireBounds, served_bounds
@@ -58,8 +59,10 @@ log = logging.getLogger("server")
 LABELS = list(IMAGENET_WEIGHTS.meta["categories"])
 TRACING_FLUSH_SECONDS = 5.0
 UNLOADED = "the model is unloaded (RepositoryModelUnload); load it again (RepositoryModelLoad) to serve"
-SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name,)
 OIP_SERVICE_NAME = oip_pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+# The services' health says whether they take calls (readiness); the server's own, "", whether the process is
+# well (liveness): an unloaded model is the one, not the other.
+SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name, OIP_SERVICE_NAME)
 
 
 class App:
@@ -142,17 +145,21 @@ class App:
         # Requests that carry pixels are read with the pixels left in gRPC's bytes (server.frontend.wire).
         read_classify = functools.partial(read_classify_request, max_images=config.max_images_per_request)
         bounds = served_bounds(config.max_images_per_request, MOST_RAW_INPUT_CONTENTS)
-        add_servicer(pb_grpc.add_ClassifierServicer_to_server, self.classifier, self._server, _service(pb, "Classifier"),
-                     bounds, {"Classify": read_classify, "ClassifyStream": read_classify})
+        # gRPC's limit, raised for a file of weights, still holds for every other method (checked by their readers).
+        most_bytes = network.max_message_mb << 20 if limit > network.max_message_mb << 20 else None
+        add_servicer(pb_grpc.add_ClassifierServicer_to_server, self.classifier, self._server,
+                     _service(pb, "Classifier"), bounds, {"Classify": read_classify, "ClassifyStream": read_classify},
+                     most_bytes=most_bytes)
         add_servicer(oip_grpc.add_GRPCInferenceServiceServicer_to_server, self.inference, self._server,
                      _service(oip_pb, "GRPCInferenceService"), bounds,
                      {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request},
-                     rare={"RepositoryModelLoad": read_load_request})
+                     rare={"RepositoryModelLoad": read_load_request}, most_bytes=most_bytes,
+                     larger=("RepositoryModelLoad",))
         add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.health, self._server,
-                     _service(health_pb2, "Health"), bounds)
+                     _service(health_pb2, "Health"), bounds, most_bytes=most_bytes)
         add_servicer(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflection.aio.ReflectionServicer(  # type: ignore[attr-defined]  # as health.aio
-            (*SERVICE_NAMES, OIP_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), self._server,
-            _service(reflection_pb2, "ServerReflection"), bounds)
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)), self._server,
+            _service(reflection_pb2, "ServerReflection"), bounds, most_bytes=most_bytes)
         address = host_port(network.host, network.port)
         try:
             self.port = (self._server.add_secure_port(address, self.credentials) if self.credentials
@@ -187,17 +194,19 @@ class App:
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         elif self.core.unloaded is None:  # every engine answered, none with its device in rotation: SERVING when one
             self._no_replica_left()  # rejoins
-        else:
-            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        else:  # unloaded: live, not ready
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING, ("",))
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, SERVICE_NAMES)
 
     def _weights_changed(self, served: ServedWeights) -> None:
-        """The supervisor says which weights every engine serves now: after an unload, health says NOT_SERVING and
-        calls are refused until the next load."""
+        """The supervisor says which weights every engine serves now: after an unload, the services' health says
+        NOT_SERVING (readiness) and calls are refused until the next load; the server's own ("", liveness)
+        stays SERVING, as the process is well and a restart would undo the unload."""
         if self.core is None:
             return
         self.core.unloaded = None if served.loaded else UNLOADED
         if not served.loaded:
-            self._change_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._change_health(health_pb2.HealthCheckResponse.NOT_SERVING, SERVICE_NAMES)
         elif self.core.router.any_healthy() and not self._draining:
             self._change_health(health_pb2.HealthCheckResponse.SERVING)
 
@@ -266,17 +275,17 @@ class App:
             self._give_up.cancel()
             self._give_up = None
 
-    def _change_health(self, status: int) -> None:
+    def _change_health(self, status: int, names: Sequence[str] = ("", *SERVICE_NAMES)) -> None:
         """From a synchronous callback on the loop; each change waits for the one before, so the last wins."""
-        self._health_update = asyncio.ensure_future(self._set_health_after(self._health_update, status))
+        self._health_update = asyncio.ensure_future(self._set_health_after(self._health_update, status, names))
 
-    async def _set_health_after(self, previous: asyncio.Future | None, status: int) -> None:
+    async def _set_health_after(self, previous: asyncio.Future | None, status: int, names: Sequence[str]) -> None:
         if previous is not None:
             await previous
-        await self._set_health(status)
+        await self._set_health(status, names)
 
-    async def _set_health(self, status: int) -> None:
-        for name in ("", *SERVICE_NAMES):
+    async def _set_health(self, status: int, names: Sequence[str] = ("", *SERVICE_NAMES)) -> None:
+        for name in names:
             await self.health.set(name, status)
 
     async def begin_drain(self) -> None:
@@ -324,9 +333,11 @@ class _Handlers:
 def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Server,
                  service: ServiceDescriptor, bounds: WireBounds,
                  deserializers: dict[str, Callable[[bytes], object]] | None = None,
-                 rare: dict[str, Callable[[bytes], object]] | None = None) -> None:
+                 rare: dict[str, Callable[[bytes], object]] | None = None,
+                 most_bytes: int | None = None, larger: Sequence[str] = ()) -> None:
     """``add_to_server(servicer, server)`` (the generated one), every method's requests checked against
-    ``bounds`` before they are read (server.frontend.bounds), with the methods of ``deserializers`` (those that
+    ``bounds`` before they are read (server.frontend.bounds) and against ``most_bytes`` (but those named in
+    ``larger``, for which gRPC's own limit is raised), with the methods of ``deserializers`` (those that
     carry pixels) registered with gRPC and their requests read by it instead of protobuf's parse; the others only
     in a generic handler, ``rare`` ones read by the reader given. gRPC's server loop waits on one future per
     registered method for every call it takes, so a registered method nobody calls costs every call."""
@@ -335,7 +346,8 @@ def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Ser
     generated = _Handlers()
     add_to_server(servicer, generated)
     handlers = {name: bounded(handler._replace(request_deserializer=readers[name]) if name in readers else handler,
-                              service.methods_by_name[name].input_type, bounds)
+                              service.methods_by_name[name].input_type, bounds,
+                              None if name in larger else most_bytes)
                 for name, handler in generated.handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generated.service, handlers),))
     # grpcio 1.62's API, newer than grpc-stubs.
@@ -345,7 +357,7 @@ def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Ser
 
 def _service(module: ModuleType, name: str) -> ServiceDescriptor:
     """A service's descriptor, from the module protoc made for its file."""
-    return module.DESCRIPTOR.services_by_name[name]  # type: ignore[no-any-return]
+    return module.DESCRIPTOR.services_by_name[name]
 
 
 def _connection_age_options(config: FrontendConfig) -> list[tuple[str, int]]:

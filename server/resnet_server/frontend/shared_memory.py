@@ -147,7 +147,13 @@ class OpenRegions:
         try:
             fd = open_region(spec)
         except InvalidInput as exc:
-            log.warning("shared-memory region %r left out on this front-end: %s", spec.name, exc)
+            log.warning("shared-memory region %r left out on this front-end: %s", spec.name[:64], exc)
+            return
+        found = os.fstat(fd)
+        if spec.inode and not spec.same_file(found.st_dev, found.st_ino):
+            os.close(fd)
+            log.warning("shared-memory region %r left out on this front-end: its key %r names another file than "
+                        "the one registered", spec.name[:64], spec.key[:64])
             return
         if (old := self._regions.pop((spec.owner, spec.name), None)) is not None:
             old.drop()
@@ -160,7 +166,7 @@ class OpenRegions:
 
     def find(self, owner: str, name: str) -> Region:
         if (region := self._regions.get((owner, name))) is None:
-            raise InvalidInput(f"no shared-memory region {name!r} is registered")
+            raise InvalidInput(f"no shared-memory region {name[:64]!r} is registered")
         return region
 
     def of(self, owner: str) -> list[RegionSpec]:

@@ -11,6 +11,7 @@ region registered then; regions live until unregistered or until the server stop
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Iterable
@@ -52,7 +53,7 @@ class SharedMemoryService:
         if request.name:
             specs = [spec for spec in specs if spec.name == request.name]
             if not specs:
-                raise NotFound(f"no shared-memory region {request.name!r} is registered")
+                raise NotFound(f"no shared-memory region {request.name[:64]!r} is registered")
         status = oip.SystemSharedMemoryStatusResponse.RegionStatus
         return oip.SystemSharedMemoryStatusResponse(regions={
             spec.name: status(name=spec.name, key=spec.key, offset=spec.offset, byte_size=spec.byte_size)
@@ -63,7 +64,12 @@ class SharedMemoryService:
         if not request.name:
             raise InvalidInput("a shared-memory region needs a name")
         spec = RegionSpec(self.owner(metadata), request.name, request.key, request.offset, request.byte_size)
-        os.close(open_region(spec))  # the key and the file checked here, so that what is wrong comes back at once
+        fd = open_region(spec)  # the key and the file checked here, so that what is wrong comes back at once
+        try:
+            found = os.fstat(fd)
+        finally:
+            os.close(fd)
+        spec = dataclasses.replace(spec, device=found.st_dev, inode=found.st_ino)
         if self._alone is not None:
             self._alone.add(spec)
             self.regions.open(spec)

@@ -201,7 +201,8 @@ def checked_settings(asked: dict[str, list[str]]) -> dict[str, list[str]]:
                 raise InvalidInput(f"{key} must be one whole number of at least {least}, got {_shown(values)}")
         else:
             raise InvalidInput(f"unknown trace setting {key[:MOST_SHOWN]!r}; this server takes trace_level, "
-                               f"trace_rate and trace_count (and accepts, ignoring them, {', '.join(IGNORED_SETTINGS)})")
+                               "trace_rate and trace_count (and accepts, ignoring them, "
+                               f"{', '.join(IGNORED_SETTINGS)})")
         checked[key] = list(values)
     return checked
 

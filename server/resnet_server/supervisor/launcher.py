@@ -39,23 +39,52 @@ import logging
 import multiprocessing
 import os
 import secrets
+import select
 import shutil
 import signal
 import socket
 import tempfile
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+from resnet_server.boundary.control import (
+    Answer,
+    Bound,
+    Committed,
+    EngineOrder,
+    FrontendOrder,
+    Inbox,
+    Load,
+    MetricsPort,
+    Outbox,
+    PeerStopped,
+    Prepared,
+    Ready,
+    RegionOpened,
+    RegionsClosed,
+    Register,
+    ReloadFailed,
+    Report,
+    Serving,
+    SetTrace,
+    Stopped,
+    Trace,
+    Unload,
+    Unregister,
+    WeightsServed,
+    report_inbox,
+    short,
+)
 from resnet_server.boundary.protocol import EngineLink
 from resnet_server.boundary.slab import SLOT_INPUT_BYTES, SlabLayout, create_slab_memory
 from resnet_server.common.config import ServerConfig, host_port
 from resnet_server.common.devices import replica_names
 from resnet_server.common.errors import ServingError
-from resnet_server.common.model import ServedWeights
 from resnet_server.common.sections import engine_config, frontend_config
+from resnet_server.common.served import ServedWeights
 from resnet_server.common.shared_regions import RegionLimits, RegionTable
 from resnet_server.common.statistics import SharedRow, shared_rows
 from resnet_server.engine.main import engine_main
@@ -68,6 +97,7 @@ log = logging.getLogger("server.supervisor")
 FORK_SERVER_PRELOAD = ["resnet_server.engine.main", "resnet_server.frontend.main"]
 _children = multiprocessing.get_context("forkserver")
 _children.set_forkserver_preload(FORK_SERVER_PRELOAD)
+Request = Load | Unload | SetTrace | Register | Unregister | Prepared | Committed | ReloadFailed
 STABLE_SECONDS = 60.0  # a child that ends later than this after its start was not crash-looping
 MOST_RESTART_DELAY = 30.0
 
@@ -89,13 +119,15 @@ def restart_delay(quick_ends: int) -> float:
 
 @dataclasses.dataclass
 class _Child:
-    """One child process and the receiving end of its reports: a front-end's ("bound", port) then
-    ("serving", 0), an engine's ("ready", info), and either's ("metrics", port) where its /metrics listens."""
+    """One child process and its two pipes with the supervisor (server.boundary.control): its reports, a
+    front-end's Bound then Serving, an engine's Ready, either's MetricsPort and Stopped, and requests and answers;
+    and the supervisor's orders to it, written through an outbox that never blocks."""
 
     name: str  # the key it is supervised by: "frontend-N" or "engine-N"
     process: ChildProcess
-    reports: Connection | None  # None once the child has closed its end (it has ended)
-    orders: Connection  # the supervisor's to it: reloads (server.supervisor.reloads)
+    pipes: tuple[Connection, Connection]  # the supervisor's ends: its reports, our orders (kept open with it)
+    reports: Inbox[Report] | None  # None once the child has closed its end (it has ended)
+    orders: Outbox
     port: int = 0
     metrics_port: int = 0
     serving: bool = False
@@ -117,29 +149,46 @@ class _Child:
         """``quick_ends`` counting this child, which has just ended: one more if it ended soon after starting."""
         return self.quick_ends + 1 if time.monotonic() - self.started < STABLE_SECONDS else 0
 
-    def read_reports(self) -> list[tuple[str, object]]:
-        """Take every report waiting; at end-of-file, stop listening (the child has ended). Those about reloads
-        (a front-end's request, an engine's answer), in order, for the supervisor to act on."""
-        reports, reloads = self.reports, []
-        if reports is None:
+    def read_reports(self) -> list[Request]:
+        """Take every report that has come; at end-of-file, stop listening (the child has ended), and a child
+        that sends what is not a control message is cut off. Its requests and answers, in order, for the
+        supervisor to act on."""
+        if self.reports is None:
             return []
         try:
-            while reports.poll():
-                kind, value = reports.recv()
-                self.serving |= kind in ("serving", "ready")
-                self.port = value if kind == "bound" else self.port
-                self.metrics_port = value if kind == "metrics" else self.metrics_port
-                self.stopped_with = value if kind == "stopped" else self.stopped_with
-                if kind not in ("serving", "ready", "bound", "metrics", "stopped"):
-                    reloads.append((kind, value))
-        except EOFError:
-            reports.close()
+            reports = self.reports.read()
+        except (EOFError, PeerStopped) as exc:
+            if isinstance(exc, PeerStopped):
+                log.error("%s (pid %d) is cut off: %s", self.process.name, self.process.pid, exc)
+                self.process.send(signal.SIGKILL)
             self.reports = None
-        return reloads
+            return []
+        requests: list[Request] = []
+        for report in reports:
+            if isinstance(report, Bound):
+                self.port = report.port
+            elif isinstance(report, MetricsPort):
+                self.metrics_port = report.port
+            elif isinstance(report, Serving | Ready):
+                self.serving = True
+            elif isinstance(report, Stopped):
+                self.stopped_with = report.code
+            else:
+                requests.append(report)
+        return requests
 
-    def order(self, message: tuple[object, ...]) -> None:
-        with contextlib.suppress(OSError):  # it has ended: what it was told no longer matters
+    def order(self, message: FrontendOrder | EngineOrder) -> None:
+        """Written now, or once its pipe has room; a child that has let MOST_OUTBOX_BYTES wait is cut off."""
+        try:
             self.orders.send(message)
+        except PeerStopped as exc:
+            if self.process.alive():
+                log.error("%s (pid %d) reads no orders (%s): ending it", self.process.name, self.process.pid, exc)
+                self.process.send(signal.SIGKILL)
+
+    def close(self) -> None:
+        for end in self.pipes:
+            end.close()
 
 
 class Supervisor:
@@ -186,7 +235,7 @@ class Supervisor:
     def _engine_names(self) -> list[str]:
         return [name for name in self.children if name.startswith("engine")]
 
-    def _order(self, name: str, message: tuple[object, ...]) -> None:
+    def _order(self, name: str, message: EngineOrder) -> None:
         if (child := self.children.get(name)) is not None:
             child.order(message)
 
@@ -195,9 +244,9 @@ class Supervisor:
             child.process.send(signal.SIGTERM)
 
     def _announce(self, served: ServedWeights) -> None:
-        self._to_frontends(("weights", served))
+        self._to_frontends(WeightsServed(served))
 
-    def _to_frontends(self, message: tuple[object, ...]) -> None:
+    def _to_frontends(self, message: FrontendOrder) -> None:
         for name, child in self.children.items():
             if name.startswith("frontend"):
                 child.order(message)
@@ -206,40 +255,39 @@ class Supervisor:
         """SIGHUP's: every engine loads the weights from --weights again (even an unchanged file)."""
         self.reloads.load(None, lambda outcome: None)  # its outcome is logged
 
-    def _act_on(self, child: _Child, reports: list[tuple[str, object]]) -> None:
-        """A front-end's request to load or unload, or an engine's answer to an order of a reload."""
-        for kind, value in reports:
-            if kind == "load" and isinstance(value, tuple):
-                ticket, source = value
-                self.reloads.load(source, functools.partial(self._reply, child.name, ticket))
-            elif kind == "unload" and isinstance(value, tuple):
-                self.reloads.unload()
-                self._reply(child.name, value[0], Outcome("OK", "unloaded"))
-            elif kind == "trace" and isinstance(value, tuple):
-                ticket, settings = value
-                self.trace_settings.update(settings)
-                self._to_frontends(("trace", settings))  # each applies them before this answer comes
-                self._reply(child.name, ticket, Outcome("OK", ""))
-            elif kind == "shm" and isinstance(value, tuple):
-                ticket, change = value
-                self._reply(child.name, ticket, self._change_regions(change))
+    def _act_on(self, child: _Child, requests: list[Request]) -> None:
+        """A front-end's request (each answered to its call id), or an engine's answer to an order of a reload."""
+        for request in requests:
+            if isinstance(request, Prepared | Committed | ReloadFailed):
+                self.reloads.on_report(child.name, request)
+                continue
+            reply = functools.partial(self._reply, child.name, request.call)
+            if isinstance(request, Load):
+                self.reloads.load(request.source, reply)
+            elif isinstance(request, Unload):
+                self.reloads.unload(reply)
+            elif isinstance(request, SetTrace):
+                self.trace_settings.update(request.settings)
+                self._to_frontends(Trace(request.settings))  # each applies them before this answer comes
+                reply(Outcome("OK", ""))
             else:
-                self.reloads.on_report(child.name, kind, value)
+                reply(self._change_regions(request))
 
-    def _change_regions(self, change: tuple) -> Outcome:
+    def _change_regions(self, change: Register | Unregister) -> Outcome:
         """A client's region registered or unregistered, and every front-end told before the answer goes."""
         try:
-            if change[0] == "register":
-                self.regions.add(change[1])
-                self._to_frontends(("shm_open", change[1]))
+            if isinstance(change, Register):
+                self.regions.add(change.region)
+                self._to_frontends(RegionOpened(change.region))
             else:
-                self._to_frontends(("shm_close", self.regions.remove(*change[1:])))
+                self._to_frontends(RegionsClosed(self.regions.remove(change.owner, change.name)))
         except ServingError as refused:
             return Outcome(refused.code.name, str(refused))
         return Outcome("OK", "")
 
-    def _reply(self, frontend: str, ticket: object, outcome: Outcome) -> None:
-        self._order(frontend, ("answer", (ticket, outcome.code, outcome.message)))
+    def _reply(self, frontend: str, call: int, outcome: Outcome) -> None:
+        if (child := self.children.get(frontend)) is not None:
+            child.order(Answer(call, outcome.code, short(outcome.message)))
 
     def run(self) -> bool:
         """Start everything and keep it running; False when a signal comes, True when a child ended before it
@@ -291,13 +339,26 @@ class Supervisor:
             self._start_due()
         return None
 
-    def _wait(self) -> list:
-        """Until a report, a child's end, a signal, or the time to start a child that is due."""
+    def _wait(self) -> set[int]:
+        """Until a report, a child's end, a signal, or the time to start a child that is due: the descriptors ready
+        to read. Orders waiting in an outbox are written as their pipes take them."""
         pause = max(0.0, min(when for when, _ in self.due.values()) - time.monotonic()) if self.due else None
-        listening = [child.reports for child in self.children.values() if child.reports is not None]
-        sentinels = [child.process.sentinel for child in self.children.values()]
-        signals = [self.stop_signal.reader] if self.stop_signal is not None else []
-        return wait([*signals, *listening, *sentinels], pause)
+        poller = select.poll()
+        for child in self.children.values():
+            if child.reports is not None:
+                poller.register(child.reports.fd, select.POLLIN)
+            poller.register(child.process.sentinel, select.POLLIN)
+            if child.orders.waiting:
+                poller.register(child.orders.fd, select.POLLOUT)
+        if self.stop_signal is not None:
+            poller.register(self.stop_signal.reader.fileno(), select.POLLIN)
+        ready = poller.poll(None if pause is None else pause * 1000)
+        writable = {fd for fd, events in ready if events & (select.POLLOUT | select.POLLERR | select.POLLHUP)}
+        for child in list(self.children.values()):
+            if child.orders.fd in writable:
+                with contextlib.suppress(PeerStopped):  # it has ended: its sentinel says so
+                    child.orders.flush()
+        return {fd for fd, events in ready if events & (select.POLLIN | select.POLLHUP | select.POLLERR)}
 
     def _start_due(self) -> None:
         for name, (when, quick_ends) in list(self.due.items()):
@@ -309,9 +370,9 @@ class Supervisor:
                 else:
                     self._start_frontend(int(index), self.port, load_first=bool(self.port), quick_ends=quick_ends)
 
-    def _signalled(self, ready: list) -> bool:
+    def _signalled(self, ready: set[int]) -> bool:
         """Whether SIGTERM or SIGINT has come (stop); a SIGHUP starts a reload of --weights."""
-        if self.stop_signal is None or self.stop_signal.reader not in ready:
+        if self.stop_signal is None or self.stop_signal.reader.fileno() not in ready:
             return False
         received = self.stop_signal.received()
         if signal.SIGHUP in received:
@@ -346,7 +407,7 @@ class Supervisor:
         """A child has ended: when to start its replacement, and its quick ends."""
         del self.children[child.name]
         child.process.close()
-        child.orders.close()
+        child.close()
         self.reloads.engine_ended(child.name)
         quick_ends = child.quick_ends_now()
         delay = restart_delay(quick_ends)
@@ -398,7 +459,8 @@ class Supervisor:
         sender.close()  # the child holds the only sending end now: when it ends, ours reads end-of-file
         child_orders.close()
         log.info("started %s (pid %d)", process.name, started.pid)
-        self.children[name] = child = _Child(name, started, receiver, to_child, quick_ends=quick_ends)
+        self.children[name] = child = _Child(name, started, (receiver, to_child), report_inbox(receiver.fileno()),
+                                             Outbox(to_child.fileno()), quick_ends=quick_ends)
         return child
 
     def stop(self) -> bool:

@@ -8,20 +8,28 @@ all have. From the moment it commits, the new weights are the ones a replaced en
 
 An engine that ends while its peers prepare fails the reload (its replacement starts with the old weights, as
 its peers keep); one that ends while they commit does not (its replacement starts with the new ones).
+
+Every reload has an id never used before, named in each of its orders and answers: an answer that comes late
+(an engine still preparing a reload that has already failed) is told apart from the next reload's and dropped.
+Unloads wait in the same queue, so an unload is never undone by a reload that was preparing when it came; at
+most MOST_QUEUED wait.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from resnet_server.common.model import ServedWeights
+from resnet_server.boundary.control import Abort, Commit, Committed, EngineOrder, Prepare, Prepared, ReloadFailed
+from resnet_server.common.served import ServedWeights
 
 log = logging.getLogger("server.reloads")
+MOST_QUEUED = 4  # reloads and unloads waiting behind the one running; more are refused RESOURCE_EXHAUSTED
 
 
 @dataclass(frozen=True)
@@ -33,9 +41,15 @@ class Outcome:
 
 
 @dataclass
+class _Unload:
+    reply: Callable[[Outcome], None]
+
+
+@dataclass
 class _Reload:
     source: str
     reply: Callable[[Outcome], None]
+    id: int = 0
     started: float = field(default_factory=time.monotonic)
     waiting: set[str] = field(default_factory=set)  # engines not yet prepared (committing: not yet committed)
     committing: bool = False
@@ -51,45 +65,55 @@ class Reloads:
     reload fails."""
 
     def __init__(self, served: ServedWeights, configured: str, uploads: Path, engines: Callable[[], list[str]],
-                 order: Callable[[str, tuple[object, ...]], None], restart: Callable[[str], None],
+                 order: Callable[[str, EngineOrder], None], restart: Callable[[str], None],
                  announce: Callable[[ServedWeights], None]) -> None:
         self.served = served
         self._configured = configured
         self._uploads = uploads
         self._engines, self._order, self._restart, self._announce = engines, order, restart, announce
-        self._queue: collections.deque[_Reload] = collections.deque()
+        self._queue: collections.deque[_Reload | _Unload] = collections.deque()
         self._running: _Reload | None = None
+        self._ids = itertools.count(1)
 
     def load(self, source: str | None, reply: Callable[[Outcome], None]) -> None:
         """Reload from ``source`` (None: from --weights, even if that file did not change)."""
-        self._queue.append(_Reload(source or self._configured, reply))
+        self._enqueue(_Reload(source or self._configured, reply))
+
+    def unload(self, reply: Callable[[Outcome], None]) -> None:
+        """The model is not ready until the next load (the engines keep their weights meanwhile); after the reloads
+        asked for before it."""
+        self._enqueue(_Unload(reply))
+
+    def _enqueue(self, item: _Reload | _Unload) -> None:
+        if len(self._queue) >= MOST_QUEUED:
+            item.reply(Outcome("RESOURCE_EXHAUSTED", f"{MOST_QUEUED} loads and unloads wait already; retry later"))
+            if isinstance(item, _Reload):
+                self._forget(item.source)
+            return
+        self._queue.append(item)
         self._next()
 
-    def unload(self) -> None:
-        """The model is not ready until the next load (the engines keep their weights meanwhile)."""
+    def _unloaded(self, unload: _Unload) -> None:
         self.served = ServedWeights(self.served.source, self.served.version, self.served.sha256, loaded=False)
         log.info("model unloaded: not ready until the next load (weights version %d kept)", self.served.version)
         self._announce(self.served)
+        unload.reply(Outcome("OK", "unloaded"))
 
-    def on_report(self, engine: str, kind: str, value: object) -> None:
-        """An engine's answer to an order: prepared, prepare-failed, committed or commit-failed."""
+    def on_report(self, engine: str, report: Prepared | Committed | ReloadFailed) -> None:
+        """An engine's answer to an order of the reload running; any other reload's is dropped."""
         reload = self._running
-        if reload is None or not isinstance(value, tuple | int):
-            return
-        version, detail = value if isinstance(value, tuple) else (value, "")
-        if version != self.served.version + (0 if reload.committing else 1) or engine not in reload.waiting:
+        if reload is None or report.reload != reload.id or engine not in reload.waiting:
             return  # an answer to an order of a reload that has ended
-        if kind == "prepared":
-            reload.sha256 = str(detail)
+        if isinstance(report, Prepared) and not reload.committing:
+            reload.sha256 = report.sha256
             self._answered(engine, reload)
-        elif kind == "prepare-failed":  # detail: "ErrorType: why"
-            error, _, why = str(detail).partition(": ")
-            self._fail(reload, Outcome("INVALID_ARGUMENT" if error == "WeightsError" else "INTERNAL", why))
-        elif kind == "committed":
+        elif isinstance(report, Committed) and reload.committing:
             self._answered(engine, reload)
-        elif kind == "commit-failed":
+        elif isinstance(report, ReloadFailed) and report.step == "prepare" and not reload.committing:
+            self._fail(reload, Outcome(report.code, report.message))
+        elif isinstance(report, ReloadFailed) and reload.committing:
             log.error("%s could not swap in weights version %d (%s); ending it, so that its replacement starts "
-                      "with them", engine, version, detail)
+                      "with them", engine, self.served.version, report.message)
             self._restart(engine)
             self._answered(engine, reload)
 
@@ -104,15 +128,23 @@ class Reloads:
                                                       "every engine keeps the old ones: retry"))
 
     def _next(self) -> None:
-        if self._running is not None or not self._queue:
-            return
-        reload = self._running = self._queue.popleft()
+        """Start what waits first, once nothing runs: an unload at once, a reload's prepare on every engine."""
+        while self._running is None and self._queue:
+            item = self._queue.popleft()
+            if isinstance(item, _Unload):
+                self._unloaded(item)
+            else:
+                self._start(item)
+
+    def _start(self, reload: _Reload) -> None:
+        self._running = reload
+        reload.id = next(self._ids)
         reload.waiting = set(self._engines())
         version = self.served.version + 1
         log.info("reloading weights from %s as version %d on %d engines", self._shown(reload.source), version,
                  len(reload.waiting))
         for engine in reload.waiting:
-            self._order(engine, ("prepare", version, reload.source))
+            self._order(engine, Prepare(reload.id, reload.source))
         if not reload.waiting:
             self._fail(reload, Outcome("UNAVAILABLE", "no engine is running; retry"))
 
@@ -131,7 +163,7 @@ class Reloads:
         self.served = ServedWeights(reload.source, previous.version + 1, reload.sha256)
         reload.waiting = set(self._engines())
         for engine in reload.waiting:
-            self._order(engine, ("commit", self.served.version))
+            self._order(engine, Commit(reload.id, self.served.version))
         self._forget(previous.source)
         if not reload.waiting:
             self._succeeded(reload)
@@ -145,7 +177,7 @@ class Reloads:
 
     def _fail(self, reload: _Reload, outcome: Outcome) -> None:
         for engine in self._engines():
-            self._order(engine, ("abort", self.served.version + 1))
+            self._order(engine, Abort(reload.id))
         log.warning("reload failed after %.2f s: %s; every engine serves weights version %d as before",
                     time.monotonic() - reload.started, outcome.message, self.served.version)
         self._forget(reload.source)
@@ -158,7 +190,7 @@ class Reloads:
 
     def _forget(self, source: str) -> None:
         """Remove a client's file of weights that is no longer served (nor being loaded)."""
-        waiting = {queued.source for queued in self._queue}
+        waiting = {queued.source for queued in self._queue if isinstance(queued, _Reload)}
         if self._uploaded(source) and source != self.served.source and source not in waiting:
             Path(source).unlink(missing_ok=True)
 
