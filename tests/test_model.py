@@ -8,9 +8,17 @@ import sys
 
 import pytest
 import torch
+from torchvision.models import resnet18
 
 from resnet_server.common.errors import StartupError
-from resnet_server.common.model import WeightsError, build_model, load_state_dict_file, load_weights, random_state_dict
+from resnet_server.common.model import (
+    WeightsError,
+    build_model,
+    check_weights_file,
+    load_state_dict_file,
+    load_weights,
+    random_state_dict,
+)
 
 CPU = torch.device("cpu")
 
@@ -112,3 +120,23 @@ def test_server_exits_with_one_clear_line_when_imagenet_is_unavailable(tmp_path)
     error_lines = [line for line in done.stderr.splitlines() if line.startswith("resnet-server: error:")]
     assert len(error_lines) == 1
     assert "--weights PATH" in error_lines[0] and "hub/checkpoints/resnet18-f37072fd.pth" in error_lines[0]
+
+
+def test_integer_weights_are_refused_by_the_check_naming_the_key(tmp_path):
+    from safetensors.torch import save_file
+
+    state = {key: value.long() for key, value in resnet18().state_dict().items()}
+    torch.save(state, tmp_path / "integers.pt")
+    save_file({key: value.contiguous() for key, value in state.items()}, tmp_path / "integers.safetensors")
+    for name in ("integers.pt", "integers.safetensors"):
+        with pytest.raises(WeightsError, match="'conv1.weight' holds torch.int64, ResNet18 needs floating-point"):
+            check_weights_file(tmp_path / name)
+
+
+def test_weights_holding_nan_are_refused_when_the_model_is_built(tmp_path):
+    state = resnet18().state_dict()
+    state["fc.bias"][3] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    check_weights_file(tmp_path / "nan.pt")  # shapes and kinds only: the values are the engines' to read
+    with pytest.raises(WeightsError, match="'fc.bias' holds NaN or infinite values"):
+        build_model(load_weights(str(tmp_path / "nan.pt"), torch.device("cpu")), torch.device("cpu"))

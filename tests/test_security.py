@@ -99,3 +99,13 @@ def test_token_with_tls(make_server, pki, token_file):
             pytest.raises(ClassifierError) as caught:
         client.classify([IMAGE])
     assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("value", ["Bearer alpha", " Bearer alpha", "Bearer  alpha ", "bearer alpha", "\tBearer alpha"])
+def test_whitespace_around_a_bearer_token_is_not_part_of_it(value):
+    from resnet_server.frontend.security import presented_token, token_is_valid
+
+    assert presented_token([("authorization", value)]) == b"alpha"
+    assert token_is_valid([("authorization", value)], [b"alpha", b"bravo"])
+    assert not token_is_valid([("authorization", value.replace("alpha", "alphax"))], [b"alpha"])
+    assert not token_is_valid([("authorization", "Basic alpha")], [b"alpha"])

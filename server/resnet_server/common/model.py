@@ -18,6 +18,7 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torchvision.models import ResNet, ResNet18_Weights, resnet18
@@ -152,7 +153,7 @@ def _shapes(path: Path) -> Mapping[str, torch.Tensor]:
 
     try:
         with safe_open(path, "pt") as file:
-            return {key: torch.empty(file.get_slice(key).get_shape(), device="meta") for key in file.keys()}  # noqa: SIM118 - safe_open is no dict
+            return {key: _described(file.get_slice(key)) for key in file.keys()}  # noqa: SIM118 - safe_open is no dict
     except (SafetensorError, OSError, ValueError) as exc:
         raise WeightsError(f"cannot load {path} as safetensors ({type(exc).__name__}: {exc})") from exc
 
@@ -171,6 +172,12 @@ def _unwrap_state_dict(loaded: object, path: Path) -> dict[str, torch.Tensor]:
     return loaded
 
 
+def _described(tensor_slice: Any) -> torch.Tensor:
+    """A tensor of the file's shape and kind of values (floating point or not), holding nothing."""
+    floating = tensor_slice.get_dtype() in ("F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2")
+    return torch.empty(tensor_slice.get_shape(), dtype=torch.float32 if floating else torch.int64, device="meta")
+
+
 def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], source: str) -> None:
     """Name the first missing, unexpected or mis-shaped key, instead of torch's wall of text."""
     expected = model.state_dict()
@@ -182,9 +189,19 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tens
                 f"weights {source}: {key!r} has shape {tuple(state_dict[key].shape)}, "
                 f"ResNet18 needs {tuple(tensor.shape)}"
             )
+        if state_dict[key].is_floating_point() != tensor.is_floating_point():
+            raise WeightsError(f"weights {source}: {key!r} holds {state_dict[key].dtype}, ResNet18 needs "
+                               f"{'floating-point' if tensor.is_floating_point() else 'integer'} values")
     unexpected = [key for key in state_dict if key not in expected]
     if unexpected:
         raise WeightsError(f"weights {source}: unexpected key {unexpected[0]!r} (is this a ResNet18 state_dict?)")
+
+
+def _check_finite(state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+    """Weights holding NaN or infinity would answer every image with NaN, silently: refused instead."""
+    for key, tensor in state_dict.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise WeightsError(f"weights {source}: {key!r} holds NaN or infinite values")
 
 
 def build_model(weights: LoadedWeights, device: torch.device) -> ResNet:
@@ -193,5 +210,6 @@ def build_model(weights: LoadedWeights, device: torch.device) -> ResNet:
     with torch.device("meta"):
         model = resnet18(weights=None)
     check_state_dict(model, weights.state_dict, weights.source)
+    _check_finite(weights.state_dict, weights.source)
     model.load_state_dict(weights.state_dict, assign=True)
     return model.eval().to(device)

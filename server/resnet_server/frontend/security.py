@@ -46,13 +46,16 @@ def load_tokens(path: str | None) -> list[bytes]:
 
 
 def presented_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes:
-    """The bearer token a call carries (b"" for none)."""
+    """The bearer token a call carries (b"" for none). Whitespace around the value is not part of it (Triton's
+    perf_analyzer sends ``-H "authorization: Bearer alpha"`` as " Bearer alpha"), and the scheme's name is
+    case-insensitive (RFC 7235)."""
     presented = b""
     for key, value in metadata or ():
         if key == "authorization":
-            text = value.decode() if isinstance(value, bytes) else value
-            if text.startswith("Bearer "):
-                presented = text[len("Bearer "):].strip().encode()
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
+            scheme, _, token = text.strip().partition(" ")
+            if scheme.lower() == "bearer":
+                presented = token.strip().encode()
     return presented
 
 
