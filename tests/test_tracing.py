@@ -20,6 +20,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from resnet_client import AsyncClient, Client
 from resnet_client.api import classifier_pb2 as pb
 from resnet_client.api import classifier_pb2_grpc as pb_grpc
+from resnet_client.api import grpc_predict_v2_pb2 as oip
+from resnet_client.api import grpc_predict_v2_pb2_grpc as oip_grpc
 from resnet_client.cli import main
 from resnet_server.common.logs import JsonFormatter, TextFormatter, TraceIds
 from tests.helpers import encode, free_port, random_rgb, wait_for
@@ -253,3 +255,14 @@ def test_trace_settings_need_a_receiver(server):
     with pytest.raises(InferenceServerException) as caught:
         triton.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]})
     assert caught.value.status() == "StatusCode.FAILED_PRECONDITION" and "--otlp-endpoint" in caught.value.message()
+
+
+def test_a_span_status_quotes_a_clients_value_cut(make_server, receiver):
+    running = make_server(otlp_endpoint=f"127.0.0.1:{receiver.port}")
+    trace_id, header = traceparent(sampled=True)
+    request = oip.ModelInferRequest(model_name="m" * 250)
+    with grpc.insecure_channel(running.target) as channel, pytest.raises(grpc.RpcError) as caught:
+        oip_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, metadata=[("traceparent", header)], timeout=30)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    server = receiver.trace(trace_id, 1)["inference.GRPCInferenceService/ModelInfer"]
+    assert server.status.message.startswith("NOT_FOUND: unknown model") and len(server.status.message) <= 256

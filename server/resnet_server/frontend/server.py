@@ -9,6 +9,7 @@ import functools
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
 
@@ -307,8 +308,7 @@ class App:
             self.core.close()
         self.shared_memory.close()  # every call has ended: no region is in use
         if self.tracing is not None:  # the spans still queued go out, for as long as a receiver down allows
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.to_thread(self.tracing.shutdown), TRACING_FLUSH_SECONDS)
+            await _within(self.tracing.shutdown, TRACING_FLUSH_SECONDS)
 
     def _start_tracing(self, address: str) -> None:
         """With an OTLP endpoint: spans of every call, and their ids in the log lines about it."""
@@ -353,6 +353,25 @@ def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Ser
     # grpcio 1.62's API, newer than grpc-stubs.
     registered = {name: handlers[name] for name in deserializers}
     server.add_registered_method_handlers(generated.service, registered)  # type: ignore[attr-defined]
+
+
+async def _within(work: Callable[[], object], seconds: float) -> None:
+    """``work()`` on a thread of its own, waited for at most ``seconds``: a daemon thread, not the default
+    executor's, which the loop's close would wait for however long the work takes (the SDK's shutdown retries
+    an export for up to half a minute)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def run() -> None:
+        try:
+            work()
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: no one waits any more
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    threading.Thread(target=run, name="tracing-shutdown", daemon=True).start()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(done, seconds)
 
 
 def _service(module: ModuleType, name: str) -> ServiceDescriptor:

@@ -46,7 +46,11 @@ EXPORT_WARNING_SECONDS = 60.0
 # Where the SDK's exporters log a failed export (a logger's filter sees only its own records, not its children's).
 EXPORT_LOGGERS = ("opentelemetry.exporter.otlp.proto.grpc.exporter",
                   "opentelemetry.exporter.otlp.proto.http.trace_exporter",
-                  "opentelemetry.exporter.otlp.proto.http._common")
+                  "opentelemetry.exporter.otlp.proto.http._common",
+                  # The batch processor's "Queue full, dropping span.", once a span while a receiver is down.
+                  "opentelemetry.sdk._shared_internal")
+MOST_STATUS_CHARACTERS = 256  # of a span's status description: the messages quote what clients send
+MOST_ATTRIBUTE_CHARACTERS = 256
 HTTP_PATH = "/v1/traces"  # an endpoint whose path ends so is OTLP over HTTP; any other, OTLP over gRPC
 
 
@@ -105,7 +109,7 @@ class CallTrace:
         self._children(ended)
         self.span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[code].value[0])
         if code != "OK":
-            self.span.set_status(Status(StatusCode.ERROR, f"{code}: {message}"))
+            self.span.set_status(Status(StatusCode.ERROR, f"{code}: {message}"[:MOST_STATUS_CHARACTERS]))
         self.span.end(ended)
 
     def _children(self, ended: int) -> None:
@@ -274,12 +278,13 @@ class Tracing:
         if url is None:
             return None
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace import SpanLimits, TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", DEFAULT_SERVICE_NAME)})
         sampler = _Sampler(rate)
-        provider = TracerProvider(resource=resource, sampler=sampler)  # type: ignore[arg-type]  # a Sampler by shape
+        provider = TracerProvider(resource=resource, sampler=sampler,  # type: ignore[arg-type]  # a Sampler by shape
+                                  span_limits=SpanLimits(max_attribute_length=MOST_ATTRIBUTE_CHARACTERS))
         provider.add_span_processor(BatchSpanProcessor(_exporter(url)))
         log.info("tracing: spans to %s over %s, calls without a parent sampled at %g", url,
                  "HTTP" if over_http(url) else "gRPC", rate)
