@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import Descriptor
 
+from resnet_server.common.errors import ServingError
 from resnet_server.frontend.bounds import OverBound, WireBounds, check
 
 
@@ -27,12 +28,13 @@ class Refused:
         self.code, self.reason = code, reason
 
 
-class _RefusedInStream(Exception):
-    """A stream's message was refused: the stream ends with its code."""
+class _RefusedInStream(ServingError):
+    """A stream's message was refused: the stream ends with its code (a servicer that maps its errors itself
+    maps this one too)."""
 
     def __init__(self, refused: Refused) -> None:
         super().__init__(refused.reason)
-        self.refused = refused
+        self.code = refused.code
 
 
 def bounded(handler: grpc.RpcMethodHandler, request: Descriptor, bounds: WireBounds,
@@ -88,12 +90,12 @@ def _stream_requests(behaviour: Callable[..., Any]) -> Callable[..., Any]:
                 async for response in behaviour(checked(requests), context):
                     yield response
             except _RefusedInStream as refused:
-                await context.abort(refused.refused.code, refused.refused.reason)
+                await context.abort(refused.code, str(refused))
         return answers
 
     async def answer(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> object:
         try:
             return await behaviour(checked(requests), context)
         except _RefusedInStream as refused:
-            await context.abort(refused.refused.code, refused.refused.reason)
+            await context.abort(refused.code, str(refused))
     return answer
