@@ -238,3 +238,18 @@ def test_a_stream_never_read_costs_the_server_a_bounded_amount(hostile_target, m
     with grpc.insecure_channel(target) as channel:
         assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
             health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("config, says", [
+    ('{"input": [' * 20_000 + "]}" * 20_000, "bytes"),  # over the bound: refused unread
+    ('{"input": ' + "[" * 10_000 + "]" * 10_000 + "}", "not a ModelConfig in JSON"),  # deep, under the bound
+])
+def test_a_hostile_model_config_is_invalid_not_internal(hostile_target, config, says):
+    import tritonclient.grpc as tc
+    from tritonclient.utils import InferenceServerException
+
+    _, target, _, _ = hostile_target
+    with pytest.raises(InferenceServerException) as refused:
+        tc.InferenceServerClient(target).load_model("resnet18", config=config)
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and says in refused.value.message()
+    assert len(refused.value.message()) < 1000

@@ -196,13 +196,15 @@ def _check_config(request: oip.RepositoryModelLoadRequest, served: mc.ModelConfi
     if "config" not in request.parameters:
         return
     asked = mc.ModelConfig()
-    try:
+    try:  # its length is bounded before the request is read (server.frontend.bounds: MOST_CONFIG_BYTES)
         json_format.Parse(request.parameters["config"].string_param, asked)
     except json_format.ParseError as exc:
-        raise InvalidInput(f"config is not a ModelConfig in JSON: {exc}") from None
+        raise InvalidInput(f"config is not a ModelConfig in JSON: {str(exc)[:200]}") from None
+    except RecursionError:  # JSON nested deeper than Python's stack
+        raise InvalidInput("config is not a ModelConfig in JSON: nested too deeply") from None
     for field, value in asked.ListFields():
         if getattr(served, field.name) != value:
-            raise InvalidInput(f"config asks for {field.name} {_shown(value)}; this server serves "
+            raise InvalidInput(f"config asks for {field.name} {_shown(value)[:200]}; this server serves "
                                f"{_shown(getattr(served, field.name))} and cannot change it at load (its flags "
                                "decide it)")
 
