@@ -238,6 +238,44 @@ def test_a_key_registered_for_one_file_refuses_another_file_under_it(shm_server)
         path.unlink(missing_ok=True)
 
 
+def test_encoded_images_read_from_a_region_are_bounded_by_the_message_limit(make_server):
+    running = make_server(allow_client_shm=True, max_message_mb=1)
+    client = tc.InferenceServerClient(running.target)
+    size = 2 << 20
+    with region(size) as (key, handle):
+        shm.set_shared_memory_region(handle, [np.frombuffer(struct.pack("<I", size - 4) + bytes(size - 4), np.uint8)])
+        client.register_system_shared_memory("big", key, size)
+        tensor = tc.InferInput("input", [1], "BYTES")
+        tensor.set_shared_memory("big", size)
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("resnet18", [tensor])
+        client.unregister_system_shared_memory("big")
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert f"a BYTES input of {size} bytes from a shared-memory region" in refused.value.message()
+
+
+def test_an_output_region_too_small_is_refused_before_compute_and_nothing_is_written(shm_server):
+    client = tc.InferenceServerClient(shm_server.target)
+    batches = shm_server.sample("resnet_batch_size_count", device="cpu")
+    with region(PROBABILITIES_BYTES) as (key, handle):
+        shm.set_shared_memory_region(handle, [np.full(PROBABILITIES_BYTES, 7, np.uint8)])
+        client.register_system_shared_memory("small", key, PROBABILITIES_BYTES)
+        indices = tc.InferRequestedOutput("top_k_indices")
+        indices.set_shared_memory("small", 8)  # room for one index, two images asked
+        probabilities = tc.InferRequestedOutput("probabilities")
+        probabilities.set_shared_memory("small", PROBABILITIES_BYTES)
+        tensor = tc.InferInput("input", list(IMAGES.shape), "UINT8")
+        tensor.set_data_from_numpy(IMAGES)
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("resnet18_uint8", [tensor], outputs=[probabilities, indices])
+        written = shm.get_contents_as_numpy(handle, np.uint8, [PROBABILITIES_BYTES]).copy()  # unmapped at the end
+        client.unregister_system_shared_memory("small")
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "output 'top_k_indices' needs 80 bytes" in refused.value.message()
+    assert (written == 7).all()  # no output was written
+    assert shm_server.sample("resnet_batch_size_count", device="cpu") == batches  # nothing was computed
+
+
 def test_limits_on_regions_and_bytes(make_server):
     running = make_server(allow_client_shm=True, max_shm_regions=2, max_shm_mb=1)
     client = tc.InferenceServerClient(running.target)

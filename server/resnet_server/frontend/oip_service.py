@@ -238,17 +238,34 @@ def build_response(request: oip.ModelInferRequest, outputs: list[ImageOutput], n
     return response
 
 
+FIXED_OUTPUT_BYTES = {PROBABILITIES: lambda k: 1000 * 4, "top_k_indices": lambda k: k * 8,
+                      "top_k_probabilities": lambda k: k * 4}  # an image's bytes of each output of a fixed size
+
+
+def check_room(name: str, needed: int, room: int) -> None:
+    if needed > room:
+        raise InvalidInput(f"output {name!r} needs {needed} bytes; its shared-memory reference gives {room}")
+
+
+def check_rooms_before_compute(into: dict[str, tuple[Region, int, int]], images: int, top_k: int | None) -> None:
+    """The outputs of a known size checked against their regions before the images are computed (the labels'
+    size is known only after)."""
+    for name, (_, _, room) in into.items():
+        if name in FIXED_OUTPUT_BYTES:
+            check_room(name, images * FIXED_OUTPUT_BYTES[name](top_k or DEFAULT_TOP_K), room)
+
+
 def write_to_regions(response: oip.ModelInferResponse, into: dict[str, tuple[Region, int, int]]) -> None:
     """Each output asked for in a region written there, and answered as Triton does: an empty entry in
     raw_output_contents, the region named in the output's parameters."""
+    for index, output in enumerate(response.outputs):  # every room checked before any output is written
+        if output.name in into:
+            check_room(output.name, len(response.raw_output_contents[index]), into[output.name][2])
     for index, output in enumerate(response.outputs):
         if output.name not in into:
             continue
-        region, offset, room = into[output.name]
+        region, offset, _ = into[output.name]
         data = response.raw_output_contents[index]
-        if len(data) > room:
-            raise InvalidInput(f"output {output.name!r} needs {len(data)} bytes; its shared-memory reference "
-                               f"gives {room}")
         region.write(offset, data)
         response.raw_output_contents[index] = b""
         output.parameters[SHM_REGION].string_param = region.spec.name
@@ -345,9 +362,10 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
             raise Unavailable("the model is still loading; retry when the server is ready")
         with contextlib.ExitStack() as regions:  # the regions it names, held open until it is answered
             owner = self._owner(request, context)
-            raw = self._input_contents(request, read.raw_input_contents, owner, regions)
+            raw = await self._input_contents(request, read.raw_input_contents, owner, regions)
             into_regions = self._output_regions(request, owner, regions)
             images = input_images(request, raw, self._core.limits.max_images_per_request)
+            check_rooms_before_compute(into_regions, len(images), top_k)
             call = ClassifyCall(images, temperature_parameter(request.parameters),
                                 top_k, context.time_remaining(), rid, trace)
             outputs = await self._core.classify(call)
@@ -362,10 +380,11 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
             return ""
         return self.shared_memory.owner(context.invocation_metadata())
 
-    def _input_contents(self, request: oip.ModelInferRequest, raw_input_contents: list, owner: str,
-                        regions: contextlib.ExitStack) -> list:
+    async def _input_contents(self, request: oip.ModelInferRequest, raw_input_contents: list, owner: str,
+                              regions: contextlib.ExitStack) -> list:
         """The input's bytes: as the request carries them, or where its shared-memory reference says (read into
-        the slab later, in one copy; an encoded image's bytes are read now, to be decoded)."""
+        the slab later, in one copy; an encoded image's bytes are read now, off the loop, to be decoded: at most
+        --max-message-mb of them, as a request carrying them would be)."""
         reference = region_reference(request.inputs[0].parameters) if len(request.inputs) == 1 else None
         if reference is None:
             return raw_input_contents
@@ -375,7 +394,12 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
         datatype = request.inputs[0].datatype
         region = regions.enter_context(self.shared_memory.region(reference.region, owner).in_use())
         data = region.part(reference.offset, reference.byte_size, finite_float32=datatype == "FP32")
-        return [data.read() if datatype == "BYTES" else data]
+        if datatype != "BYTES":
+            return [data]
+        if reference.byte_size > self.shared_memory.most_encoded_bytes:
+            raise InvalidInput(f"a BYTES input of {reference.byte_size} bytes from a shared-memory region, over the "
+                               f"{self.shared_memory.most_encoded_bytes} a request may carry (--max-message-mb)")
+        return [await asyncio.to_thread(data.read)]
 
     def _output_regions(self, request: oip.ModelInferRequest, owner: str, regions: contextlib.ExitStack
                         ) -> dict[str, tuple[Region, int, int]]:

@@ -129,10 +129,10 @@ class RegionBytes:
         if self._finite_float32 and not np.isfinite(np.frombuffer(target, np.float32)).all():
             raise InvalidInput("raw float32 image contains NaN or infinity")
 
-    def read(self) -> bytes:
+    def read(self) -> bytearray:
         data = bytearray(self._length)
         self.read_into(memoryview(data))
-        return bytes(data)
+        return data
 
 
 class OpenRegions:

@@ -32,6 +32,8 @@ class SharedMemoryService:
 
     def __init__(self, control: ModelControl, config: FrontendConfig, tokens_on: bool) -> None:
         self.allowed = config.allow_client_shm
+        # Encoded images are read whole from a region, to be decoded: no more of them than a request may carry.
+        self.most_encoded_bytes = config.network.max_message_mb << 20
         self.regions = OpenRegions()
         self._control, self._tokens_on = control, tokens_on
         limits = RegionLimits(config.max_shm_regions, config.max_shm_mb << 20)
