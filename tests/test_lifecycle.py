@@ -36,6 +36,7 @@ from tests.helpers import (
     serving,
     wait_for,
 )
+from tests.server_process import Workers, gone, pid_in
 
 IMAGE = encode(random_rgb(21))
 
@@ -318,3 +319,37 @@ def test_a_replacement_front_end_that_ends_before_serving_is_replaced_not_the_se
     finally:
         process.terminate()
         process.wait(60)
+
+
+def test_a_supervised_front_end_keeps_its_port_while_its_engine_is_replaced(weights_file, faults):
+    """The review's N17: every front-end used to give up at the moment its broken engine did, and the port
+    refused connections until the new engine was warm. Now the engine alone is replaced; the same front-end answers
+    health (NOT_SERVING, then SERVING) throughout."""
+    workers = Workers(str(weights_file[0]), "--frontends", "1", "--runner", faults.runner,
+                      "--replica-probe-interval", "0.05", "--unhealthy-exit-after", "1")
+    try:
+        port, (frontend,) = workers.serving(1)
+        (engine,) = workers.engine_pids(1)
+        statuses: list[str] = []
+        with Client(f"127.0.0.1:{port}", timeout=30, attempts=1) as client:
+            faults.set(DEVICE_FELL_OFF)
+            wait_for(lambda: _refused_unavailable(client))
+            workers.engine_pids(2)  # the engine ended after --unhealthy-exit-after; a new one starts
+            faults.clear()  # so that the new one (or the next) warms up and serves
+            wait_for(lambda: statuses.append(client.health()) or statuses[-1] == "SERVING", timeout=120)
+            (result,) = client.classify([IMAGE])
+        assert result.top_k and "NOT_SERVING" in statuses
+        assert workers.count("started resnet-frontend") == 1 and not gone(frontend)
+        replacements = [pid_in(line) for line in workers.lines if "started resnet-engine" in line][1:]
+        workers.terminate([frontend, *replacements])
+        assert gone(engine)
+    finally:
+        workers.close()
+
+
+def _refused_unavailable(client: Client) -> bool:
+    try:
+        client.classify([IMAGE])
+    except ClassifierError as exc:
+        return exc.code == grpc.StatusCode.UNAVAILABLE
+    return False

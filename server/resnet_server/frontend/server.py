@@ -242,16 +242,16 @@ class App:
 
     def _no_replica_left(self) -> None:
         """Every replica is out of rotation: health says NOT_SERVING, so that balancers stop sending work
-        here, and unless a replica's probe brings one back within --unhealthy-exit-after seconds the process
-        drains and exits 1. Its orchestrator then replaces it: a fresh process is what clears a CUDA context
-        that a fault has left unusable, and (with several front-ends) it moves the connections that a broken
-        one holds, which health checks on new connections cannot see, onto working processes."""
+        here. A front-end run alone drains and exits 1 unless a replica's probe brings one back within
+        --unhealthy-exit-after seconds: its orchestrator then replaces it, and a fresh process is what clears a
+        CUDA context that a fault has left unusable. A supervised front-end stays: the engine ends itself after
+        the same time and the supervisor replaces it, while this process keeps the port and answers health."""
         if self._no_replica:
             return
         log.error("no healthy replica is left; health now reports NOT_SERVING")
         self._no_replica = True
         self._change_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if seconds := self.config.unhealthy_exit_after:
+        if (seconds := self.config.unhealthy_exit_after) and not self.control.supervised:
             self._give_up = asyncio.get_running_loop().call_later(
                 seconds, self.request_stop, f"no replica back in rotation within {seconds:g}s "
                 "(--unhealthy-exit-after)", 1)
