@@ -410,10 +410,11 @@ _FLAGS: list[tuple[str, FlagType, str]] = [
     ("replica-probe-interval", non_negative_float, "seconds between test batches (one blank image) on a device "
                                                     "taken out of rotation; it rejoins when one passes (0: it "
                                                     "stays out until the server restarts)"),
-    ("unhealthy-exit-after", non_negative_float, "seconds with no device in rotation after which a front-end "
-                                                  "drains and exits 1, and so does an engine whose device has "
-                                                  "been out of rotation that long; the supervisor replaces each "
-                                                  "(a fresh process, a fresh CUDA context; 0: never)"),
+    ("unhealthy-exit-after", non_negative_float, "seconds out of rotation after which an engine drains and "
+                                                  "exits 1, and the supervisor replaces it (a fresh process, a "
+                                                  "fresh CUDA context) while the front-ends keep the port; a "
+                                                  "front-end run alone gives up after as long with no device in "
+                                                  "rotation (0: never)"),
     ("stuck-batch-timeout", non_negative_float, "seconds a launched batch may go unanswered before its engine "
                                                 "is ended and the supervisor starts a new one (a hung device or "
                                                 "thread; 0: never)"),
