@@ -74,3 +74,26 @@ def test_the_gif_bomb_is_answered_by_its_first_frame_through_the_server(server):
         with pytest.raises(ClassifierError) as refused:
             client.classify([animated("WEBP")])
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def progressive_with_scans(extra_scans: int) -> bytes:
+    """A flat 6000x6000 progressive JPEG (its AC scans a few bytes each), one of its AC scans repeated: libjpeg
+    decodes every scan as a pass over the whole image."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (6000, 6000), (120, 130, 140)).save(buffer, "JPEG", progressive=True, quality=90)
+    data = buffer.getvalue()
+    starts = [index for index in range(len(data) - 1) if data[index:index + 2] == b"\xff\xda"]
+    end = data.rindex(b"\xff\xd9")
+    scans = [data[start:stop] for start, stop in zip(starts, [*starts[1:], end], strict=True)]
+    small = min(scans[1:], key=len)
+    return data[:starts[0]] + b"".join(scans) + small * extra_scans + b"\xff\xd9"
+
+
+def test_a_progressive_jpeg_of_thousands_of_scans_is_refused_from_its_bytes():
+    bomb = progressive_with_scans(10_000)
+    assert len(bomb) < 1_000_000
+    started = time.monotonic()
+    with pytest.raises(InvalidInput, match=r"has 100\d\d scans, over the limit of 100"):
+        decode(bomb, MAX_PIXELS)
+    assert time.monotonic() - started < 0.5
+    assert decode(progressive_with_scans(0), MAX_PIXELS).shape == (3, 6000, 6000)  # an ordinary one decodes

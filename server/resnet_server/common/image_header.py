@@ -25,6 +25,10 @@ _STANDALONE = {0x01, *range(0xD0, 0xDA)}
 # Start-of-frame markers (every coding process; not DHT C4, JPG C8 nor DAC CC): they carry the size.
 _FRAME = {*range(0xC0, 0xD0)} - {0xC4, 0xC8, 0xCC}
 _START_OF_SCAN = 0xDA
+# Scans of a progressive JPEG: libjpeg decodes any number, each a pass over every block of the image, so a
+# 36 Mpx JPEG of under 1 MB with 10,000 near-empty scans held a decoding thread for a minute. Real encoders write
+# about 10 (libjpeg's progressive script), jpegtran at most 100; libjpeg's own tools offer -maxscans for this.
+MOST_JPEG_SCANS = 100
 
 
 def image_format(data: bytes) -> str | None:
@@ -40,6 +44,7 @@ def declared_size(data: bytes) -> tuple[int, int]:
     for an image of such a format whose header says no size."""
     kind = image_format(data)
     if kind == "JPEG":
+        _check_scans(data)
         return jpeg_size(data)
     if kind is None:  # refused by its signature, no decoder asked
         raise InvalidInput(f"cannot decode image ({len(data)} bytes): not a JPEG, PNG, GIF or WEBP file")
@@ -52,6 +57,15 @@ def declared_size(data: bytes) -> tuple[int, int]:
         raise
     except Exception:  # noqa: BLE001 - whatever PIL cannot read, we do not decode
         raise InvalidInput(f"cannot decode {kind} image ({len(data)} bytes): its header gives no size") from None
+
+
+def _check_scans(data: bytes) -> None:
+    """Refuse a JPEG of more than MOST_JPEG_SCANS scans. Entropy-coded data never holds the start-of-scan marker
+    (a 0xFF byte there is followed by 0x00), so its count in the bytes is the count of scans (or more, where a
+    marker segment's payload holds those two bytes: a refusal, never a decode)."""
+    scans = data.count(b"\xff\xda")
+    if scans > MOST_JPEG_SCANS:
+        raise InvalidInput(f"JPEG image ({len(data)} bytes) has {scans} scans, over the limit of {MOST_JPEG_SCANS}")
 
 
 def jpeg_size(data: bytes) -> tuple[int, int]:
