@@ -38,7 +38,7 @@ from resnet_server.common.served import ServedWeights
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.frontend.bounded_handlers import bounded
 from resnet_server.frontend.bounds import WireBounds, served_bounds
-from resnet_server.frontend.classifier_service import ClassifierService
+from resnet_server.frontend.classifier_service import ClassifierService, weights_shown
 from resnet_server.frontend.classify_request import read_classify_request
 from resnet_server.frontend.core import InferenceCore, Limits
 from resnet_server.frontend.engine_client import EngineClient
@@ -100,6 +100,7 @@ class App:
         self.stop_requested = asyncio.Event()
         self.stop_reason = ""
         self.exit_code = 0
+        self._started_from = ""  # the weights served when the engines were connected
         self._health_update: asyncio.Future | None = None  # the latest change of health; held, so it is not collected
 
     async def start(self, on_bound: Callable[[int], object] | None = None, load_first: bool = False) -> int:
@@ -205,6 +206,9 @@ class App:
         stays SERVING, as the process is well and a restart would undo the unload."""
         if self.core is None:
             return
+        for replica in self.core.router.replicas:  # resnet_model_info names what every engine serves now
+            self._model_info_series(replica.name, weights_shown(self.control, self._started_from,
+                                                                replica.weights.source))
         self.core.unloaded = None if served.loaded else UNLOADED
         if not served.loaded:
             self._change_health(health_pb2.HealthCheckResponse.NOT_SERVING, SERVICE_NAMES)
@@ -229,10 +233,13 @@ class App:
                      unit)
 
     def _record_model_info(self, replicas: Sequence[EngineHandle]) -> None:
+        self._started_from = self.control.served.source
         for replica in replicas:
-            self.metrics.model.labels(replica.name).info(
-                {"model": MODEL_NAME, "version": MODEL_VERSION, "weights": replica.weights.source,
-                 "server_version": __version__})
+            self._model_info_series(replica.name, replica.weights.source)
+
+    def _model_info_series(self, device: str, weights: str) -> None:
+        self.metrics.model.labels(device).info(
+            {"model": MODEL_NAME, "version": MODEL_VERSION, "weights": weights, "server_version": __version__})
 
     def request_stop(self, reason: str, exit_code: int = 0) -> None:
         """Ask serve() to drain and end the process with ``exit_code``; the first request wins."""
@@ -367,11 +374,16 @@ async def _within(work: Callable[[], object], seconds: float) -> None:
             work()
         finally:
             with contextlib.suppress(RuntimeError):  # the loop has closed: no one waits any more
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+                loop.call_soon_threadsafe(_settle, done)
 
     threading.Thread(target=run, name="tracing-shutdown", daemon=True).start()
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(done, seconds)
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _service(module: ModuleType, name: str) -> ServiceDescriptor:
