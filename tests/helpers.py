@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import socket
+import sys
 import threading
 import urllib.request
 from dataclasses import replace
@@ -47,6 +48,7 @@ def load_script(name: str):
     """A module from scripts/, which is not a package."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # where dataclasses look a module's classes up
     spec.loader.exec_module(module)
     return module
 

@@ -2,11 +2,11 @@
 
 For each method of each service the server answers (both APIs, every Triton extension, health, reflection), and
 for each field its request can reach (nested messages and maps included), one request carries that field's
-worst value within the message limit: a repeated field, packed field or map of millions of entries, or a
-string or bytes of 8 MiB. While they run, a health check on the same front-end is timed. Each must be refused
-with an error code (not OK, INTERNAL or UNKNOWN); health must answer within a second throughout; no process of
-the server may grow past a bound or be replaced. Streams are also tried with a client that never reads. An RPC
-or a field added later is tried without anyone remembering to: the cases come from the descriptors.
+worst value within the message limit (scripts/hostile_cases.py: a repeated field, packed field or map of
+millions of entries, or a string or bytes of 8 MiB). While they run, a health check on the same front-end is
+timed. Each must be refused with an error code (not OK, INTERNAL or UNKNOWN); health must answer within a second
+throughout; no process of the server may grow past a bound or be replaced. Streams are also tried with a client
+that never reads. An RPC or a field added later is tried without anyone remembering to.
 """
 
 from __future__ import annotations
@@ -14,105 +14,26 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2
 
-from resnet_client.api import classifier_pb2 as pb
 from resnet_client.api import grpc_predict_v2_pb2 as oip
+from tests.helpers import load_script
 from tests.server_process import Workers, gone
 
-MIB = 1 << 20
-MANY = 2_000_000  # entries of a repeated field or map: 4 MB of empty ones
-LONG = 8 * MIB  # bytes of a string or bytes field
-MOST_DEPTH = 4
 HEALTH_WITHIN = 1.0
 MOST_GROWTH_MB = 300  # of any server process's peak resident memory over the whole run
-SERVICES = [pb.DESCRIPTOR.services_by_name["Classifier"], oip.DESCRIPTOR.services_by_name["GRPCInferenceService"],
-            health_pb2.DESCRIPTOR.services_by_name["Health"],
-            reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]]
-REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
-            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED,
-            grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS}
-
-
-@dataclass(frozen=True)
-class Case:
-    method: MethodDescriptor
-    path: tuple[FieldDescriptor, ...]  # the fields from the request down to the one tried
-    worst: str  # "many" or "long"
-
-    @property
-    def name(self) -> str:
-        return f"{self.method.full_name}:{'.'.join(field.name for field in self.path)}:{self.worst}"
-
-    @property
-    def wire(self) -> bytes:
-        """The request: the worst value, inside each of its parents (made when sent: they are large)."""
-        wire = _leaf(self.path[-1], self.worst)
-        for parent in reversed(self.path[:-1]):
-            wire = _delimited(parent.number, wire)
-        return wire
-
-    @property
-    def route(self) -> str:
-        return f"/{self.method.containing_service.full_name}/{self.method.name}"
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _delimited(number: int, value: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(value)) + value
-
-
-def _leaf(field: FieldDescriptor, worst: str) -> bytes:
-    """The field's worst value, as wire bytes of the message that holds it."""
-    if worst == "long":
-        return _delimited(field.number, b"a" * LONG)
-    if field.type in (FieldDescriptor.TYPE_MESSAGE, FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):
-        return _delimited(field.number, b"") * MANY  # millions of empty entries (a map's too)
-    return _delimited(field.number, b"\x01" * (2 * MANY))  # packed: millions of numbers
-
-
-def _worst_fields(message: Descriptor, path: tuple[FieldDescriptor, ...] = ()) -> Iterator[tuple]:
-    """(path of fields, worst) for every field reachable from ``message`` within MOST_DEPTH."""
-    for field in message.fields:
-        here = (*path, field)
-        if field.is_repeated:
-            yield here, "many"
-        if field.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):
-            yield here, "long"
-        elif field.type == FieldDescriptor.TYPE_MESSAGE and len(here) < MOST_DEPTH and \
-                field.message_type not in [step.message_type for step in path]:
-            yield from _worst_fields(field.message_type, here)
-
-
-def cases() -> list[Case]:
-    found = []
-    for service in SERVICES:
-        for method in service.methods:
-            found += [Case(method, path, worst) for path, worst in _worst_fields(method.input_type)]
-    return found
-
-
-CASES = cases()
+hostile = load_script("hostile_cases")
+CASES = hostile.cases()
+MIB = hostile.MIB
 
 
 def test_the_cases_cover_every_method_that_takes_a_field():
     covered = {case.method.full_name for case in CASES}
-    takes_fields = {method.full_name for service in SERVICES for method in service.methods
+    takes_fields = {method.full_name for service in hostile.SERVICES for method in service.methods
                     if method.input_type.fields}
     assert covered == takes_fields and len(CASES) > 100
 
@@ -161,26 +82,6 @@ def hostile_target(weights_file, tmp_path_factory):
         workers.close()
 
 
-def outcome(channel: grpc.Channel, case: Case) -> str:
-    """The status code's name the call ended with; "OK (refused in the stream)" where a stream answered each
-    message with an error, as ModelStreamInfer does."""
-    method, timeout = case.method, 60
-    try:
-        if not method.client_streaming and not method.server_streaming:
-            channel.unary_unary(case.route)(case.wire, timeout=timeout)
-            return "OK"
-        if not method.client_streaming:
-            responses = list(channel.unary_stream(case.route)(case.wire, timeout=timeout))
-        else:
-            responses = list(channel.stream_stream(case.route)(iter([case.wire]), timeout=timeout))
-    except grpc.RpcError as exc:
-        return exc.code().name
-    if method.name == "ModelStreamInfer" and all(oip.ModelStreamInferResponse.FromString(r).error_message
-                                                 for r in responses):
-        return "OK (refused in the stream)"
-    return "OK"
-
-
 def test_every_fields_worst_value_is_refused_while_health_answers(hostile_target):
     workers, target, pids, peaks = hostile_target
     options = [("grpc.max_send_message_length", 64 * MIB), ("grpc.max_receive_message_length", 64 * MIB)]
@@ -189,11 +90,10 @@ def test_every_fields_worst_value_is_refused_while_health_answers(hostile_target
     try:
         with grpc.insecure_channel(target, options=options) as channel:
             for case in CASES:
-                answered[case.name] = outcome(channel, case)
+                answered[case.name] = hostile.outcome(channel, case)
     finally:
         probe.stop()
-    allowed = {code.name for code in REFUSALS} | {"OK (refused in the stream)"}
-    wrong = {name: code for name, code in answered.items() if code not in allowed}
+    wrong = {name: code for name, code in answered.items() if code not in hostile.ALLOWED}
     assert not wrong, wrong
     assert probe.times and max(probe.times) < HEALTH_WITHIN, max(probe.times)
     grown = {pid: peak_rss_mb(pid) - peaks[pid] for pid in pids}
