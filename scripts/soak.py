@@ -10,10 +10,11 @@ random weights again, so every answer stays comparable). Reports requests sent a
 wrong answers among good requests (must be 0), the reloads by outcome (all OK), the RSS of every server process
 (supervisor, engines, front-ends: its ``worker`` label on the one /metrics) and of all of them together at 1
 minute and at the end (the total's growth must stay under 5%), the largest p99 latency of accepted requests
-over 10-second windows, and what the run left in /dev/shm (nothing). Starts its own server and stops it (by PID)
-at the end.
+over 10-second windows, and what the run left in /dev/shm (nothing). With ``--hostile``, a hostile client sends
+every field's worst value (scripts/hostile_cases.py) in a loop meanwhile, each of which must be refused, and no
+normal call may fail for it. Starts its own server and stops it (by PID) at the end.
 
-Usage: python scripts/soak.py [--duration 600] [--rate 200] [--reload-every 30] [--json FILE]
+Usage: python scripts/soak.py [--duration 600] [--rate 200] [--reload-every 30] [--hostile] [--json FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import random
 import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import zlib
@@ -308,12 +310,47 @@ async def soak(args, shared: SharedImages) -> dict:
     }
 
 
+class HostileLoop:
+    """scripts/hostile_cases.py's requests, one after another on a thread of their own, until stopped."""
+
+    def __init__(self, target: str) -> None:
+        import hostile_cases  # beside this script
+
+        self._hostile = hostile_cases
+        self._cases = hostile_cases.cases()
+        self._target = target
+        self.answered: Counter = Counter()
+        self.refused_wrongly: Counter = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+        with grpc.insecure_channel(self._target, options=options) as channel:
+            for case in itertools.cycle(self._cases):
+                if self._stop.is_set():
+                    return
+                code = self._hostile.outcome(channel, case)
+                self.answered[code] += 1
+                if code not in self._hostile.ALLOWED:
+                    self.refused_wrongly[f"{case.name}: {code}"] += 1
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(120)
+        return {"hostile_sent": sum(self.answered.values()), "hostile_answered": dict(self.answered),
+                "hostile_not_refused": dict(self.refused_wrongly)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--rate", type=float, default=200.0,
                         help="requests/s, past the server's capacity (a 2-core CPU computes about 60 of these)")
     parser.add_argument("--reload-every", type=float, default=30.0, help="seconds between reloads of the weights")
+    parser.add_argument("--hostile", action="store_true",
+                        help="send every field's worst value in a loop meanwhile (scripts/hostile_cases.py)")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
     if not args.reload_every > 0:
@@ -332,7 +369,10 @@ def main() -> int:
             health = health_pb2_grpc.HealthStub(channel)
             while health.Check(health_pb2.HealthCheckRequest(), timeout=10).status != 1:
                 time.sleep(0.2)
+        hostile = HostileLoop(f"127.0.0.1:{PORT}") if args.hostile else None
         report = asyncio.run(soak(args, shared))
+        if hostile is not None:
+            report.update(hostile.stop())
     finally:
         server.terminate()
         server.wait(60)
@@ -344,7 +384,8 @@ def main() -> int:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2)
     ok = (report["wrong_answers_among_good"] == 0 and report["rss_growth_pct"] < 5 and server.returncode == 0
-          and report["overloaded"] and set(report["reloads"]) <= {"OK"} and not report["dev_shm_left"])
+          and report["overloaded"] and set(report["reloads"]) <= {"OK"} and not report["dev_shm_left"]
+          and not report.get("hostile_not_refused"))
     return 0 if ok else 1
 
 
