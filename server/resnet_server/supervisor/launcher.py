@@ -71,6 +71,7 @@ from resnet_server.boundary.control import (
     Serving,
     SetTrace,
     Stopped,
+    TooLarge,
     Trace,
     Unload,
     Unregister,
@@ -181,6 +182,8 @@ class _Child:
         """Written now, or once its pipe has room; a child that has let MOST_OUTBOX_BYTES wait is cut off."""
         try:
             self.orders.send(message)
+        except TooLarge:  # every order is bounded where it is made: this is a bug, not the child's fault
+            log.exception("an order too large for %s was not sent", self.process.name)
         except PeerStopped as exc:
             if self.process.alive():
                 log.error("%s (pid %d) reads no orders (%s): ending it", self.process.name, self.process.pid, exc)
@@ -279,8 +282,9 @@ class Supervisor:
             if isinstance(change, Register):
                 self.regions.add(change.region)
                 self._to_frontends(RegionOpened(change.region))
-            else:
-                self._to_frontends(RegionsClosed(self.regions.remove(change.owner, change.name)))
+            else:  # a message a region: however many an owner had, each message stays small
+                for region in self.regions.remove(change.owner, change.name):
+                    self._to_frontends(RegionsClosed([region]))
         except ServingError as refused:
             return Outcome(refused.code.name, str(refused))
         return Outcome("OK", "")
