@@ -49,7 +49,8 @@ BAD_REQUESTS = {
     "temperature inf": (pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)], temperature=math.inf), "temperature"),
     "top_k zero": (pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)], top_k=0), "top_k"),
     "top_k too big": (pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)], top_k=1001), "top_k"),
-    "too many images": (pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)] * 65), "limit of 64"),
+    "too many images": (pb.ClassifyRequest(images=[pb.Image(encoded=GOOD)] * 65),
+                        "images (--max-images-per-request) holds more than 64 entries"),
 }
 
 

@@ -138,7 +138,7 @@ class _Submits(logging.Handler):
 
 
 def test_a_long_infer_id_reaches_the_engine_and_the_log_cut_to_64_printable_characters(server):
-    long_id = "line one\nforged line " + "x" * (8 * MIB)
+    long_id = "line one\nforged line " + "x" * 200  # ids are at most 256 bytes (server.frontend.bounds)
     seen = _Submits()
     protocol_log = logging.getLogger("server.protocol")
     protocol_log.addHandler(seen)
@@ -157,6 +157,15 @@ def test_a_long_infer_id_reaches_the_engine_and_the_log_cut_to_64_printable_char
     assert len(entries) == 64
     (submit,) = seen.submits  # one call, one id: sent once, not once an image
     assert submit.request_ids == [("line one?forged line " + "x" * 64)[:64]]
+
+
+def test_an_infer_id_over_the_string_bound_is_refused_unread(server):
+    with grpc.insecure_channel(server.target, options=[("grpc.max_send_message_length", 64 * MIB)]) as channel:
+        infer = channel.unary_unary(MODEL_INFER, request_serializer=oip.ModelInferRequest.SerializeToString)
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(infer_with_id("x" * (8 * MIB), 1), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "inference.ModelInferRequest.id is longer than 256 bytes"
 
 
 def jpeg(width: int, height: int) -> bytes:
