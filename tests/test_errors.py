@@ -232,3 +232,15 @@ def test_deadline_passing_in_the_queue_drops_the_image_before_compute(make_serve
         assert slow_batches.sample("resnet_queue_depth", device="cpu") == 0
         (result,) = client.classify([GOOD], timeout=30)
         assert result.top_k
+
+
+def test_the_message_limit_holds_for_inference_with_repository_control_on(make_server):
+    """The review's N13: --model-control explicit raises gRPC's limit for a file of weights; every other method
+    keeps --max-message-mb."""
+    running = make_server(max_message_mb=4, model_control="explicit")
+    with grpc.insecure_channel(running.target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        stub = pb_grpc.ClassifierStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Classify(pb.ClassifyRequest(images=[pb.Image(encoded=b"\xff\xd8\xff" + bytes(6 << 20))]), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "over the limit of 4194304 (--max-message-mb)" in refused.value.details()

@@ -153,3 +153,25 @@ def test_a_hostile_model_config_is_invalid_not_internal(hostile_target, config, 
         tc.InferenceServerClient(target).load_model("resnet18", config=config)
     assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and says in refused.value.message()
     assert len(refused.value.message()) < 1000
+
+
+def test_a_reload_that_fails_on_the_engines_says_why_in_one_short_line(hostile_target, tmp_path):
+    """The review's N20 and N24: weights holding NaN pass the front-end's check (shapes and kinds) and fail on
+    every engine; the caller hears why in one line, not the engine's traceback or the server's paths."""
+    import torch
+    import tritonclient.grpc as tc
+    from torchvision.models import resnet18
+    from tritonclient.utils import InferenceServerException
+
+    _, target, _, _ = hostile_target
+    state = resnet18().state_dict()
+    state["fc.bias"][0] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    triton = tc.InferenceServerClient(target)
+    with pytest.raises(InferenceServerException) as refused:
+        triton.load_model("resnet18", files={"file:1/nan.pt": (tmp_path / "nan.pt").read_bytes()})
+    message = refused.value.message()
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and "'fc.bias' holds NaN or infinite values" in \
+        message
+    assert "\n" not in message and "/tmp" not in message and len(message) < 600
+    assert triton.is_model_ready("resnet18")

@@ -266,3 +266,20 @@ def test_a_span_status_quotes_a_clients_value_cut(make_server, receiver):
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     server = receiver.trace(trace_id, 1)["inference.GRPCInferenceService/ModelInfer"]
     assert server.status.message.startswith("NOT_FOUND: unknown model") and len(server.status.message) <= 256
+
+
+def test_the_batch_processors_warning_per_dropped_span_is_said_once_a_minute(caplog):
+    """The review's N12: with the collector down and the queue full, the SDK logs "Queue full, dropping span."
+    for every span, on the event loop; it goes through the same once-a-minute filter as failed exports."""
+    from resnet_server.frontend.tracing import Tracing
+
+    tracing = Tracing.start("127.0.0.1:9", 1.0, "127.0.0.1:1")
+    try:
+        sdk = logging.getLogger("opentelemetry.sdk._shared_internal")
+        with caplog.at_level(logging.WARNING, logger="opentelemetry.sdk._shared_internal"):
+            for _ in range(100):
+                sdk.warning("Queue full, dropping %s.", "span")
+        assert [record.getMessage() for record in caplog.records if record.name == sdk.name] == [
+            "tracing: Queue full, dropping span. (spans are dropped; the next such line in 60s at the earliest)"]
+    finally:
+        tracing.shutdown()
