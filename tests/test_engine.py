@@ -224,3 +224,27 @@ def test_a_front_end_started_while_its_engine_restarts_waits_for_it_then_serves(
     assert engine_set.supervisor._wait_until(lambda: frontend.serving) is None
     with Client(f"127.0.0.1:{frontend.port}", timeout=60) as client:
         assert client.classify([JPEG])[0].device == "cpu"
+
+
+def test_an_owner_number_a_live_connection_holds_is_refused_until_it_has_gone(engines):
+    """The review's N22: owner numbers come round again after 2,048 connections of one front-end; the engine never
+    lets two live connections share one (one's clean-up would free the other's slots)."""
+    from resnet_server.boundary.link import connect
+
+    (link,) = engines().links
+    first, _ = connect(link, 4242)
+    with pytest.raises((EOFError, OSError)):  # closed before Ready
+        connect(link, 4242)
+    first.close()
+    second = None
+
+    def reconnected() -> bool:
+        nonlocal second
+        try:
+            second, _ = connect(link, 4242)
+        except (EOFError, OSError):
+            return False
+        return True
+
+    wait_for(reconnected)  # once the engine has seen the first one go
+    second.close()

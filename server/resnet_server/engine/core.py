@@ -252,7 +252,16 @@ class Engine:
             return
         frontend = _FrontEnd(connection, hello.owner)
         with self._lock:
-            self._frontends.add(frontend)
+            # Owner numbers come round again after many reconnections (server.boundary.slab.connection_owner):
+            # two live connections must never share one, or one's clean-up would free the other's slots.
+            taken = any(other.owner == hello.owner for other in self._frontends)
+            if not taken:
+                self._frontends.add(frontend)
+        if taken:
+            log.warning("refused a connection: owner %d is a live connection's; it reconnects under another",
+                        hello.owner)
+            connection.close()
+            return
         try:
             frontend.send(Ready(self.info()))
             self._read(frontend)
