@@ -34,7 +34,7 @@ from resnet_server.boundary.protocol import EngineInfo, MessageReader
 from resnet_server.common.served import ServedWeights
 from resnet_server.common.shared_regions import RegionSpec
 
-MOST_MESSAGE_BYTES = 64 << 10  # a pipe's capacity: a message this size is written whole or not at all
+MOST_MESSAGE_BYTES = 64 << 10  # a pipe's capacity: every message is small; one this large is a bug or a peer gone wrong
 MOST_OUTBOX_BYTES = 4 << 20  # what may wait for a peer that reads slowly; past it, the peer has stopped reading
 MOST_ERROR_CHARACTERS = 512
 _LENGTH = struct.Struct("!i")
