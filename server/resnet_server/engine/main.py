@@ -130,7 +130,7 @@ def _follow(engine: Engine, order: object, reports: Reports, staged: int | None)
         try:
             sha256 = engine.stage(order.source)
         except Exception as exc:  # noqa: BLE001 - told to the supervisor, which fails the reload saying why
-            reports.send(_failed(engine, order.reload, "prepare", exc))
+            reports.send(_failed(engine, order.reload, "prepare", exc, order.source))
             return None
         reports.send(Prepared(order.reload, sha256))
         return order.reload
@@ -141,7 +141,7 @@ def _follow(engine: Engine, order: object, reports: Reports, staged: int | None)
         try:
             engine.commit(order.version)
         except Exception as exc:  # noqa: BLE001 - as above
-            reports.send(_failed(engine, order.reload, "commit", exc))
+            reports.send(_failed(engine, order.reload, "commit", exc, ""))
             return None
         reports.send(Committed(order.reload))
         return None
@@ -151,12 +151,15 @@ def _follow(engine: Engine, order: object, reports: Reports, staged: int | None)
     return staged
 
 
-def _failed(engine: Engine, reload: int, step: str, exc: Exception) -> ReloadFailed:
+def _failed(engine: Engine, reload: int, step: str, exc: Exception, source: str) -> ReloadFailed:
     """The supervisor's answer for a step that raised: the full reason in this engine's log; to the caller, weights
-    that do not fit said in a line, anything else only as an internal error of this engine."""
+    that do not fit said in a line without the server's path for them (``source``), anything else only as an
+    internal error of this engine."""
     log.warning("engine %s: %s of reload %d failed: %s: %s", engine.link.name, step, reload, type(exc).__name__, exc)
     if isinstance(exc, WeightsError):
-        return ReloadFailed(reload, step, "INVALID_ARGUMENT", short(str(exc)))
+        said = str(exc).replace(f"weights {source}: ", "") if source else str(exc)
+        return ReloadFailed(reload, step, "INVALID_ARGUMENT", short(said.replace(source, "the weights") if source
+                                                                    else said))
     return ReloadFailed(reload, step, "INTERNAL", f"engine {engine.link.name} could not {step} the weights "
                                                   f"({type(exc).__name__}; its log says more)")
 
