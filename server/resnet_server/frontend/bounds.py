@@ -136,12 +136,8 @@ def _plan(field_descriptor: FieldDescriptor, bounds: WireBounds) -> _Plan:
     message = field_descriptor.message_type if kind == FieldDescriptor.TYPE_MESSAGE else None
     entry_bytes = 4 if kind in _FIXED32 else 8 if kind in _FIXED64 else None if kind in _NEVER_PACKED else 0
     shown = f"{name} ({bounds.flags[name]})" if name in bounds.flags else name
-    return _Plan(shown, _repeated(field_descriptor), bounds.entries.get(name, bounds.most_entries), most_length,
+    return _Plan(shown, bool(field_descriptor.is_repeated), bounds.entries.get(name, bounds.most_entries), most_length,
                  message, entry_bytes)
-
-
-def _repeated(field_descriptor: FieldDescriptor) -> bool:
-    return bool(field_descriptor.is_repeated)  # protobuf's name since 6 (its `label` is deprecated)
 
 
 MOST_DIMENSIONS = 8  # a tensor's shape: the model's inputs have four

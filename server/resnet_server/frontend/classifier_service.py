@@ -83,15 +83,6 @@ async def abort_with(context: grpc.aio.ServicerContext, rid: str, exc: Exception
     await context.abort(*caller_status(rid, exc))
 
 
-def weights_shown(control: ModelControl, started_from: str, described: str) -> str:
-    """What the served weights are called: a client's file as such; the weights this process found served when it
-    connected as the engines described them (``described``: "imagenet:IMAGENET1K_V1", say); any other, by source."""
-    source = control.served.source
-    if control.sent_by_a_client(source):
-        return "a file a client sent (RepositoryModelLoad)"
-    return described if source == started_from else source
-
-
 STREAM_WINDOW = 64  # requests of one stream started and not yet answered: past it, the stream's reader waits
 STREAM_WINDOW_BYTES = 64 << 20  # and the bytes those requests and their answers hold
 
@@ -218,7 +209,6 @@ class ClassifierService(pb_grpc.ClassifierServicer):
         self._core = core
         self._info = model_info
         self._labels = list(model_info.labels)
-        self._started_from = self._control.served.source  # what the engines served when this process connected
 
     def _ready_core(self) -> InferenceCore:
         if self._core is None:
@@ -256,5 +246,5 @@ class ClassifierService(pb_grpc.ClassifierServicer):
         info = pb.ModelInfo()
         info.CopyFrom(self._info)
         info.weights_version, info.weights_sha256 = served.version, served.sha256
-        info.weights = weights_shown(self._control, self._started_from, info.weights)
+        info.weights = self._control.weights_shown(info.weights)
         return info

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,8 +45,6 @@ from resnet_server.common.errors import ServingError, Unavailable
 from resnet_server.common.served import ServedWeights
 from resnet_server.common.shared_regions import RegionSpec
 
-log = logging.getLogger(__name__)
-
 
 class ModelControl:
     """What this front-end knows of the weights served, and its requests to change them."""
@@ -56,6 +53,7 @@ class ModelControl:
                  orders: Inbox[FrontendOrder] | None = None, trace_settings: dict[str, list[str]] | None = None,
                  regions: list[RegionSpec] | None = None) -> None:
         self.served = served
+        self.connected_source = served.source  # the weights served when this process connected to its engines
         self.trace_settings = dict(trace_settings or {})  # those set while serving, as the supervisor keeps them
         self.regions = list(regions or [])  # those registered when this front-end started
         self._region_listeners: list[tuple[Callable[[RegionSpec], None], Callable[[list[RegionSpec]], None]]] = []
@@ -69,6 +67,14 @@ class ModelControl:
     def sent_by_a_client(self, source: str) -> bool:
         """Whether weights come from a file a client sent (one in the supervisor's folder for them)."""
         return self.uploads is not None and Path(source).parent == self.uploads
+
+    def weights_shown(self, described: str) -> str:
+        """What the served weights are called: a client's file as such; those served when this process connected
+        as its engines described them (``described``: "imagenet:IMAGENET1K_V1", say); any later ones by source."""
+        source = self.served.source
+        if self.sent_by_a_client(source):
+            return "a file a client sent (RepositoryModelLoad)"
+        return described if source == self.connected_source else source
 
     def on_change(self, listener: Callable[[ServedWeights], None]) -> None:
         self._listeners.append(listener)

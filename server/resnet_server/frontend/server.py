@@ -38,7 +38,7 @@ from resnet_server.common.served import ServedWeights
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.frontend.bounded_handlers import bounded
 from resnet_server.frontend.bounds import WireBounds, served_bounds
-from resnet_server.frontend.classifier_service import ClassifierService, weights_shown
+from resnet_server.frontend.classifier_service import ClassifierService
 from resnet_server.frontend.classify_request import read_classify_request
 from resnet_server.frontend.core import InferenceCore, Limits
 from resnet_server.frontend.engine_client import EngineClient
@@ -100,7 +100,6 @@ class App:
         self.stop_requested = asyncio.Event()
         self.stop_reason = ""
         self.exit_code = 0
-        self._started_from = ""  # the weights served when the engines were connected
         self._health_update: asyncio.Future | None = None  # the latest change of health; held, so it is not collected
 
     async def start(self, on_bound: Callable[[int], object] | None = None, load_first: bool = False) -> int:
@@ -183,6 +182,7 @@ class App:
         if not served.sha256:  # the weights every engine started with: the first one's say what they are
             self.control.served = dataclasses.replace(served, source=served.source or replicas[0].weights.source,
                                                       sha256=replicas[0].info.weights_sha256)
+        self.control.connected_source = self.control.served.source
         limits = Limits(config.max_images_per_request, config.max_pixels)
         self.core = InferenceCore(Router(replicas), self.metrics, limits, self.temperature,
                                   config.preprocess_threads, self._no_replica_left)
@@ -207,8 +207,7 @@ class App:
         if self.core is None:
             return
         for replica in self.core.router.replicas:  # resnet_model_info names what every engine serves now
-            self._model_info_series(replica.name, weights_shown(self.control, self._started_from,
-                                                                replica.weights.source))
+            self._model_info_series(replica.name, self.control.weights_shown(replica.weights.source))
         self.core.unloaded = None if served.loaded else UNLOADED
         if not served.loaded:
             self._change_health(health_pb2.HealthCheckResponse.NOT_SERVING, SERVICE_NAMES)
@@ -233,7 +232,6 @@ class App:
                      unit)
 
     def _record_model_info(self, replicas: Sequence[EngineHandle]) -> None:
-        self._started_from = self.control.served.source
         for replica in replicas:
             self._model_info_series(replica.name, replica.weights.source)
 
