@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -272,3 +273,32 @@ def test_what_the_weights_are_called_follows_every_reload():
     assert control.weights_shown(f"{uploads}/a.weights") == "/srv/resnet18.pt"
     control = ModelControl(ServedWeights("imagenet", 1), uploads)
     assert control.weights_shown("imagenet:IMAGENET1K_V1") == "imagenet:IMAGENET1K_V1"
+
+
+def parallel_kernels(folder: Path) -> list[list[str]]:
+    """For each graph inductor compiled into ``folder`` (a Python module of C++ kernels): its OpenMP regions'
+    pragmas."""
+    graphs = (path.read_text() for path in folder.rglob("*.py"))
+    return [re.findall(r"#pragma omp parallel.*", graph) for graph in graphs if "cpp_fused" in graph]
+
+
+@pytest.mark.slow
+def test_a_compiled_reload_runs_its_cpu_kernels_with_the_workers_threads(versions, tmp_path):
+    """The new runner of a --compile reload is compiled on the engine's background thread, which computes with one
+    torch thread; its kernels still run with the replica's --torch-threads, as the first runner's do, and it
+    serves the new weights."""
+    (first, _), (second, second_reference) = versions["first"], versions["second"]
+    cache = tmp_path / "cache"
+    workers = Workers(str(first), "--model-control", "explicit", "--compile", "--compile-cache", str(cache),
+                      "--torch-threads", "2", "--max-batch-size", "1", "--frontends", "1")
+    try:
+        port, _ = workers.serving(1)
+        triton = tc.InferenceServerClient(f"127.0.0.1:{port}")
+        triton.load_model("resnet18", files={"file:1/second.pt": second.read_bytes()})
+        version, probabilities = infer(triton)
+        assert version == "2" and np.abs(probabilities - expected(second_reference)).max() < 1e-4
+        graphs = parallel_kernels(cache)
+        assert len(graphs) >= 2  # the first runner's and the reload's
+        assert all(pragmas and set(pragmas) == {"#pragma omp parallel num_threads(2)"} for pragmas in graphs)
+    finally:
+        workers.close()

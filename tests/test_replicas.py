@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import subprocess
 import sys
 import threading
+import weakref
 
 import grpc
 import numpy as np
@@ -17,11 +19,20 @@ import torch
 from resnet_client import AsyncClient, ClassifierError, Client
 from resnet_server.common.config import ServerConfig
 from resnet_server.common.devices import cpu_bf16_unit
+from resnet_server.common.metrics import Metrics
+from resnet_server.common.sections import engine_config
+from resnet_server.engine.batcher import Answers
 from resnet_server.engine.inductor import cuda_graph_state_for_this_thread
-from resnet_server.engine.replicas import FAILURES_BEFORE_EVICTION, max_batch_size, replica_torch_threads
+from resnet_server.engine.replicas import (
+    FAILURES_BEFORE_EVICTION,
+    load_replica,
+    max_batch_size,
+    replica_torch_threads,
+)
 from resnet_server.engine.runner import ModelRunner, _split, bucket_sizes
 from tests.helpers import (
     DEVICE_FELL_OFF,
+    base_config,
     break_until_evicted,
     encode,
     free_port,
@@ -446,3 +457,19 @@ def test_a_replica_uses_every_core_on_the_cpu_and_one_host_thread_for_a_gpu_unle
     cpu, gpu = torch.device("cpu"), torch.device("cuda:0")
     assert [replica_torch_threads(ServerConfig(), device) for device in (cpu, gpu)] == [cores, 1]
     assert [replica_torch_threads(ServerConfig(torch_threads=3), device) for device in (cpu, gpu)] == [3, 3]
+
+
+def test_a_rebuilt_runner_replaces_the_first_one_which_nothing_keeps(weights_file):
+    """A TorchScript (or compiled) replica builds a new runner for new weights: once it serves, the first runner,
+    its graph and its tensors, are freed, not kept for the life of the engine."""
+    config = engine_config(base_config(str(weights_file[0]), torchscript=True, max_batch_size=1))
+    ignore = Answers(lambda *_: None, lambda *_: None, lambda *_: None)
+    replica = load_replica("cpu", torch.device("cpu"), config, Metrics(1), lambda: None, ignore)
+    try:
+        first = weakref.ref(replica.runner)
+        replica.stage(str(weights_file[0]))
+        replica.commit(2)
+        gc.collect()
+        assert first() is None and replica.batcher.weights_version == 2
+    finally:
+        replica.batcher.stop()

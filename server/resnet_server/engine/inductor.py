@@ -29,6 +29,15 @@ def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     return cast(torch.nn.Module, torch.compile(model, mode=mode, dynamic=False))
 
 
+def pin_cpu_threads(count: int) -> None:
+    """CPU kernels compiled from now on run with ``count`` OpenMP threads, whichever thread compiles them. Left
+    alone, inductor writes the compiling thread's own torch thread count into each kernel: a model compiled again
+    for new weights on a one-thread background thread would serve every later batch on one core."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.threads = count
+
+
 def cuda_graph_state_for_this_thread() -> None:
     """Inductor keeps its CUDA graph trees in thread-locals. Before torch 2.13 only the thread that imported
     the module (and autograd's threads) had them, and any other thread failed an assertion on its first

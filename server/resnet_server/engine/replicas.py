@@ -20,6 +20,7 @@ from resnet_server.common.metrics import Metrics
 from resnet_server.common.model import LoadedWeights, build_model, load_weights
 from resnet_server.common.sections import EngineConfig
 from resnet_server.common.threads import use_torch_threads
+from resnet_server.engine import inductor
 from resnet_server.engine.batcher import Answers, Batcher
 from resnet_server.engine.runner import ModelRunner, bucket_sizes
 from resnet_server.engine.runners import build_runner
@@ -122,6 +123,8 @@ class _ReplicaSetup:
     def warmed(self, model: torch.nn.Module) -> ModelRunner:
         """A runner of ``model`` as the flags say, warmed up at every bucket."""
         config, device = self.config, self.device
+        if config.compile and device.type == "cpu":  # the worker's team, not that of the thread compiling
+            inductor.pin_cpu_threads(self.torch_threads)
         runner = build_runner(config.runner, self.name, model, device, config.precision, config.channels_last,
                               compiled=config.compile, compile_mode=config.compile_mode,
                               compile_cache=config.compile_cache, torchscript=config.torchscript,
@@ -142,10 +145,12 @@ class _ReplicaSetup:
         return runner
 
     def loaded(self) -> tuple[ModelRunner, LoadedWeights]:
-        """What the worker's thread set up, once the batcher has started."""
-        if self.runner is None or self.weights is None:
+        """What the worker's thread set up, once the batcher has started, handed over once: the setup keeps no
+        runner (a reload's new one would otherwise leave the first, its graphs and memory, alive beside it)."""
+        runner, weights, self.runner, self.weights = self.runner, self.weights, None, None
+        if runner is None or weights is None:
             raise RuntimeError(f"replica {self.name} has not been set up")
-        return self.runner, self.weights
+        return runner, weights
 
 
 def load_replica(name: str, device: torch.device, config: EngineConfig, metrics: Metrics,
