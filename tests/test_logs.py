@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from resnet_server.common.logs import JsonFormatter
+from resnet_server.common.logs import JsonFormatter, TextFormatter, current_request
 
 
 def test_a_record_with_a_traceback_is_one_json_line():
@@ -24,6 +24,20 @@ def test_a_record_with_a_traceback_is_one_json_line():
     assert entry["message"] == "batch of 8 failed"
     assert entry["exception"].startswith("Traceback") and "ValueError: broken batch" in entry["exception"]
     assert entry["time"].endswith("+00:00")
+
+
+def test_a_line_written_while_a_call_is_served_names_its_request_id():
+    record = logging.LogRecord("resnet_server.frontend.shared_memory", logging.WARNING, __file__, 1, "region left out",
+                               (), None)
+    assert "request_id" not in json.loads(JsonFormatter().format(record))  # no call: no id
+    token = current_request.set("client-id-7")
+    try:
+        entry = json.loads(JsonFormatter().format(record))
+        line = TextFormatter().format(record)
+    finally:
+        current_request.reset(token)
+    assert entry["request_id"] == "client-id-7" and entry["message"] == "region left out"
+    assert line.endswith("resnet_server.frontend.shared_memory: region left out request_id=client-id-7")
 
 
 def test_the_server_logs_json_from_start_to_stop(weights_file):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from resnet_server.frontend.classifier_service import STREAM_WINDOW, STREAM_WINDOW_BYTES, in_order
+from resnet_server.frontend.streams import STREAM_WINDOW, STREAM_WINDOW_BYTES, in_order
 
 
 class Answer:

@@ -7,9 +7,7 @@ from typing import cast
 
 import grpc
 
-# Trailing metadata of a request refused for some of its images: their positions, comma-separated. The status
-# message says why, a line ``images[i]: reason`` each (or just the reason, for a request of one image).
-INVALID_IMAGES_KEY = "resnet-invalid-images"
+from resnet_client.invalid_images import INVALID_IMAGES_KEY, reasons_given
 
 
 class ClassifierError(Exception):
@@ -28,33 +26,8 @@ class ClassifierError(Exception):
         return cls(code or grpc.StatusCode.UNKNOWN, details, _invalid_images(error, details))
 
 
-REASONS_LISTED = 8  # a status message travels in a trailer too, whose size gRPC limits (8 KiB by default)
-
-
-def invalid_images_message(reasons: dict[int, str], total: int) -> str:
-    """The status message of a request refused for some of its ``total`` images (the server writes it, and
-    ``_invalid_images`` reads it back): a lone image's reason as it is; otherwise a line per invalid image,
-    ``images[i]: reason``, under a count when there are several."""
-    if total == 1:
-        return next(iter(reasons.values()))
-    lines = [f"images[{index}]: {reason}" for index, reason in list(reasons.items())[:REASONS_LISTED]]
-    if len(reasons) > REASONS_LISTED:
-        lines.append(f"... and {len(reasons) - REASONS_LISTED} more")
-    head = [] if len(reasons) == 1 else [f"{len(reasons)} of {total} images are invalid"]
-    return "\n".join(head + lines)
-
-
 def _invalid_images(error: grpc.RpcError, message: str) -> dict[int, str]:
     trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     # (key, value) pairs, whichever API made them; grpc-stubs types each as a _Metadatum, which only the sync one is.
     pairs = cast("Sequence[tuple[str, str]]", trailers or ())
-    listed = next((value for key, value in pairs if key == INVALID_IMAGES_KEY), "")
-    positions = [int(text) for text in listed.split(",") if text.strip().isdigit()]
-    if len(positions) == 1 and not message.startswith("images["):  # a lone image: the message is its reason
-        return {positions[0]: message}
-    reasons = {}
-    for line in message.splitlines():
-        head, _, reason = line.partition("]: ")
-        if head.startswith("images[") and head[7:].isdigit():
-            reasons[int(head[7:])] = reason
-    return {position: reasons.get(position, message) for position in positions}
+    return reasons_given(next((value for key, value in pairs if key == INVALID_IMAGES_KEY), ""), message)

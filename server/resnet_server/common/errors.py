@@ -1,15 +1,33 @@
-"""Domain exceptions, and the one place that maps them to gRPC status codes.
+"""Domain exceptions, each of a kind a caller can act on; no transport here.
 
-The core (preprocessing, batching, replicas) raises these and knows nothing of gRPC; the
-servicers call :func:`status_for` to answer. Anything else becomes INTERNAL with a generic
-message, so no internals leak to callers (the details go to the log with the request id).
+The core (preprocessing, batching, replicas) raises these and knows nothing of gRPC or HTTP; each front-end maps
+a kind to its own status once, where its methods are registered (resnet_server.frontend.answers for gRPC).
+Anything else is INTERNAL with a generic message, so no internals leak to callers (the details go to the log
+with the request id).
 """
 
 from __future__ import annotations
 
-import grpc
+import asyncio
+import enum
 
-from resnet_client.errors import invalid_images_message  # the wire format, beside the client's reader of it
+from resnet_client.invalid_images import invalid_images_message  # the wire format, beside the client's reader of it
+
+
+class ErrorKind(enum.Enum):
+    """What went wrong for the caller. The names are gRPC's status codes, which the kinds map to one for one."""
+
+    INVALID_ARGUMENT = enum.auto()
+    RESOURCE_EXHAUSTED = enum.auto()
+    DEADLINE_EXCEEDED = enum.auto()
+    NOT_FOUND = enum.auto()
+    FAILED_PRECONDITION = enum.auto()
+    PERMISSION_DENIED = enum.auto()
+    UNAUTHENTICATED = enum.auto()
+    ALREADY_EXISTS = enum.auto()
+    UNIMPLEMENTED = enum.auto()
+    UNAVAILABLE = enum.auto()
+    INTERNAL = enum.auto()
 
 
 class StartupError(RuntimeError):
@@ -17,13 +35,19 @@ class StartupError(RuntimeError):
 
 
 class ServingError(Exception):
-    """Base of every error a caller may see; its message is safe to send."""
+    """Base of every error a caller may see; its message is safe to send. ``kind``: its class's, unless given
+    (an error the supervisor answered, of the kind it names)."""
 
-    code = grpc.StatusCode.INTERNAL
+    kind = ErrorKind.INTERNAL
+
+    def __init__(self, message: str = "", kind: ErrorKind | None = None) -> None:
+        super().__init__(message)
+        if kind is not None:
+            self.kind = kind
 
 
 class InvalidInput(ServingError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    kind = ErrorKind.INVALID_ARGUMENT
 
 
 class InvalidImages(InvalidInput):
@@ -37,48 +61,53 @@ class InvalidImages(InvalidInput):
 
 
 class Overloaded(ServingError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    kind = ErrorKind.RESOURCE_EXHAUSTED
 
 
 class DeadlineExpired(ServingError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    kind = ErrorKind.DEADLINE_EXCEEDED
 
 
 class NotFound(ServingError):
-    code = grpc.StatusCode.NOT_FOUND
+    kind = ErrorKind.NOT_FOUND
 
 
 class FailedPrecondition(ServingError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    kind = ErrorKind.FAILED_PRECONDITION
 
 
 class PermissionDenied(ServingError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+    kind = ErrorKind.PERMISSION_DENIED
 
 
 class AlreadyExists(ServingError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+    kind = ErrorKind.ALREADY_EXISTS
 
 
 class Unimplemented(ServingError):
-    code = grpc.StatusCode.UNIMPLEMENTED
+    kind = ErrorKind.UNIMPLEMENTED
 
 
 class Unavailable(ServingError):
-    code = grpc.StatusCode.UNAVAILABLE
+    kind = ErrorKind.UNAVAILABLE
 
 
 class ComputeFailed(ServingError):
     """A batch failed on the device; the message is generic on purpose."""
 
-    code = grpc.StatusCode.INTERNAL
+    kind = ErrorKind.INTERNAL
 
 
 INTERNAL_MESSAGE = "internal error while serving the request"
 
 
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status code and caller-safe message for any exception."""
+def caller_error(exc: BaseException) -> tuple[ErrorKind, str]:
+    """The kind and caller-safe message of any exception."""
     if isinstance(exc, ServingError):
-        return exc.code, str(exc) or exc.code.name
-    return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
+        return exc.kind, str(exc) or exc.kind.name
+    return ErrorKind.INTERNAL, INTERNAL_MESSAGE
+
+
+def outcome(exc: BaseException) -> str:
+    """How a call that raised ``exc`` ended, as metrics and spans name it: its kind's name, or CANCELLED."""
+    return "CANCELLED" if isinstance(exc, asyncio.CancelledError) else caller_error(exc)[0].name

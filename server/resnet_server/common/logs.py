@@ -5,13 +5,18 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+from contextvars import ContextVar
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_FORMATS = ("text", "json")
 
+# The request id of the call being served, set where a front-end's methods are registered: its log lines say it.
+current_request: ContextVar[str] = ContextVar("current_request", default="")
+
 
 class JsonFormatter(logging.Formatter):
-    """{"time", "level", "logger", "message"} and, when there is one, "exception" (the traceback)."""
+    """{"time", "level", "logger", "message"} and, when there are, "request_id", the trace's ids and
+    "exception" (the traceback)."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {
@@ -21,6 +26,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if rid := current_request.get():
+            entry["request_id"] = rid
         if ids := _trace_ids(record):
             entry["trace_id"], entry["span_id"] = ids
         if record.exc_info:
@@ -29,13 +36,16 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """TEXT_FORMAT, and a call's ``trace_id=... span_id=...`` after the message when it has them."""
+    """TEXT_FORMAT, and after the message a call's ``request_id=...`` and ``trace_id=... span_id=...`` when it
+    has them."""
 
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
         line = super().formatMessage(record)
+        if rid := current_request.get():
+            line = f"{line} request_id={rid}"
         return f"{line} trace_id={ids[0]} span_id={ids[1]}" if (ids := _trace_ids(record)) else line
 
 

@@ -20,7 +20,7 @@ from resnet_server.common.errors import (
     InvalidImages,
     InvalidInput,
     Unavailable,
-    status_for,
+    outcome,
 )
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.postprocess import NUM_CLASSES
@@ -113,7 +113,7 @@ class InferenceCore:
             if call.trace is not None:
                 call.trace.answered(outputs, replica.runs)
         except BaseException as exc:
-            code = "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0].name
+            code = outcome(exc)
             if isinstance(exc, InvalidImages):  # the valid ones were not served: their caller may send them again
                 counted = len(exc.reasons)
             if not self.router.any_healthy():  # this call's failure may have evicted the last replica

@@ -18,8 +18,6 @@ import itertools
 from collections.abc import Callable
 from pathlib import Path
 
-import grpc
-
 from resnet_server.boundary.control import (
     Answer,
     Bound,
@@ -41,7 +39,7 @@ from resnet_server.boundary.control import (
     Unregister,
     WeightsServed,
 )
-from resnet_server.common.errors import ServingError, Unavailable
+from resnet_server.common.errors import ErrorKind, ServingError, Unavailable
 from resnet_server.common.served import ServedWeights
 from resnet_server.common.shared_regions import RegionSpec
 
@@ -154,9 +152,7 @@ class ModelControl:
         finally:
             del self._waiting[call]
         if code != "OK":
-            error = ServingError(message)
-            error.code = grpc.StatusCode[code]
-            raise error
+            raise ServingError(message, ErrorKind[code] if code in ErrorKind.__members__ else ErrorKind.INTERNAL)
 
     def _send(self, message: FrontendReport) -> None:
         """Written now if the pipe takes it, else when it has room (the loop watches it while bytes wait)."""

@@ -36,19 +36,15 @@ from resnet_server.common.preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, 
 from resnet_server.common.sections import FrontendConfig
 from resnet_server.common.served import ServedWeights
 from resnet_server.common.threads import use_torch_threads
-from resnet_server.frontend.bounded_handlers import bounded
 from resnet_server.frontend.bounds import WireBounds, served_bounds
 from resnet_server.frontend.classifier_service import ClassifierService
 from resnet_server.frontend.classify_request import read_classify_request
 from resnet_server.frontend.core import InferenceCore, Limits
 from resnet_server.frontend.engine_client import EngineClient
+from resnet_server.frontend.handlers import registered
 from resnet_server.frontend.model_control import ModelControl
-from resnet_server.frontend.oip_service import (
-    DECLARED_INPUTS,
-    MOST_RAW_INPUT_CONTENTS,
-    InferenceService,
-    read_infer_request,
-)
+from resnet_server.frontend.oip_codec import DECLARED_INPUTS
+from resnet_server.frontend.oip_service import MOST_RAW_INPUT_CONTENTS, InferenceService, read_infer_request
 from resnet_server.frontend.repository_service import RepositoryService, read_load_request
 from resnet_server.frontend.router import EngineHandle, Router
 from resnet_server.frontend.security import TokenAuthInterceptor, load_tokens, server_credentials
@@ -341,7 +337,7 @@ def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Ser
                  rare: dict[str, Callable[[bytes], object]] | None = None,
                  most_bytes: int | None = None, larger: Sequence[str] = ()) -> None:
     """``add_to_server(servicer, server)`` (the generated one), every method's requests checked against
-    ``bounds`` before they are read (server.frontend.bounds) and against ``most_bytes`` (but those named in
+    ``bounds`` before they are read (resnet_server.frontend.handlers) and against ``most_bytes`` (but those named in
     ``larger``, for which gRPC's own limit is raised), with the methods of ``deserializers`` (those that
     carry pixels) registered with gRPC and their requests read by it instead of protobuf's parse; the others only
     in a generic handler, ``rare`` ones read by the reader given. gRPC's server loop waits on one future per
@@ -350,14 +346,14 @@ def add_servicer(add_to_server: Callable, servicer: object, server: grpc.aio.Ser
     readers = {**(rare or {}), **deserializers}
     generated = _Handlers()
     add_to_server(servicer, generated)
-    handlers = {name: bounded(handler._replace(request_deserializer=readers[name]) if name in readers else handler,
-                              service.methods_by_name[name].input_type, bounds,
-                              None if name in larger else most_bytes)
+    handlers = {name: registered(handler._replace(request_deserializer=readers[name]) if name in readers else handler,
+                                 service.methods_by_name[name].input_type, bounds,
+                                 None if name in larger else most_bytes)
                 for name, handler in generated.handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(generated.service, handlers),))
     # grpcio 1.62's API, newer than grpc-stubs.
-    registered = {name: handlers[name] for name in deserializers}
-    server.add_registered_method_handlers(generated.service, registered)  # type: ignore[attr-defined]
+    with_readers = {name: handlers[name] for name in deserializers}
+    server.add_registered_method_handlers(generated.service, with_readers)  # type: ignore[attr-defined]
 
 
 async def _within(work: Callable[[], object], seconds: float) -> None:

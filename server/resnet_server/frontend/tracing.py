@@ -17,7 +17,6 @@ for each of its messages) is the parent, its sampled flag honoured both ways; a 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import random
@@ -31,7 +30,7 @@ from urllib.parse import urlparse
 
 import grpc
 
-from resnet_server.common.errors import InvalidInput, status_for
+from resnet_server.common.errors import InvalidInput, outcome
 from resnet_server.common.work import ImageOutput
 
 if TYPE_CHECKING:
@@ -324,7 +323,7 @@ async def traced(tracing: Tracing | None, method: str, context: grpc.aio.Service
         try:
             result = await work(trace)
         except BaseException as exc:
-            code = "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0].name
+            code = outcome(exc)
             trace.finish(code, str(exc))
             raise
         trace.finish("OK")

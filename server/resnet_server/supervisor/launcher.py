@@ -286,7 +286,7 @@ class Supervisor:
                 for region in self.regions.remove(change.owner, change.name):
                     self._to_frontends(RegionsClosed([region]))
         except ServingError as refused:
-            return Outcome(refused.code.name, str(refused))
+            return Outcome(refused.kind.name, str(refused))
         return Outcome("OK", "")
 
     def _reply(self, frontend: str, call: int, outcome: Outcome) -> None:
