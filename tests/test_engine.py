@@ -46,7 +46,7 @@ def engine_sample(engine_set: EngineSet, sample: str) -> float:
 def sent_to_engines(caplog, kind: type) -> list:
     """The messages of ``kind`` the front-ends run in this process sent (the protocol's DEBUG trace)."""
     return [record.engine_message for record in caplog.records
-            if record.name == "server.protocol" and isinstance(record.engine_message, kind)]
+            if record.name == "resnet_server.boundary.protocol" and isinstance(record.engine_message, kind)]
 
 
 @pytest.mark.parametrize("crops", [False, True], ids=["floats", "crops"])
@@ -59,7 +59,7 @@ def test_a_front_end_in_another_process_answers_as_the_shared_server(engines, se
     engine_set = engines(runner=faults.runner)
     frontend = engine_set.frontend()
     images = [JPEG, PIXELS, LARGE, FLOATS]
-    caplog.set_level(logging.DEBUG, logger="server.protocol")
+    caplog.set_level(logging.DEBUG, logger="resnet_server.boundary.protocol")
     with Client(frontend.target, timeout=60) as remote, Client(server.target, timeout=60) as local:
         got = remote.classify(images, full=True, logits=True, temperature=1.7)
         sent = [entry for submit in sent_to_engines(caplog, Submit) for entry in submit.entries]  # how each went
@@ -143,7 +143,7 @@ def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_
     engine_set = engines(max_batch_size=8)
     with Client(engine_set.frontend().target, timeout=60) as client:
         want = client.classify([PIXELS], full=True, temperature=1.3)[0].probabilities
-    caplog.set_level(logging.DEBUG, logger="server.protocol")
+    caplog.set_level(logging.DEBUG, logger="resnet_server.boundary.protocol")
 
     def sent() -> list[str]:
         return [type(message).__name__ for message in sent_to_engines(caplog, (Hello, Submit, Cancel))]
@@ -158,8 +158,8 @@ def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_
             handle.submit([item])
         assert sent() == ["Hello"]
         handle.withdraw(items[2:])  # sends what waits first: the engine must know the slot it is asked to drop
-        items[2].future.cancel()
-        answers = await asyncio.wait_for(asyncio.gather(items[0].future, items[1].future), 60)
+        items[2].caller.cancel()
+        answers = await asyncio.wait_for(asyncio.gather(items[0].caller, items[1].caller), 60)
         handle.stop()
         return answers
 

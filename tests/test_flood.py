@@ -138,9 +138,9 @@ class _Submits(logging.Handler):
 
 
 def test_a_long_infer_id_reaches_the_engine_and_the_log_cut_to_64_printable_characters(server):
-    long_id = "line one\nforged line " + "x" * 200  # ids are at most 256 bytes (server.frontend.bounds)
+    long_id = "line one\nforged line " + "x" * 200  # ids are at most 256 bytes (resnet_server.frontend.bounds)
     seen = _Submits()
-    protocol_log = logging.getLogger("server.protocol")
+    protocol_log = logging.getLogger("resnet_server.boundary.protocol")
     protocol_log.addHandler(seen)
     protocol_log.setLevel(logging.DEBUG)
     try:

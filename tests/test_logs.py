@@ -64,4 +64,4 @@ def test_the_server_logs_json_from_start_to_stop(weights_file):
     assert ready.endswith("; cpu runs fp32 eagerly at batch sizes 1, 2, 3, 4, 5, 6, 7, 8"), ready
     assert any(message.startswith("serving resnet18 on 127.0.0.1:") for message in messages), messages
     assert messages[-1] == "stopped"
-    assert {entry["logger"] for entry in logged} >= {"server", "server.replicas"}
+    assert {entry["logger"] for entry in logged} >= {"resnet_server.frontend.server", "resnet_server.engine.replicas"}

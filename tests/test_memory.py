@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the t
 # must then mend.
 PROBE = """
 import ctypes, json, resource, sys, threading
-import resnet_server  # its import keeps freed memory (server.common.memory), before torch comes
+import resnet_server  # its import keeps freed memory (resnet_server.common.memory), before torch comes
 import torch
 from resnet_server.common.model import build_model, load_weights
 from resnet_server.engine.runner import ModelRunner

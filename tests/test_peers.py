@@ -163,7 +163,7 @@ def test_a_call_whose_image_cannot_be_written_gives_back_its_slots_and_later_cal
         assert engine_set.taken_slots() == 0
         good = item(PIXELS.tobytes())
         handle.submit([good])
-        answer = await asyncio.wait_for(good.future, 60)
+        answer = await asyncio.wait_for(good.caller, 60)
         handle.stop()
         return answer
 
@@ -272,7 +272,7 @@ def test_one_message_the_front_end_cannot_handle_leaves_the_others_read_with_it_
                         asyncio.get_running_loop().create_future())
         handle.submit([item])
         try:
-            return await asyncio.wait_for(item.future, 30)
+            return await asyncio.wait_for(item.caller, 30)
         finally:
             handle.stop()
 

@@ -421,7 +421,7 @@ def test_an_fp32_cpu_server_on_a_bf16_cpu_logs_the_bf16_hint_once(make_server, c
     def hints() -> int:
         return sum("--precision bf16" in record.getMessage() for record in caplog.records)
 
-    caplog.set_level(logging.INFO, logger="server")
+    caplog.set_level(logging.INFO, logger="resnet_server.frontend.server")
     make_server(devices=("cpu", "cpu"))
     assert hints() == (1 if cpu_bf16_unit() else 0)  # this machine's own /proc/cpuinfo decides
     caplog.clear()

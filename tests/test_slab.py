@@ -114,7 +114,7 @@ def test_copying_each_slot_into_its_row_gives_the_gathered_batch(views, dtype, s
 @pytest.mark.skipif(torch.cuda.is_available(), reason="for a machine where CUDA cannot register the slab")
 def test_without_cuda_the_engine_keeps_the_host_copy(views, caplog):
     _, engine = views
-    with caplog.at_level(logging.WARNING, logger="server.registered_slab"):
+    with caplog.at_level(logging.WARNING, logger="resnet_server.engine.registered_slab"):
         assert not register_slab(engine, torch.device("cuda:0"))
     assert "cannot upload from the slab where it lies" in caplog.text
 

@@ -288,7 +288,7 @@ def test_an_engine_that_cannot_start_ends_the_server_with_its_error_and_no_front
         assert "SIGTERM received before serving: stopped" in done.stderr
     if flags[0] == "--weights":  # the supervisor's last line says why it stopped
         assert done.stderr.splitlines()[-1].endswith("ended with code 1 before serving")
-        assert "ERROR server.supervisor: stopped: resnet-engine-cpu (pid" in done.stderr.splitlines()[-1]
+        assert "ERROR resnet_server.supervisor.main: stopped: resnet-engine-cpu (pid" in done.stderr.splitlines()[-1]
 
 
 def test_compile_without_a_cpp_compiler_ends_the_server_saying_why(weights_file, tmp_path):

@@ -383,7 +383,7 @@ def server_view(before: dict, after: dict) -> dict[str, dict[str, float]]:
             "mean_queue_ms": 1000 * delta("resnet_queue_wait_seconds_sum", device) / max(images, 1),
             "mean_compute_ms": 1000 * delta("resnet_batch_compute_seconds_sum", device) / batches,
         }
-        if any((f"{_BATCH_PART}:{part}", device) in after for part in BATCH_PARTS):  # a server from before has none
+        if any((f"{_BATCH_PART}:{part}", device) in after for part in BATCH_PARTS):  # where the server reports them
             view[device].update({f"mean_{part}_ms": 1000 * delta(f"{_BATCH_PART}:{part}", device) / batches
                                  for part in BATCH_PARTS})
         waits = {outcome: delta(f"{_CALLER_WAITS}:{outcome}", device) for outcome in ("came_back", "ran_out")}
@@ -542,7 +542,7 @@ def first_call_failure(args: argparse.Namespace, request: bytes) -> str | None:
 
     A server that cannot be reached, a refused token or a request the server refuses (too many pixels or images)
     fails every call alike; said now, in a second, rather than after a whole sweep of failed calls (against a
-    closed port that was some 160,000 UNAVAILABLE in ten seconds). Failures under load (overload, deadlines)
+    closed port, a flood of UNAVAILABLE). Failures under load (overload, deadlines)
     are still counted by code in the table."""
     with Client(args.server, **connection(args)) as client, contextlib.ExitStack() as region:
         try:

@@ -51,7 +51,7 @@ def feed(link, owner: int, in_flight: int, pipe) -> None:
             while time.monotonic() < end:
                 item = WorkItem(image, 1.0, 1, None, loop.create_future())
                 client.submit([item])
-                await item.future
+                await item.caller
                 counted += start <= time.monotonic() < end
 
         await asyncio.gather(*(caller() for _ in range(in_flight)))

@@ -14,7 +14,7 @@ cores the clients share, a steadier measure than calls a second, and it says whe
 engine costs what. The front-end's over the bare server's, taken round by round (the two halves of a round share
 its drift) and the median of those, is the issue's target (at most 1.5). The bare server
 runs on asyncio's own event loop, the issue's reference; the front-end on uvloop where installed
-(server.common.event_loop), so ``--bare-loop uvloop`` gives the front-end's own cost alone. Both servers listen
+(resnet_server.common.event_loop), so ``--bare-loop uvloop`` gives the front-end's own cost alone. Both servers listen
 on 127.0.0.1 and are stopped when done.
 
 Usage: python scripts/benchmarks/frontend_cost.py [--processes 4] [--concurrency 16] [--duration 10] [--rounds 3]

@@ -52,8 +52,8 @@ def serve_aio(ports, stop, loop: str = "asyncio", method=_answer) -> None:
         await asyncio.get_running_loop().run_in_executor(None, stop.wait)
         await server.stop(0)
 
-    # Not server.common.event_loop.run: importing the server package tunes malloc (server.common.memory), and the
-    # reference server must stay bare.
+    # Not resnet_server.common.event_loop.run: importing the server package tunes malloc
+    # (resnet_server.common.memory), and the reference server must stay bare.
     if loop == "uvloop":
         import uvloop
 

@@ -6,5 +6,5 @@ __version__ = "0.1.0"
 
 # Here, so that it runs before torch is imported in every process that serves or times the model (the
 # supervisor, its engines and front-ends, bench-model): set later, glibc has already placed blocks it goes on
-# faulting in (server.common.memory).
+# faulting in (resnet_server.common.memory).
 KEPT_FREED_MEMORY = keep_freed_memory()

@@ -2,7 +2,7 @@
 
 Each child has two pipes with the supervisor: its reports up, the supervisor's orders down. The messages are
 typed (msgspec Structs, MessagePack arrays tagged by :class:`Control`), framed as the data plane frames its own
-(``server.boundary.protocol``), and bounded: none is sent over MOST_MESSAGE_BYTES, and a reader refuses one
+(``resnet_server.boundary.protocol``), and bounded: none is sent over MOST_MESSAGE_BYTES, and a reader refuses one
 that says it is larger. Neither side ever blocks on a write: what a pipe cannot take now waits in the writer's
 :class:`Outbox` and goes when the pipe has room, and a peer whose outbox passes MOST_OUTBOX_BYTES has stopped
 reading and is cut off, not waited for (two sides each writing more than a pipe holds, each waiting for the other

@@ -7,7 +7,7 @@ on the connection's own thread, each read and write bounded by HANDSHAKE_SECONDS
 peer costs that thread a few seconds and nothing else); the front-end's side is bounded the same way.
 
 Once open, the engine's writes to a front-end are bounded by ``SEND_SECONDS`` (a front-end that reads nothing for
-that long is cut off: server.engine.core), and its reads wait for as long as the front-end is quiet.
+that long is cut off: resnet_server.engine.core), and its reads wait for as long as the front-end is quiet.
 """
 
 from __future__ import annotations

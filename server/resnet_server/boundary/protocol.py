@@ -1,8 +1,8 @@
 """Everything that crosses between a front-end process and an engine process, in one place.
 
 A front-end reaches an engine through its :class:`EngineLink`: a Unix socket for small messages and the
-engine's shared slab (``server.boundary.slab``) for the pixels and the scores, which never go through the socket. The
-messages are typed (msgspec Structs, encoded as MessagePack arrays whose first element is the message's
+engine's shared slab (``resnet_server.boundary.slab``) for the pixels and the scores, which never go through the
+socket. The messages are typed (msgspec Structs, encoded as MessagePack arrays whose first element is the message's
 :class:`Kind`), so each side decodes into the types below and dispatches on the type through a table.
 
     front-end -> engine: Hello (once), Submit, Cancel
@@ -122,7 +122,7 @@ class Done(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.DONE)):
 
 class Failed(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.FAILED)):
     slots: list[int]
-    error: str  # the name of a server.common.errors.ServingError subclass
+    error: str  # the name of a resnet_server.common.errors.ServingError subclass
     message: str
     in_rotation: bool
 
@@ -138,7 +138,7 @@ class Health(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.HEALTH))
 ToEngine = Hello | Submit | Cancel
 ToFrontEnd = Ready | Done | Failed | Released | Health
 
-trace = logging.getLogger("server.protocol")
+trace = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()
 _to_engine: msgspec.msgpack.Decoder[ToEngine] = msgspec.msgpack.Decoder(ToEngine)
 _to_frontend: msgspec.msgpack.Decoder[ToFrontEnd] = msgspec.msgpack.Decoder(ToFrontEnd)

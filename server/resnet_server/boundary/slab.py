@@ -168,7 +168,7 @@ class Slab:
     @property
     def address(self) -> int:
         """Where this process maps the slab (what a GPU engine registers with CUDA:
-        ``server.engine.registered_slab``)."""
+        ``resnet_server.engine.registered_slab``)."""
         return np.frombuffer(self._memory, dtype=np.uint8, count=1).ctypes.data
 
     def input(self, slot: int, nbytes: int) -> memoryview:

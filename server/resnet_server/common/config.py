@@ -107,9 +107,9 @@ class ServerConfig:
     torchscript: bool = False
     cuda_graphs: str = "auto"  # true, false, or auto: see uses_cuda_graphs
     decode_on_device: str = "auto"
-    frontends: int = 0  # 0: auto (server.supervisor.launcher.frontend_count)
-    event_loop: str = "auto"  # the front-ends' (server.common.event_loop)
-    runner: str = "model"  # what runs the engines' batches (server.engine.runners)
+    frontends: int = 0  # 0: auto (resnet_server.supervisor.launcher.frontend_count)
+    event_loop: str = "auto"  # the front-ends' (resnet_server.common.event_loop)
+    runner: str = "model"  # what runs the engines' batches (resnet_server.engine.runners)
 
     def __post_init__(self) -> None:
         """Each field of the type it is declared with, and each choice one of its values: a configuration built in
@@ -201,7 +201,7 @@ def _log_level(text: str) -> str:
 
 
 def runner_spec(text: str) -> str:
-    """model, free[:MS] or faulty:FILE (server.engine.runners says what each does)."""
+    """model, free[:MS] or faulty:FILE (resnet_server.engine.runners says what each does)."""
     kind, colon, argument = text.partition(":")
     valid = (kind == "model" and not colon) or (kind == "faulty" and argument) or (
         kind == "free" and (not colon or _is_milliseconds(argument)))
@@ -402,10 +402,10 @@ _FLAGS: list[tuple[str, FlagType, str]] = [
                                            "threads are busy (Python's own is 5 ms)"),
     ("frontends", _auto_count, "gRPC front-end processes sharing the port (SO_REUSEPORT) and feeding one engine "
                                "process per device through shared memory; auto: half the cores left after one "
-                               "per device, 1 to 8 (--workers and RESNET_SERVER_WORKERS are its old name)"),
-    ("event-loop", _event_loop, "the front-ends' event loop: uvloop (libuv; 7-21% less front-end CPU a call, "
-                                "measured), asyncio (Python's own), or auto: uvloop where installed (the server "
-                                "extra installs it)"),
+                               "per device, 1 to 8 (also accepted as --workers and RESNET_SERVER_WORKERS)"),
+    ("event-loop", _event_loop, "the front-ends' event loop: uvloop (libuv; less front-end CPU a call, "
+                                "docs/performance.md), asyncio (Python's own), or auto: uvloop where installed "
+                                "(the server extra installs it)"),
     ("grace-period", non_negative_float, "seconds to finish accepted calls after SIGTERM or SIGINT"),
     ("replica-probe-interval", non_negative_float, "seconds between test batches (one blank image) on a device "
                                                     "taken out of rotation; it rejoins when one passes (0: it "
@@ -436,7 +436,7 @@ _FLAGS: list[tuple[str, FlagType, str]] = [
     ("auth-health", _boolean, "also require the token on grpc.health.v1.Health (kept open by default for "
                               "orchestrator probes)"),
     ("precision", _precision, "fp32, fp16 or bf16 weights and activations (the softmax in float64, then fp32); "
-                              "bf16 on CPUs with AMX or AVX-512 BF16 is 1.8-3x fp32 (docs/operations.md)"),
+                              "bf16 is faster than fp32 on CPUs with AMX or AVX-512 BF16 (docs/operations.md)"),
     ("channels-last", _boolean, "channels_last memory format, on CUDA and on the CPU (faster convolutions)"),
     ("cudnn-benchmark", _boolean, "cuDNN autotuning, paid at warm-up for every warmed batch size before SERVING"),
     ("compile", _boolean, "torch.compile (inductor, weights frozen) for every warmed batch size at warm-up, before "

@@ -52,7 +52,7 @@ class InvalidInput(ServingError):
 
 class InvalidImages(InvalidInput):
     """Some images of a request are invalid: each one's reason, by its position in the request. The request
-    is refused as a whole; the caller learns which images to drop (client.errors' ``INVALID_IMAGES_KEY``
+    is refused as a whole; the caller learns which images to drop (resnet_client.invalid_images' ``INVALID_IMAGES_KEY``
     trailer) and may send the others again."""
 
     def __init__(self, reasons: dict[int, str], total: int) -> None:

@@ -15,7 +15,7 @@ from typing import NoReturn
 def die_with_supervisor() -> None:
     """In a child: SIGTERM it when the supervisor ends, even by SIGKILL, so that no engine or front-end outlives
     its server holding a device or a port (at once if the supervisor has already gone). The child's parent is
-    the fork server (server.supervisor.launcher), which lives as long as any child does, so the supervisor's
+    the fork server (resnet_server.supervisor.launcher), which lives as long as any child does, so the supervisor's
     end is watched on its sentinel, a pipe that reads end-of-file once the supervisor has gone."""
     parent = multiprocessing.parent_process()
     if parent is not None:

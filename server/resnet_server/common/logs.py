@@ -50,7 +50,7 @@ class TextFormatter(logging.Formatter):
 
 
 class TraceIds(logging.Filter):
-    """Gives each record written while a call's span is current (server.frontend.tracing) its trace and span
+    """Gives each record written while a call's span is current (resnet_server.frontend.tracing) its trace and span
     ids."""
 
     def filter(self, record: logging.LogRecord) -> bool:

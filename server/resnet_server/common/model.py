@@ -25,7 +25,7 @@ from torchvision.models import ResNet, ResNet18_Weights, resnet18
 
 from resnet_server.common.errors import StartupError
 
-log = logging.getLogger("server.model")
+log = logging.getLogger(__name__)
 
 MODEL_NAME = "resnet18"
 MODEL_VERSION = "1"

@@ -51,8 +51,8 @@ def crop(pixels: torch.Tensor) -> torch.Tensor:
 
 def normalise(cropped: torch.Tensor) -> torch.Tensor:
     """uint8 [..., 3, 224, 224] to the model's float input: scaling to [0, 1] and normalising fused into one
-    multiply-add with per-device constants. v2's ToDtype + Normalize steps cost 0.25 ms more per 224x224 image
-    here, and Normalize copies its mean and std to the device on every call, a blocking copy on CUDA; the values
+    multiply-add with per-device constants. v2's ToDtype + Normalize steps cost more an image, and
+    Normalize copies its mean and std to the device on every call, a blocking copy on CUDA; the values
     agree within 1e-6."""
     batch = cropped if cropped.dim() == 4 else cropped.unsqueeze(0)
     normalised = _normalise(batch)
@@ -64,7 +64,7 @@ def _normalise(pixels: torch.Tensor) -> torch.Tensor:
 
     Viewed as rows of [W * 3] values with the per-channel constants tiled along a row, the multiply-add runs
     over long contiguous rows; broadcasting [3, 1, 1] constants over channels-last memory instead gives an
-    inner loop of three values (batch 8, 224x224, 2 cores: about 0.8 ms against 0.4)."""
+    inner loop of three values, twice as slow."""
     count, channels, height, width = pixels.shape
     out = torch.empty(pixels.shape, device=pixels.device, memory_format=torch.channels_last)
     # A view where the resize left channels-last strides (on the CPU it does), else a copy.
@@ -96,8 +96,8 @@ class EncodedImage(NamedTuple):
 
 class SlotBytes(NamedTuple):
     """An image's bytes where its front-end wrote them: the first ``nbytes`` of row ``slot`` of ``rows``, the
-    engine's uint8 [slots, bytes] tensor over the shared slab (``server.boundary.slab``). Read a batch at a time. A
-    NamedTuple, as the images."""
+    engine's uint8 [slots, bytes] tensor over the shared slab (``resnet_server.boundary.slab``). Read a batch at a
+    time. A NamedTuple, as the images."""
 
     rows: torch.Tensor
     slot: int
@@ -105,8 +105,9 @@ class SlotBytes(NamedTuple):
 
 
 class BytesElsewhere(Protocol):
-    """An image's bytes not yet in this process: in a client's shared-memory region (server.frontend.shared_memory),
-    read once, straight into where they go. InvalidInput from a read says what was wrong with them."""
+    """An image's bytes not yet in this process: in a client's shared-memory region
+    (resnet_server.frontend.shared_memory), read once, straight into where they go. InvalidInput from a read says what
+    was wrong with them."""
 
     def __len__(self) -> int: ...
 
@@ -158,8 +159,8 @@ def preprocess(image: ImageInput, max_pixels: int, crop_only: bool = False) -> t
 
 def check_raw(image: RawImage, max_pixels: int) -> None:
     """Everything about a raw tensor that is checked on arrival: its dtype, shape and length, and a float32
-    tensor's values (finite: one vectorised pass, about 30 us an image on one core, done here so that no
-    engine's one host thread reads a float batch on the CPU: 76 MB a batch of 127)."""
+    tensor's values (finite: one vectorised pass, done here so that no engine's one host thread reads a whole
+    float batch on the CPU)."""
     if image.dtype == "uint8":
         if len(image.shape) != 3 or image.shape[2] != 3 or min(image.shape) <= 0:
             raise InvalidInput(f"raw uint8 image must have shape [H, W, 3] with H, W > 0, got {list(image.shape)}")
@@ -226,8 +227,8 @@ def _crops(datas: list[ImageBytes], device: torch.device) -> torch.Tensor:
 def stack_bytes(datas: list[ImageBytes], dtype: str, shape: tuple[int, ...], device: torch.device
                  ) -> torch.Tensor:
     """The images' bytes copied once, into one new [B, *shape] tensor: on a GPU ``device`` when they are slots
-    of a slab registered with CUDA (``server.engine.registered_slab``), else on the CPU (pinned, for an upload to a
-    GPU).
+    of a slab registered with CUDA (``resnet_server.engine.registered_slab``), else on the CPU (pinned, for an upload
+    to a GPU).
 
     Bytes go through a memoryview: a plain copy that keeps the GIL. A NumPy copy of each image gives the GIL up
     and must win it back, up to a switch interval per image (docs/performance.md, "Figures behind the code")."""
@@ -263,7 +264,7 @@ def gather_slots(slots: list[SlotBytes], batch: torch.Tensor) -> torch.Tensor:
     """The slots' bytes into ``batch`` with one index_select, on the device the rows are on. On the CPU that is
     one copy that gives the GIL up once, so the engine's socket readers and finisher run while it copies (the
     memoryview copy holds the GIL for the whole batch). On a GPU it is one kernel reading the registered slab over
-    the bus (``server.engine.registered_slab``), instead of a copy an image on the engine's one host thread. Read
+    the bus (``resnet_server.engine.registered_slab``), instead of a copy an image on the engine's one host thread. Read
     as the widest word that divides the
     image and the slot: fewer, larger reads, which the bus to host memory moves far better than single bytes."""
     first = slots[0]
@@ -334,7 +335,7 @@ def _undecodable(data: bytes, exc: Exception) -> InvalidInput:
 
 
 def _check_declared_size(data: bytes, max_pixels: int) -> None:
-    """Read only the header (server.common.image_header) so a decompression bomb is refused unopened."""
+    """Read only the header (resnet_server.common.image_header) so a decompression bomb is refused unopened."""
     try:
         width, height = declared_size(data)
     except Image.DecompressionBombError:

@@ -8,8 +8,8 @@ prefixes below are refused whatever exists under them now or later.
 Regions belong to their owner: the digest of the bearer token that registered them (with ``--auth-token-file``;
 without tokens every client is the one owner ""). An owner's names are its own: another token sees none of
 them, cannot use or unregister them, and may register the same name for a region of its own. The supervisor
-holds the table every front-end follows (``server.supervisor.launcher``); each front-end opens the regions it
-is told of (``server.frontend.shared_memory``).
+holds the table every front-end follows (``resnet_server.supervisor.launcher``); each front-end opens the regions it
+is told of (``resnet_server.frontend.shared_memory``).
 """
 
 from __future__ import annotations

@@ -9,9 +9,8 @@ at once.
 
 Why threads that do not compute must not keep teams either: libgomp counts the workers of every team in
 the process, and once they outnumber the cores it cuts how long a thread spins at a barrier before it
-sleeps. Measured on 2 cores: the same batch-1 forward pass on a worker thread took 60-70 ms (about 100
-voluntary context switches a call) while the main thread also had a two-thread team, 36-48 ms when it
-had none.
+sleeps, and a worker's forward pass slows by half or more (docs/performance.md, "Figures behind the
+code").
 """
 
 from __future__ import annotations

@@ -55,13 +55,13 @@ class WorkItem(Generic[CallerT]):
     temperature: float
     top_k: int
     deadline: float | None  # time.monotonic() value, or None for no deadline
-    future: CallerT
+    caller: CallerT
     request_id: str = ""
     enqueued: float = field(default_factory=time.monotonic)
 
     def is_dead(self, now: float) -> str | None:
         """Why this item must not be computed (cancelled, deadline), or None."""
-        if self.future.done():  # only cancellation completes a queued item's future early
+        if self.caller.done():  # only cancellation completes a queued item's future early
             return "cancelled"
         if self.deadline is not None and now >= self.deadline:
             return "deadline"

@@ -8,8 +8,8 @@ wait, after answering a batch, for as many new images as that batch held: a clos
 round trip after their answers, and without the wait they split into two batches that take turns (sixteen callers:
 two batches of eight, each computing while the other's callers are away). A wait that runs out says the callers are
 not such a loop, and the next batches start at once. Cancelled and expired images are dropped before compute.
-Results go where its ``Answers`` say: in an engine process (``server.engine.core``), to shared memory and the front-
-end that sent each image.
+Results go where its ``Answers`` say: in an engine process (``resnet_server.engine.core``), to shared memory and the
+front-end that sent each image.
 
 A batcher whose batches fail ``failures_before_eviction`` times in a row is out of rotation (the router sends it
 nothing). Every ``probe_interval`` seconds its worker then runs one blank image through the forward pass, and the
@@ -44,7 +44,7 @@ from resnet_server.engine.runner import PendingScores
 if TYPE_CHECKING:
     from resnet_server.engine.runner import ModelRunner
 
-log = logging.getLogger("server.batcher")
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BatchOutput:
@@ -62,8 +62,8 @@ class BatchOutput:
 
 @dataclass(frozen=True)
 class Answers:
-    """Where a batcher's answers go (an engine's: its front-ends' slots and sockets, server.engine.core), called on
-    the batcher's threads: ``deliver(items, their outputs)``, ``fail(items, the error that fails them)``, and
+    """Where a batcher's answers go (an engine's: its front-ends' slots and sockets, resnet_server.engine.core),
+    called on the batcher's threads: ``deliver(items, their outputs)``, ``fail(items, the error that fails them)``, and
     ``dropped(items)`` for cancelled items left out of a batch."""
 
     deliver: Callable[[list[WorkItem], BatchOutput], None]
@@ -101,7 +101,7 @@ class _Swap:
 class Batcher:
     """``setup`` runs first on the worker thread and returns the model runner. Loading, warm-up
     and every forward pass thus share one thread: with OpenMP, each thread that runs parallel torch
-    ops gets its own team of spinning workers, and on a small CPU two teams cost a third of the speed.
+    ops gets its own team of spinning workers, and on a small CPU two teams slow both (resnet_server.common.threads).
 
     The worker forms, prepares and launches batches; on CUDA a finisher thread waits for each one's scores,
     takes its top-k and hands the answers back. A launch there returns while the device still computes, so the

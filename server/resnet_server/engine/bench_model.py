@@ -117,7 +117,7 @@ class Replicas:
     ``--torch-threads`` torch threads: the server's replica workers.
 
     The calling thread is set to one torch thread, as the server's other threads are: an OpenMP team of its
-    own would slow the replicas' teams (see server.common.threads)."""
+    own would slow the replicas' teams (see resnet_server.common.threads)."""
 
     def __init__(self, args: argparse.Namespace, batch_sizes: list[int]) -> None:
         use_torch_threads(1)

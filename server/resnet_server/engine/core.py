@@ -2,7 +2,7 @@
 
 It has no asyncio and no gRPC. Front-end processes connect to it over a Unix socket (abstract, so no
 file is left behind; authenticated with a key the supervisor makes) and send it small typed messages
-(``server.boundary.protocol``): which slots of the shared slab (``server.boundary.slab``) hold new images,
+(``resnet_server.boundary.protocol``): which slots of the shared slab (``resnet_server.boundary.slab``) hold new images,
 with each one's temperature, top-k and deadline. The pixels never go through the socket. The batcher forms
 batches across every connected front-end, the runner converts, runs and scores them, and the answers go back
 the same way: each image's
@@ -57,7 +57,7 @@ from resnet_server.engine.batcher import Answers, BatchOutput
 from resnet_server.engine.registered_slab import device_rows, register_slab
 from resnet_server.engine.replicas import Replica, load_replica
 
-log = logging.getLogger("server.engine")
+log = logging.getLogger(__name__)
 
 OUTBOX_BYTES = 64 << 20  # answers queued for one front-end and not yet written: more, and it is cut off
 LEAKED_AFTER = 10.0  # seconds an owner holds slots with no connection before they are freed
@@ -135,7 +135,7 @@ class Ticket:
 
     def __init__(self, owner: _FrontEnd, slot: int) -> None:
         self.owner = owner  # who to answer
-        self.slot = slot  # where its image and answer lie (server.boundary.slab)
+        self.slot = slot  # where its image and answer lie (resnet_server.boundary.slab)
         self.cancelled = False
 
     def done(self) -> bool:
@@ -171,11 +171,12 @@ class Engine:
         if freed:
             log.info("freed %d slots of front-ends that have ended", freed)
         # A GPU then reads the images where the front-ends wrote them: gathered in one kernel from the slab seen
-        # as a CUDA tensor where it can, else one DMA an image from the registered rows (server.engine.registered_slab).
+        # as a CUDA tensor where it can, else one DMA an image from the registered rows
+        # (resnet_server.engine.registered_slab).
         if self.device.type == "cuda" and register_slab(self.slab, self.device):
             on_device = device_rows(self.slab, self.device)
             self._input_rows = self._input_rows if on_device is None else on_device
-        # No authkey here: the key's challenge runs on each connection's thread (server.boundary.link).
+        # No authkey here: the key's challenge runs on each connection's thread (resnet_server.boundary.link).
         self._listener = Listener(self.link.address, "AF_UNIX")
         threading.Thread(target=self._accept, args=(self._listener,), name="engine-accept", daemon=True).start()
 
@@ -210,10 +211,12 @@ class Engine:
 
     def info(self) -> EngineInfo:
         replica = self.replica
-        return EngineInfo(replica.name, str(replica.device), replica.weights.source, replica.weights.warning,
-                          replica.batcher.max_batch_size, replica.decode_on_device, replica.healthy,
-                          sys.getswitchinterval() * 1000, replica.torch_threads, replica.runner.describe(),
-                          replica.runner.takes_crops, replica.batcher.weights_version, replica.weights.sha256)
+        return EngineInfo(name=replica.name, device=str(replica.device), weights=replica.weights.source,
+                          warning=replica.weights.warning, max_batch_size=replica.batcher.max_batch_size,
+                          decode_on_device=replica.decode_on_device, in_rotation=replica.healthy,
+                          switch_interval_ms=sys.getswitchinterval() * 1000, torch_threads=replica.torch_threads,
+                          runs=replica.runner.describe(), takes_crops=replica.runner.takes_crops,
+                          weights_version=replica.batcher.weights_version, weights_sha256=replica.weights.sha256)
 
     def stop(self, grace: float) -> None:
         """Take no new front-end, finish what is queued, and answer it: the answers written before it returns
@@ -252,7 +255,7 @@ class Engine:
             return
         frontend = _FrontEnd(connection, hello.owner)
         with self._lock:
-            # Owner numbers come round again after many reconnections (server.boundary.slab.connection_owner):
+            # Owner numbers come round again after many reconnections (resnet_server.boundary.slab.connection_owner):
             # two live connections must never share one, or one's clean-up would free the other's slots.
             taken = any(other.owner == hello.owner for other in self._frontends)
             if not taken:
@@ -289,7 +292,7 @@ class Engine:
     def _submit(self, frontend: _FrontEnd, message: Submit) -> None:
         items = [self._item(frontend, entry, message.request_ids[entry.call]) for entry in message.entries]
         with self._lock:
-            frontend.items.update((item.future.slot, item) for item in items)
+            frontend.items.update((item.caller.slot, item) for item in items)
         try:
             self.replica.batcher.submit(items)
         except ServingError as exc:
@@ -314,7 +317,7 @@ class Engine:
         with self._lock:
             items = [frontend.items[slot] for slot in message.slots if slot in frontend.items]
             for item in items:
-                item.future.cancelled = True  # dropped before compute if a batch has taken it already
+                item.caller.cancelled = True  # dropped before compute if a batch has taken it already
         self._released(self.replica.batcher.withdraw(items))
 
     def _gone(self, frontend: _FrontEnd) -> None:
@@ -323,7 +326,7 @@ class Engine:
             frontend.alive = False
             self._frontends.discard(frontend)
             for item in frontend.items.values():
-                item.future.cancelled = True
+                item.caller.cancelled = True
             held = list(frontend.items.values())
             mine = np.flatnonzero(self.slab.owners == frontend.owner).tolist()
             self.slab.give_back([slot for slot in mine if slot not in frontend.items], frontend.owner)
@@ -343,12 +346,12 @@ class Engine:
 
     def _deliver(self, items: list[Item], output: BatchOutput) -> None:
         """On the finisher's thread: the batch's scores into its slots, then one message per front-end."""
-        slots = [item.future.slot for item in items]
+        slots = [item.caller.slot for item in items]
         self.slab.outputs[slots, 0] = output.probabilities
         self.slab.outputs[slots, 1] = output.logits
         answers: defaultdict[_FrontEnd, dict[int, Answer]] = defaultdict(dict)
         for item, slot, top, queued in zip(items, slots, output.top_k, output.queue_seconds, strict=True):
-            answers[item.future.owner][slot] = Answer(slot, top, queued)
+            answers[item.caller.owner][slot] = Answer(slot, top, queued)
         timing = (output.timing.input, output.timing.infer, output.timing.output)
         healthy = self.replica.healthy
         batch = (output.weights_version, output.number, len(items), list(output.buckets))
@@ -404,7 +407,7 @@ def _done(answered: dict[int, Answer], timing: tuple[float, float, float], healt
 def _slots_by_frontend(items: list[Item]) -> dict[_FrontEnd, list[int]]:
     grouped = defaultdict(list)
     for item in items:
-        grouped[item.future.owner].append(item.future.slot)
+        grouped[item.caller.owner].append(item.caller.slot)
     return grouped
 
 

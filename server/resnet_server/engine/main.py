@@ -40,7 +40,7 @@ from resnet_server.common.statistics import SharedRow
 from resnet_server.common.threads import in_the_background, use_torch_threads
 from resnet_server.engine.core import Engine
 
-log = logging.getLogger("server.engine")
+log = logging.getLogger(__name__)
 REPORT_SECONDS = 10.0
 
 
@@ -48,7 +48,7 @@ def engine_main(link: EngineLink, device: str, config: EngineConfig, live_owners
                 statistics: SharedRow | None, with_metrics: bool, reports: Connection, orders: Connection) -> None:
     """An engine process: report where its /metrics listens (``with_metrics``), load, report Ready to the
     supervisor, serve until SIGTERM, then drain. ``reports`` and ``orders``: its pipes with the supervisor (the
-    messages of server.boundary.control)."""
+    messages of resnet_server.boundary.control)."""
     die_with_supervisor()
     configure_logging(config.observability.log_level, config.observability.log_format)
     # Ctrl-C reaches every process of the group; the supervisor stops the engines last, with SIGTERM.

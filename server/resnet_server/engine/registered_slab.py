@@ -22,7 +22,7 @@ import torch
 from resnet_server.boundary.slab import FREE, Slab
 from resnet_server.common.preprocess import SlotBytes, stack_bytes
 
-log = logging.getLogger("server.registered_slab")
+log = logging.getLogger(__name__)
 CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: in the device's address space too (device_rows)
 _CHECK_BYTES = 4096
 

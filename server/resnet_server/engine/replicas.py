@@ -25,7 +25,7 @@ from resnet_server.engine.batcher import Answers, Batcher
 from resnet_server.engine.runner import ModelRunner, bucket_sizes
 from resnet_server.engine.runners import build_runner
 
-log = logging.getLogger("server.replicas")
+log = logging.getLogger(__name__)
 
 # A replica whose batches fail this many times in a row leaves the rotation.
 FAILURES_BEFORE_EVICTION = 3
@@ -193,7 +193,7 @@ def load_replica(name: str, device: torch.device, config: EngineConfig, metrics:
 def replica_torch_threads(config: EngineConfig, device: torch.device) -> int:
     """--torch-threads, or by default every core for a CPU replica (its forward pass runs there) and one for a
     GPU's, whose host work is copying a batch's bytes: an OpenMP team there shares the cores with the front-ends,
-    spins, and every copy waits for its slowest member (docs/operations.md; the H100 run in performance.md)."""
+    spins, and every copy waits for its slowest member (docs/operations.md; docs/performance.md)."""
     if config.torch_threads:
         return config.torch_threads
     return len(os.sched_getaffinity(0)) if device.type == "cpu" else 1

@@ -58,7 +58,7 @@ class ModelRunner:
         self.precision = precision
         self.dtype = PRECISIONS[precision]
         self.cuda = device.type == "cuda"
-        self.batches_in_flight = CUDA_BATCHES_IN_FLIGHT if self.cuda else 1  # see server.engine.batcher
+        self.batches_in_flight = CUDA_BATCHES_IN_FLIGHT if self.cuda else 1  # see resnet_server.engine.batcher
         # Images a front-end preprocesses come as their uint8 crop, normalised here with the batch, on a GPU (a
         # quarter of the bytes through the slab, the host thread's copy and the upload; normalised on the device).
         # A CPU engine's thread runs the forward pass, the bound there: it takes the float input.

@@ -32,7 +32,7 @@ from resnet_server.engine.runner import CUDA_BATCHES_IN_FLIGHT, ModelRunner, Pen
 
 
 def build_runner(spec: str, replica: str, *args, **kwargs) -> ModelRunner:
-    """The runner ``spec`` (``--runner``, checked by server.common.config.runner_spec) names, for the replica
+    """The runner ``spec`` (``--runner``, checked by resnet_server.common.config.runner_spec) names, for the replica
     ``replica``, built with ModelRunner's arguments."""
     kind, _, argument = spec.partition(":")
     if kind == "free":

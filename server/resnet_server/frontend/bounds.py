@@ -15,7 +15,7 @@ value) where:
 
 ``bytes`` fields (images, pixels, files) are bounded by the message limit alone. A field whose bound differs is
 named in ``WireBounds.entries`` or ``WireBounds.lengths`` by its full name. The walk is applied to every method
-at registration (``server.frontend.server.add_servicer``), so an RPC or a field added later is bounded without
+at registration (``resnet_server.frontend.server.add_servicer``), so an RPC or a field added later is bounded without
 anyone remembering to.
 """
 
@@ -72,7 +72,7 @@ class _Plan(NamedTuple):
 
 def check(descriptor: Descriptor, data: bytes | memoryview, bounds: WireBounds) -> None:
     """Raise OverBound if the request ``data`` (a ``descriptor`` message) holds more than ``bounds`` allow. Bytes
-    the walk cannot read (``server.frontend.wire``) are left to protobuf's parse up to FALLBACK_BYTES."""
+    the walk cannot read (``resnet_server.frontend.wire``) are left to protobuf's parse up to FALLBACK_BYTES."""
     view = memoryview(data)
     try:
         _walk(descriptor, view, 0, len(view), 0, [bounds.most_fields], bounds)

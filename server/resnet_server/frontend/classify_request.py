@@ -1,10 +1,10 @@
 """A ClassifyRequest read from its wire bytes with each raw image's pixels left where gRPC put them.
 
-``server.frontend.wire`` takes the ``images`` out of the request and each ``RawTensor``'s ``data`` out of its tensor as
-memoryviews of the request's own bytes; protobuf parses the rest (temperature, top_k, the flags, a tensor's
+``resnet_server.frontend.wire`` takes the ``images`` out of the request and each ``RawTensor``'s ``data`` out of its
+tensor as memoryviews of the request's own bytes; protobuf parses the rest (temperature, top_k, the flags, a tensor's
 dtype and shape, unknown fields). An image whose oneof is set twice (protobuf keeps the last, or merges two
-tensors) and anything ``server.frontend.wire`` refuses go to protobuf's own parse of the whole request. It
-saves the event loop a seventh of its CPU a call (docs/performance.md, "Figures behind the code").
+tensors) and anything ``resnet_server.frontend.wire`` refuses go to protobuf's own parse of the whole request. It
+saves the event loop CPU on every call (docs/performance.md, "Figures behind the code").
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def too_many_images(most: int) -> str:
 
 def read_classify_request(data: bytes, max_images: int) -> ReadRequest:
     """gRPC's request deserializer for Classify and ClassifyStream (bound to the server's image limit). It runs
-    on the event loop, so it reads no further than ``max_images`` images (server.frontend.wire)."""
+    on the event loop, so it reads no further than ``max_images`` images (resnet_server.frontend.wire)."""
     view = memoryview(data)
     try:
         request, images = pull_out(pb.ClassifyRequest, view, 0, len(view), _IMAGES, max_images)

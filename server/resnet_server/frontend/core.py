@@ -46,7 +46,7 @@ class ClassifyCall:
     top_k: int | None = None  # None: DEFAULT_TOP_K
     timeout: float | None = None  # seconds left before the caller's deadline
     request_id: str = ""
-    trace: CallTrace | None = None  # its span, with tracing on (server.frontend.tracing)
+    trace: CallTrace | None = None  # its span, with tracing on (resnet_server.frontend.tracing)
 
 
 def cheap_problems(images: Sequence[ImageInput], max_pixels: int) -> dict[int, str]:
@@ -142,12 +142,12 @@ class InferenceCore:
         replica.submit(items)
         try:
             if len(items) == 1:  # most calls: no gathering future and its callbacks
-                return [await items[0].future]
-            return list(await asyncio.gather(*(item.future for item in items)))
+                return [await items[0].caller]
+            return list(await asyncio.gather(*(item.caller for item in items)))
         except BaseException:
             replica.withdraw(items)  # a cancelled call frees its queue slots at once
             for item in items:
-                item.future.cancel()
+                item.caller.cancel()
             raise
 
     def _series(self, metric, *labels: str):

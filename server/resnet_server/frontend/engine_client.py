@@ -50,7 +50,7 @@ from resnet_server.common.preprocess import CROP_SHAPE, FLOAT_SHAPE, ImageBytes,
 from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.work import ImageOutput, WorkItem
 
-log = logging.getLogger("server.engine_client")
+log = logging.getLogger(__name__)
 RECONNECT_INTERVAL = 0.1  # seconds between tries to reach an engine that is starting or restarting
 OUTGOING_BYTES = 16 << 20  # messages the engine has not read yet: more, and it has stopped reading
 
@@ -117,7 +117,7 @@ _ERRORS = {cls.__name__: cls for cls in vars(errors).values()
 
 
 class EngineClient:
-    """The front-end's handle on one engine process (server.frontend.router.EngineHandle)."""
+    """The front-end's handle on one engine process (resnet_server.frontend.router.EngineHandle)."""
 
     def __init__(self, link: EngineLink, owner: int, on_lost: Callable[[], None],
                  on_back: Callable[[], None]) -> None:
@@ -125,7 +125,7 @@ class EngineClient:
         self.name = link.name
         self.owner = owner  # this front-end process's number (the supervisor's)
         self._connections = itertools.count()
-        self._slab_owner = owner  # this connection's number in the slab (server.boundary.slab.connection_owner)
+        self._slab_owner = owner  # this connection's number in the slab (resnet_server.boundary.slab.connection_owner)
         self.slab = Slab(link.slab_fd, link.layout)
         self.inline_bytes = link.layout.inline_bytes  # larger images are preprocessed here, not sent as they came
         self.pending = 0  # images routed here and not yet answered (InferenceCore keeps it)
@@ -281,8 +281,8 @@ class EngineClient:
             data = image.contiguous().numpy().data.cast("B")
         nbytes = data.nbytes if isinstance(data, memoryview) else len(data)
         copy_into(self.slab.input(slot, nbytes), data)  # a client's region's pixels: read straight into the slot
-        return SlotEntry(slot, kind, dtype, shape, nbytes, item.temperature, item.top_k, item.deadline,
-                         len(self._unsent_ids))
+        return SlotEntry(slot=slot, kind=kind, dtype=dtype, shape=shape, nbytes=nbytes, temperature=item.temperature,
+                         top_k=item.top_k, deadline=item.deadline, call=len(self._unsent_ids))
 
     def withdraw(self, items: Sequence[WorkItem]) -> None:
         """The caller has gone: ask the engine to drop what it has not computed (it answers 'released')."""
@@ -334,11 +334,12 @@ class EngineClient:
             item = self._take(answer.slot)
             probabilities, logits = self.slab.output(answer.slot).copy()  # both rows at once: the slot is freed next
             self.slab.give_back([answer.slot], self._slab_owner)
-            if not item.future.done():
-                item.future.set_result(ImageOutput(probabilities, logits, answer.top_k, item.temperature,
-                                                   answer.queue_seconds, batch_timing, self.name,
-                                                   done.weights_version, done.batch, done.batch_size,
-                                                   tuple(done.buckets)))
+            if not item.caller.done():
+                item.caller.set_result(ImageOutput(
+                    probabilities=probabilities, logits=logits, top_k=answer.top_k, temperature=item.temperature,
+                    queue_seconds=answer.queue_seconds, timing=batch_timing, device=self.name,
+                    weights_version=done.weights_version, batch=done.batch, batch_size=done.batch_size,
+                    buckets=tuple(done.buckets)))
         self._set_rotation(done.in_rotation)
 
     def _on_failed(self, failed: Failed) -> None:
@@ -346,8 +347,8 @@ class EngineClient:
         for slot in failed.slots:
             item = self._take(slot)
             self.slab.give_back([slot], self._slab_owner)
-            if not item.future.done():
-                item.future.set_exception(error)
+            if not item.caller.done():
+                item.caller.set_exception(error)
         self._set_rotation(failed.in_rotation)
 
     def _on_released(self, released: Released) -> None:
@@ -374,8 +375,8 @@ class EngineClient:
         self.slab.give_back(list(waiting), self._slab_owner)
         error = Unavailable(f"the engine of {self.name} ended with this call in flight; retry")
         for item in waiting.values():
-            if not item.future.done():
-                item.future.set_exception(error)
+            if not item.caller.done():
+                item.caller.set_exception(error)
         if not self._closed:
             log.error("the engine of %s has gone; %d images in flight failed UNAVAILABLE", self.name, len(waiting))
             self._on_lost()

@@ -21,9 +21,9 @@ from resnet_server.frontend.server import run
 def frontend_main(config: FrontendConfig, index: int, engines: list[EngineLink], owner: int, statistics: SharedRow,
                    pipes: tuple[Connection, Connection], load_first: bool, with_metrics: bool,
                    served: ServedWeights, trace_settings: dict[str, list[str]], regions: list[RegionSpec]) -> None:
-    """A front-end process: a gRPC server (server.frontend.server.run) over the engines, reporting where its /metrics
-    listens (``with_metrics``), its port once bound, then that it serves. A replacement connects before it binds
-    (``load_first``): until then its siblings take every new connection. ``pipes``: its reports to the supervisor
+    """A front-end process: a gRPC server (resnet_server.frontend.server.run) over the engines, reporting where its
+    /metrics listens (``with_metrics``), its port once bound, then that it serves. A replacement connects before it
+    binds (``load_first``): until then its siblings take every new connection. ``pipes``: its reports to the supervisor
     and the supervisor's orders to it; ``served``: the weights every engine serves now; ``trace_settings``:
     Triton's trace settings as set while serving; ``regions``: the clients' shared-memory regions registered now."""
     reports, orders = pipes

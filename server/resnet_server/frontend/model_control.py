@@ -1,11 +1,11 @@
 """A front-end's side of what the supervisor holds for every front-end: it asks the supervisor to reload the
-weights (which runs the reload over every engine, server.supervisor.reloads) and hears which weights every engine
+weights (which runs the reload over every engine, resnet_server.supervisor.reloads) and hears which weights every engine
 serves; Triton's trace settings and the clients' shared-memory regions likewise, set through any front-end and
 applied on all.
 
 Requests go up the front-end's report pipe (Load, Unload, SetTrace, Register, Unregister, each with a call id);
 the supervisor's orders come down a pipe of their own (Answer to a call id, WeightsServed, Trace, RegionOpened,
-RegionsClosed), read on the event loop: the messages of server.boundary.control. Writes never block the loop:
+RegionsClosed), read on the event loop: the messages of resnet_server.boundary.control. Writes never block the loop:
 what the pipe cannot take waits in an outbox, written when the pipe has room. Each order reaches every front-end
 before the answer to the request that caused it.
 """

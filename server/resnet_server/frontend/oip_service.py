@@ -62,7 +62,7 @@ MOST_RAW_INPUT_CONTENTS = 8  # the model takes one input; the reader refuses a r
 
 class InferRequest(NamedTuple):
     """A ModelInferRequest without its ``raw_input_contents``, and those apart: memoryviews of the bytes gRPC
-    received (server.frontend.wire), not two copies; or why it is refused unread (bytes that are no
+    received (resnet_server.frontend.wire), not two copies; or why it is refused unread (bytes that are no
     ModelInferRequest: protobuf's reason; more raw contents than a request may hold)."""
 
     message: oip.ModelInferRequest
@@ -76,7 +76,7 @@ class InferRequest(NamedTuple):
 
 def read_infer_request(data: bytes) -> InferRequest:
     """gRPC's request deserializer for ModelInfer and ModelStreamInfer; it runs on the event loop, so it reads
-    no further than MOST_RAW_INPUT_CONTENTS entries (server.frontend.wire)."""
+    no further than MOST_RAW_INPUT_CONTENTS entries (resnet_server.frontend.wire)."""
     view = memoryview(data)
     try:
         return InferRequest(*pull_out(oip.ModelInferRequest, view, 0, len(view), RAW_INPUT_CONTENTS,
@@ -251,7 +251,7 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
         """Triton's trace settings: each update applies on every front-end at once; with none, what they are."""
         if request.model_name:
             check_model(request.model_name, "", self._version)
-        if request.settings:  # entries and values bounded before the request was parsed (server.frontend.bounds)
+        if request.settings:  # entries and values bounded before the request was parsed (resnet_server.frontend.bounds)
             if self.tracing is None:
                 raise FailedPrecondition("tracing is off: start the server with --otlp-endpoint (an OTLP receiver) "
                                          "to trace calls")

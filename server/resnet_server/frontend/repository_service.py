@@ -56,7 +56,7 @@ class LoadRequest(NamedTuple):
 
 
 def read_load_request(data: bytes) -> LoadRequest:
-    """gRPC's request deserializer for RepositoryModelLoad (server.frontend.wire walks it)."""
+    """gRPC's request deserializer for RepositoryModelLoad (resnet_server.frontend.wire walks it)."""
     try:
         return _split_files(memoryview(data))
     except WireError as exc:
@@ -196,7 +196,7 @@ def _check_config(request: oip.RepositoryModelLoadRequest, served: mc.ModelConfi
     if "config" not in request.parameters:
         return
     asked = mc.ModelConfig()
-    try:  # its length is bounded before the request is read (server.frontend.bounds: MOST_CONFIG_BYTES)
+    try:  # its length is bounded before the request is read (resnet_server.frontend.bounds: MOST_CONFIG_BYTES)
         json_format.Parse(request.parameters["config"].string_param, asked)
     except json_format.ParseError as exc:
         raise InvalidInput(f"config is not a ModelConfig in JSON: {str(exc)[:200]}") from None

@@ -16,7 +16,7 @@ class Weights(Protocol):
 
 
 class EngineHandle(Protocol):
-    """The front-end's view of one device's engine (server.frontend.engine_client.EngineClient)."""
+    """The front-end's view of one device's engine (resnet_server.frontend.engine_client.EngineClient)."""
 
     name: str
     pending: int  # images routed here and not yet answered; kept by the core, on the event loop

@@ -52,7 +52,7 @@ from resnet_server.frontend.shared_memory_service import SharedMemoryService
 from resnet_server.frontend.temperature import default_temperature
 from resnet_server.frontend.tracing import Tracing
 
-log = logging.getLogger("server")
+log = logging.getLogger(__name__)
 LABELS = list(IMAGENET_WEIGHTS.meta["categories"])
 TRACING_FLUSH_SECONDS = 5.0
 UNLOADED = "the model is unloaded (RepositoryModelUnload); load it again (RepositoryModelLoad) to serve"
@@ -64,7 +64,7 @@ SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name, OIP_SER
 
 class App:
     """One front-end process's gRPC server (classifier, OIP, health, reflection) over the engines. ``metrics``: its
-    series and statistics, made and served by the caller (server.frontend.main, or a test reading them)."""
+    series and statistics, made and served by the caller (resnet_server.frontend.main, or a test reading them)."""
 
     def __init__(self, config: FrontendConfig, metrics: Metrics, engines: Sequence[EngineLink],
                  owner: int, index: int = 0, control: ModelControl | None = None) -> None:
@@ -139,7 +139,7 @@ class App:
             ("grpc.so_reuseport", int(config.frontends > 1)),
             *_connection_age_options(config),
         ])
-        # Requests that carry pixels are read with the pixels left in gRPC's bytes (server.frontend.wire).
+        # Requests that carry pixels are read with the pixels left in gRPC's bytes (resnet_server.frontend.wire).
         read_classify = functools.partial(read_classify_request, max_images=config.max_images_per_request)
         bounds = served_bounds(config.max_images_per_request, MOST_RAW_INPUT_CONTENTS)
         # gRPC's limit, raised for a file of weights, still holds for every other method (checked by their readers).

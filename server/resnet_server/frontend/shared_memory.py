@@ -5,7 +5,7 @@ never mapped: a file its client truncates after registering then fails the reque
 with INVALID_ARGUMENT, where a mapping would have been a SIGBUS that ends this process. An image's pixels go
 from the file straight into its slab slot (``RegionBytes.read_into``): one copy, none through gRPC.
 
-Every front-end opens every region the supervisor's table holds (``server.common.shared_regions``), so a client's
+Every front-end opens every region the supervisor's table holds (``resnet_server.common.shared_regions``), so a client's
 next connection may land on any of them. Unregistering takes a region out of the table at once; a request that
 is using it finishes with it, and its descriptor is closed when the last such request is done.
 """
@@ -23,7 +23,7 @@ import numpy as np
 from resnet_server.common.errors import InvalidInput
 from resnet_server.common.shared_regions import SHM_FOLDER, RegionSpec, shm_name
 
-log = logging.getLogger("server.shared_memory")
+log = logging.getLogger(__name__)
 
 
 def open_region(spec: RegionSpec) -> int:
@@ -107,7 +107,7 @@ class Region:
 
 class RegionBytes:
     """A tensor's bytes in a client's region, read where they go: into a slab slot, or a batch being stacked
-    (``server.common.preprocess.BytesElsewhere``). A float32 tensor's values are checked as they land."""
+    (``resnet_server.common.preprocess.BytesElsewhere``). A float32 tensor's values are checked as they land."""
 
     def __init__(self, region: Region, offset: int, length: int, finite_float32: bool) -> None:
         self._region, self._offset, self._length = region, offset, length

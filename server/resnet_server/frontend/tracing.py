@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, SpanContext, Tracer
 
-log = logging.getLogger("server.tracing")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 DEFAULT_SERVICE_NAME = "resnet-server"
 EXPORT_WARNING_SECONDS = 60.0

@@ -5,7 +5,7 @@ and reading a field from the parsed message copies it again: an image's pixels w
 one copy that matters, into the engine's slab. ``pull_out`` takes one length-delimited field's values out of a
 message as memoryviews of the request's own bytes and has protobuf parse everything else, so every other field
 means what protobuf says it means. Anything unexpected (a group, a truncated length, a field number 0, a field
-protobuf refuses) raises WireError, and the caller then hands the whole request to protobuf, as before.
+protobuf refuses) raises WireError, and the caller then hands the whole request to protobuf's own parse.
 
 The walk runs on the event loop (gRPC calls a request's deserializer there) and costs Python work per field, so it
 is bounded: past ``most`` values of the pulled field it stops with TooMany (the request is refused unread), and

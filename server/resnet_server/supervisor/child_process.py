@@ -5,7 +5,7 @@ exit code down a pipe; if the fork server dies, every pipe reads end-of-file and
 for ended (code 255), though each still runs. A pidfd (Linux 5.3) watches the process itself: it becomes readable
 when that process ends, whoever its parent is, and signals sent through it can never reach a later process that
 reused the pid. The Process object is kept until its process has ended: dropping it closes the pipe each child
-watches for the supervisor's end (server.common.lifetime).
+watches for the supervisor's end (resnet_server.common.lifetime).
 """
 
 from __future__ import annotations

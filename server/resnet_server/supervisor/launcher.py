@@ -4,11 +4,11 @@ One asyncio process cannot feed a GPU (its serving path answers a fraction of th
 docs/performance.md, "Figures behind the code"), and several whole servers each with its own replica split the
 batches. So the network and the devices get processes of their own:
 
-- an **engine** per device (``server.engine.core``): the model, warmed at every batch size it will run, and the
+- an **engine** per device (``resnet_server.engine.core``): the model, warmed at every batch size it will run, and the
   one dynamic batcher of that device, across all front-ends; no asyncio, no gRPC;
 - **front-ends** (``--frontends N``): each a gRPC server on the same port (SO_REUSEPORT: the kernel spreads
   connections over them) running both APIs, TLS and tokens, validation and decoding, with the images
-  handed to the engines through shared memory (``server.boundary.slab``);
+  handed to the engines through shared memory (``resnet_server.boundary.slab``);
 - this **supervisor**: starts the engines and, while they warm up, the front-ends (each binds the port,
   answers health NOT_SERVING, and reports SERVING once its engines answer); serves the
   one ``/metrics`` of the whole server (each child's series, labelled ``worker``: a front-end's index, or
@@ -24,7 +24,7 @@ bind or load, and a new one would fail the same way) makes the supervisor stop t
 Children are forked from multiprocessing's fork server, a fresh process that imported torch and the engine's and
 front-end's modules once but never touched a device: none inherits CUDA state, and a child (a replacement
 above all) starts without importing torch again. The children's lives do not hang on the fork server's: each is
-watched on a pidfd of its own (``server.supervisor.child_process``), and a fork server that has ended is started
+watched on a pidfd of its own (``resnet_server.supervisor.child_process``), and a fork server that has ended is started
 again by the next child's start. A start that fails (the fork server ended mid-request, no memory to fork) is
 logged in one line and tried again after ``restart_delay``, as a child that ended would be.
 """
@@ -93,7 +93,7 @@ from resnet_server.frontend.main import frontend_main
 from resnet_server.supervisor.child_process import ChildProcess
 from resnet_server.supervisor.reloads import Outcome, Reloads
 
-log = logging.getLogger("server.supervisor")
+log = logging.getLogger(__name__)
 # What the fork server imports before it forks any child; importing them must touch no device and start no thread.
 FORK_SERVER_PRELOAD = ["resnet_server.engine.main", "resnet_server.frontend.main"]
 _children = multiprocessing.get_context("forkserver")
@@ -120,7 +120,7 @@ def restart_delay(quick_ends: int) -> float:
 
 @dataclasses.dataclass
 class _Child:
-    """One child process and its two pipes with the supervisor (server.boundary.control): its reports, a
+    """One child process and its two pipes with the supervisor (resnet_server.boundary.control): its reports, a
     front-end's Bound then Serving, an engine's Ready, either's MetricsPort and Stopped, and requests and answers;
     and the supervisor's orders to it, written through an outbox that never blocks."""
 
@@ -215,7 +215,7 @@ class Supervisor:
         self.reloads = Reloads(ServedWeights(config.weights, 1), config.weights, self.uploads, self._engine_names,
                                self._order, self._restart, self._announce)
         self.trace_settings: dict[str, list[str]] = {}  # Triton's, as set while serving (TraceSetting)
-        # The clients' shared-memory regions, which every front-end opens (server.common.shared_regions).
+        # The clients' shared-memory regions, which every front-end opens (resnet_server.common.shared_regions).
         self.regions = RegionTable(RegionLimits(config.max_shm_regions, config.max_shm_mb << 20))
         self.due: dict[str, tuple[float, int]] = {}  # a child to start -> (when, its quick ends before it)
         self._owners = itertools.count(1)
@@ -299,7 +299,7 @@ class Supervisor:
         self._start_engines()
         # The front-ends start beside the engines: waiting for the engines first adds a front-end's own start
         # (imports, gRPC, the port) to the time to SERVING. An engine or front-end that ends before it is ready
-        # ends the set, as before.
+        # ends the set.
         self._start_frontend(0, self.config.port)
         if (failed := self._wait_until(lambda: self._port_of("frontend-0") != 0)) is not None:
             return failed

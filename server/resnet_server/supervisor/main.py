@@ -13,7 +13,7 @@ from resnet_server.common.logs import configure_logging
 from resnet_server.supervisor.launcher import SignalPipe, Supervisor
 from resnet_server.supervisor.merged_metrics import serve_merged_metrics
 
-log = logging.getLogger("server.supervisor")
+log = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 from resnet_server.boundary.control import Abort, Commit, Committed, EngineOrder, Prepare, Prepared, ReloadFailed
 from resnet_server.common.served import ServedWeights
 
-log = logging.getLogger("server.reloads")
+log = logging.getLogger(__name__)
 MOST_QUEUED = 4  # reloads and unloads waiting behind the one running; more are refused RESOURCE_EXHAUSTED
 
 
