@@ -175,15 +175,13 @@ class EngineSet:
 
     def start_frontend(self, index: int) -> int:
         """Front-end process ``index`` on a port of its own; once it serves, that port."""
-        child = self.supervisor._start_frontend(index, 0)
-        assert self.supervisor._wait_until(lambda: child.serving) is None, "the front-end ended before serving"
+        child = self.supervisor.start_frontend(index, 0)
+        assert self.supervisor.wait_until(lambda: child.serving) is None, "the front-end ended before serving"
         return child.port
 
     def restart_engine(self, index: int = 0) -> None:
         """What the supervisor does when an engine has ended: start a new one and wait until it is warm."""
-        del self.supervisor.children[f"engine-{index}"]
-        self.supervisor._start_engine(index)
-        assert self.supervisor._wait_until(lambda: self.supervisor.children[f"engine-{index}"].serving) is None
+        assert self.supervisor.replace_engine(index) is None
 
     def taken_slots(self, index: int = 0) -> int:
         from resnet_server.boundary.slab import Slab

@@ -23,7 +23,7 @@ import tritonclient.grpc as tc
 
 from resnet_client import Client
 from resnet_client.api import classifier_pb2 as pb
-from resnet_client.bench import LoadSpec, _stream_loop, make_image, print_table
+from resnet_client.bench import LoadSpec, make_image, print_table, stream_loop
 from resnet_client.cli import main as client_main
 from resnet_server.cli import main as server_main
 from resnet_server.engine.bench_model import Replicas, add_model_arguments
@@ -149,7 +149,7 @@ def test_bench_stream_keeps_a_stream_open_per_caller_and_reopens_one_a_failure_e
     # container build (a CI machine so loaded answered only each stream's first in 1.5 s).
     spec = LoadSpec(running.target, request, 3, None, 0.0, 1.5 if overloaded else 5.0,
                     {"interceptors": interceptors}, stream=True)
-    records = asyncio.run(_stream_loop(spec))
+    records = asyncio.run(stream_loop(spec))
     codes = Counter(code for _, code in records)
     assert set(opened) == {"/resnet.v1.Classifier/ClassifyStream"}
     if overloaded:  # both codes, not how many of each: that depends on the machine's speed

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from resnet_server.common.config import _FLAGS, ConfigError, ServerConfig, env_name, flags_table, parse_config
+from resnet_server.common.config import FLAGS, ConfigError, ServerConfig, env_name, flags_table, parse_config
 from resnet_server.common.devices import replica_names, resolve_devices
 from resnet_server.common.errors import StartupError
 from resnet_server.common.event_loop import resolved
@@ -264,7 +264,7 @@ def test_the_readme_flag_table_is_the_help_of_every_flag():
     defaults = ServerConfig()
     for line in flags_table().splitlines()[2:]:
         flag, env, written = (cell.strip().strip("`") for cell in line.split("|")[1:4])
-        kind = {f"--{name}": kind for name, kind, _ in _FLAGS}[flag]
+        kind = {f"--{name}": kind for name, kind, _ in FLAGS}[flag]
         assert env == env_name(flag.removeprefix("--"))
         # The default as written, read with the flag's own type, is the default the server starts with.
         default = getattr(defaults, "devices" if flag == "--device" else flag[2:].replace("-", "_"))

@@ -122,14 +122,14 @@ def test_an_engine_process_on_cuda_answers_like_the_cpu_reference(weights_file, 
             np.testing.assert_allclose(result.logits, want, atol=0.02 * np.abs(want).max(), rtol=0)
         assert engine_set.taken_slots() == 0
         # The engine copies bytes on one host thread: an OpenMP team would spin beside the front-ends.
-        assert frontend.app.core.router.replicas[0].info.torch_threads == 1
+        assert frontend.app.engines[0].info.torch_threads == 1
     finally:
         engine_set.stop()
 
 
 def test_two_replicas_share_one_gpu_with_their_own_labels(make_server):
     running = make_server(devices=("cuda:0", "cuda:0"))
-    names = [replica.name for replica in running.app.core.router.replicas]
+    names = [replica.name for replica in running.app.engines]
     assert len(set(names)) == 2
     with Client(running.target) as client:
         for _ in range(4):
@@ -145,7 +145,7 @@ def test_torchscript_on_cuda_matches_the_cpu_reference(make_server, reference, p
     with Client(running.target) as client:
         batched = client.classify(PIXELS, full=True, logits=True)  # a batch of 3: no warm-up size (1, 2, 4)
         alone = client.classify(PIXELS[:1], full=True, logits=True)
-    runs = running.app.core.router.replicas[0].info.runs
+    runs = running.app.engines[0].info.runs
     assert runs == f"cuda:0 runs {precision} as a TorchScript graph at batch sizes 1, 2, 4"
     assert running.sample("resnet_padded_images_total", device="cuda:0") == 1  # the batch of 3 ran as the warmed 4
     for result, pixels in zip([*batched, *alone], [*PIXELS, PIXELS[0]], strict=True):
@@ -158,7 +158,7 @@ def test_torchscript_on_cuda_matches_the_cpu_reference(make_server, reference, p
 def test_cuda_graphs_replay_padded_batches_as_the_cpu_reference(make_server, reference, precision, tolerance):
     running = make_server(devices=("cuda:0",), cuda_graphs="true", precision=precision, max_batch_size=4)
     # The served engine captured a graph at every warmed size (the sizes named are those of its graphs).
-    runs = running.app.core.router.replicas[0].info.runs
+    runs = running.app.engines[0].info.runs
     assert runs == f"cuda:0 runs {precision} as CUDA graphs at batch sizes 1, 2, 4"
     with Client(running.target) as client:
         first = client.classify(PIXELS, full=True, logits=True, temperature=2.0)  # padded to the graph of 4
@@ -197,7 +197,7 @@ def test_cuda_graph_replays_launch_without_a_sync_and_two_in_flight_answer_alike
 def test_compiled_cuda_batches_are_padded_and_match_the_cpu_reference(make_server, reference, compile_mode, tmp_path):
     running = make_server(devices=("cuda:0",), compile=True, compile_mode=compile_mode, max_batch_size=4,
                           compile_cache=str(tmp_path / "cache"))
-    runs = running.app.core.router.replicas[0].info.runs
+    runs = running.app.engines[0].info.runs
     assert runs.startswith(f"cuda:0 runs fp32 compiled by inductor ({compile_mode}) at batch sizes 1, 2, 4; graphs "
                            f"from inductor's cache at {tmp_path / 'cache'}: 0 loaded, ")  # an empty cache
     compiled, uncacheable = map(int, re.findall(r"(\d+) compiled, (\d+) not cacheable", runs)[0])

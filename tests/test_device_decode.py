@@ -42,7 +42,7 @@ def test_decode_batch_matches_the_cpu_path_and_rejects_only_the_bad_image():
 
 def test_jpegs_decoded_by_the_replica_match_torchvision_and_other_kinds_still_work(make_server, reference):
     running = make_server(decode_on_device="true")
-    assert running.app.core.router.replicas[0].decode_on_device
+    assert running.app.engines[0].decode_on_device
     png = encode(random_rgb(35), "PNG")
     pixels = random_rgb(36)
     with Client(running.target) as client:
@@ -84,14 +84,14 @@ def test_bad_jpegs_are_invalid_argument_on_the_device_path(make_server, data, fr
 
 
 def test_cpu_replicas_decode_on_the_request_path_by_default(server):
-    assert server.app.core.router.replicas[0].decode_on_device is False
+    assert server.app.engines[0].decode_on_device is False
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nvjpeg_batches_on_cuda_answer_like_the_cpu_path_and_gauges_report(make_server, reference):
     running = make_server(devices=("cuda:0",))
-    replica = running.app.core.router.replicas[0]
+    replica = running.app.engines[0]
     assert replica.decode_on_device  # auto: on for CUDA
     with Client(running.target) as client:
         results = client.classify(JPEGS, full=True)

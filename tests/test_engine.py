@@ -76,7 +76,7 @@ def test_a_front_end_in_another_process_answers_as_the_shared_server(engines, se
         assert answer.device == "cpu"
     assert engine_set.taken_slots() == 0  # every slot given back once its answer was read
     # The engine took the GIL switch interval asked for (Python's own, 5 ms, would leave its batcher waiting).
-    engine_info = frontend.app.core.router.replicas[0].info
+    engine_info = frontend.app.engines[0].info
     assert engine_info.switch_interval_ms == pytest.approx(engine_set.config.switch_interval_ms) != 5.0
     assert engine_info.torch_threads == len(os.sched_getaffinity(0))  # a CPU engine's forward uses every core
     assert engine_info.takes_crops is crops  # the runner's choice, told to the front-end in Ready
@@ -219,9 +219,9 @@ def test_a_front_end_started_while_its_engine_restarts_waits_for_it_then_serves(
     engine = engine_set.engine_pid()
     os.kill(engine, signal.SIGKILL)
     engine_set.supervisor.children["engine-0"].process.join(30)
-    frontend = engine_set.supervisor._start_frontend(0, 0)  # a replacement, started while no engine listens
+    frontend = engine_set.supervisor.start_frontend(0, 0)  # a replacement, started while no engine listens
     engine_set.restart_engine()
-    assert engine_set.supervisor._wait_until(lambda: frontend.serving) is None
+    assert engine_set.supervisor.wait_until(lambda: frontend.serving) is None
     with Client(f"127.0.0.1:{frontend.port}", timeout=60) as client:
         assert client.classify([JPEG])[0].device == "cpu"
 

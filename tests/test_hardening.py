@@ -46,7 +46,7 @@ def test_out_of_memory_on_a_single_image_is_resource_exhausted(make_server, faul
     with Client(running.target) as client, pytest.raises(ClassifierError) as caught:
         client.classify([IMAGE])
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert running.app.core.router.replicas[0].healthy  # memory pressure is not a broken device
+    assert running.app.engines[0].healthy  # memory pressure is not a broken device
 
 
 def test_cancelled_call_frees_its_queue_slots_and_is_counted(make_server):

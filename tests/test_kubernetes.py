@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from resnet_server.common.config import _FLAGS, ServerConfig, env_name
+from resnet_server.common.config import FLAGS, ServerConfig, env_name
 from resnet_server.frontend.server import SERVICE_NAMES
 from tests.helpers import IN_CI, ROOT
 
@@ -98,7 +98,7 @@ def config_maps(rendered) -> list[dict]:
 
 @needs_tools
 def test_the_manifests_name_only_real_server_variables_with_values_the_server_takes(rendered):
-    known = {env_name(flag) for flag, _, _ in _FLAGS}
+    known = {env_name(flag) for flag, _, _ in FLAGS}
     for data in config_maps(rendered):
         assert set(data) <= known, set(data) - known
         assert int(data["RESNET_SERVER_PORT"]) == ServerConfig().port

@@ -36,7 +36,7 @@ def test_samples_count_requests_images_and_timings(make_server, weights_file):
     assert sample("resnet_replica_healthy", device="cpu") == 1
     assert sample("resnet_model_load_seconds", device="cpu") > 0
     assert sample("resnet_model_info", device="cpu", model="resnet18", version="1",
-                  weights=str(weights_file[0]), server_version="0.1.0") == 1
+                  weights=str(weights_file[0]), server_version="0.1.0", runtime="torch") == 1
     # Buckets run from 0.5 ms to 10 s.
     assert sample("resnet_request_duration_seconds_bucket", device="cpu", le="0.0005") == 0
     assert sample("resnet_request_duration_seconds_bucket", device="cpu", le="10.0") == 2

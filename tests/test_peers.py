@@ -221,10 +221,10 @@ def test_slots_of_a_front_end_that_died_with_its_engine_are_freed(engines, fault
     # The new engine starts while the dead front-end is still among the children (its end not yet seen): the
     # engine's start leaves those slots, as the front-end's owner is live to it.
     supervisor = engine_set.supervisor
-    del supervisor.children["engine-0"]
-    supervisor._start_engine(0)
-    del supervisor.children["frontend-0"]  # now seen to have ended
-    assert supervisor._wait_until(lambda: supervisor.children["engine-0"].serving) is None
+    supervisor.forget("engine-0")
+    supervisor.start_engine(0)
+    supervisor.forget("frontend-0")  # now seen to have ended
+    assert supervisor.wait_until(lambda: supervisor.children["engine-0"].serving) is None
     assert engine_set.taken_slots() == 3
     wait_for(lambda: engine_set.taken_slots() == 0, timeout=30)
 

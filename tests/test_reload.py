@@ -302,3 +302,22 @@ def test_a_compiled_reload_runs_its_cpu_kernels_with_the_workers_threads(version
         assert all(pragmas and set(pragmas) == {"#pragma omp parallel num_threads(2)"} for pragmas in graphs)
     finally:
         workers.close()
+
+
+@pytest.mark.slow
+def test_an_onnxruntime_engine_reloads_into_a_new_export_and_serves_it(versions, tmp_path):
+    """ONNX Runtime's graph holds its weights: a reload exports the new ones and runs them in a new session."""
+    pytest.importorskip("onnxruntime")
+    (first, _), (second, second_reference) = versions["first"], versions["second"]
+    cache = tmp_path / "onnx"
+    workers = Workers(str(first), "--model-control", "explicit", "--runtime", "onnxruntime", "--compile-cache",
+                      str(cache), "--max-batch-size", "2", "--frontends", "1")
+    try:
+        port, _ = workers.serving(1)
+        triton = tc.InferenceServerClient(f"127.0.0.1:{port}")
+        triton.load_model("resnet18", files={"file:1/second.pt": second.read_bytes()})
+        version, probabilities = infer(triton)
+        assert version == "2" and np.abs(probabilities - expected(second_reference)).max() < 1e-5
+        assert len(list(cache.glob("resnet18-*.onnx"))) == 2  # the first weights' export and the second's
+    finally:
+        workers.close()

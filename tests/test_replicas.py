@@ -29,7 +29,7 @@ from resnet_server.engine.replicas import (
     max_batch_size,
     replica_torch_threads,
 )
-from resnet_server.engine.runner import ModelRunner, _split, bucket_sizes
+from resnet_server.engine.runner import ModelRunner, bucket_sizes, split_into_buckets
 from tests.helpers import (
     DEVICE_FELL_OFF,
     base_config,
@@ -213,7 +213,7 @@ def test_cpu_runner_returns_probabilities_and_logits_and_bucket_sizes(weights_fi
     assert bucket_sizes(40, cuda=True) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert bucket_sizes(8, cuda=False) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert bucket_sizes(32, cuda=False) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32]
-    assert _split(13, [1, 2, 4, 8]) == [8, 4, 1] and _split(3, [1, 4]) == [1, 1, 1]
+    assert split_into_buckets(13, [1, 2, 4, 8]) == [8, 4, 1] and split_into_buckets(3, [1, 4]) == [1, 1, 1]
     assert fp32.run_sizes(13) == [13]  # not warmed: no buckets
     fp32.buckets = [1, 2, 4, 8]  # the sizes a batch runs at (tracing's resnet.batch.buckets), as after warm-up
     assert fp32.run_sizes(13) == [8, 4, 1] and fp32.padding_for(13) == 0
@@ -264,10 +264,10 @@ def test_cpu_runner_is_channels_last_by_default_with_the_plain_layouts_answers(w
 
 @pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_a_captured_bucket_input_is_zeros_in_the_network_layout(precision, dtype):
-    """What a CUDA graph is captured on (server.runner._graph_input), made here on the CPU: the network's dtype
+    """What a CUDA graph is captured on (server.runner.graph_input), made here on the CPU: the network's dtype
     and memory layout, all zeros (on the H100 its first version failed every capture)."""
     runner = ModelRunner(torch.nn.Identity(), torch.device("cpu"), precision)
-    inputs = runner._graph_input(3)
+    inputs = runner.graph_input(3)
     assert inputs.shape == (3, 3, 224, 224) and inputs.dtype == dtype
     assert inputs.is_contiguous(memory_format=torch.channels_last) and not inputs.is_contiguous()
     assert torch.count_nonzero(inputs) == 0
@@ -278,10 +278,10 @@ def test_a_captured_bucket_input_is_zeros_in_the_network_layout(precision, dtype
 def test_compiled_model_runs_a_warmed_graph_and_matches_torchvision(make_server, reference, compile_mode):
     running = make_server(compile=True, compile_mode=compile_mode, max_batch_size=4)
     # On the CPU a frozen graph holds oneDNN's prepacked weights: inductor caches its kernels, not the graph.
-    assert running.app.core.router.replicas[0].info.runs.startswith(
+    assert running.app.engines[0].info.runs.startswith(
         f"cpu runs fp32 compiled by inductor ({compile_mode}) at batch sizes 1, 2, 3, 4; graphs from inductor's "
         f"cache at ")
-    assert running.app.core.router.replicas[0].info.runs.endswith(
+    assert running.app.engines[0].info.runs.endswith(
         ": 0 loaded, 0 compiled, 4 not cacheable (their kernels are)")
     images = [encode(random_rgb(seed)) for seed in (1, 2, 3)]
     with Client(running.target) as client:
@@ -299,7 +299,7 @@ def test_compiled_kernels_stay_in_the_compile_cache_for_the_next_start(make_serv
     """A second server with the same --compile-cache builds no kernel: each is loaded from the folder."""
     cache = tmp_path / "compile-cache"
     first = make_server(compile=True, max_batch_size=2, compile_cache=str(cache))
-    assert first.app.core.router.replicas[0].info.runs.endswith(
+    assert first.app.engines[0].info.runs.endswith(
         f"graphs from inductor's cache at {cache}: 0 loaded, 0 compiled, 2 not cacheable (their kernels are)")
     kernels = sorted(path.relative_to(cache) for path in cache.rglob("*.so"))
     assert kernels  # C++ kernels built for this CPU, kept
@@ -317,7 +317,7 @@ def test_compiled_kernels_stay_in_the_compile_cache_for_the_next_start(make_serv
 def test_torchscript_replicas_trace_at_once_and_answer_any_batch_size_as_torchvision(make_server, reference):
     # Two replicas load at once, each tracing its own model: tracing shares process-wide state (a lock).
     running = make_server(devices=("cpu", "cpu"), torch_threads=1, torchscript=True, max_batch_size=4)
-    replicas = running.app.core.router.replicas
+    replicas = running.app.engines
     assert [replica.info.runs for replica in replicas] == \
         [f"{name} runs fp32 as a TorchScript graph at batch sizes 1, 2, 3, 4" for name in ("cpu", "cpu")]
     images = [encode(random_rgb(seed)) for seed in (1, 2, 3)]
@@ -333,7 +333,7 @@ def test_torchscript_replicas_trace_at_once_and_answer_any_batch_size_as_torchvi
 def test_cuda_graphs_change_nothing_on_the_cpu(make_server, reference):
     running = make_server(cuda_graphs="true", max_batch_size=4)
     # The eager network runs, split into the warmed sizes.
-    assert running.app.core.router.replicas[0].info.runs == "cpu runs fp32 eagerly at batch sizes 1, 2, 3, 4"
+    assert running.app.engines[0].info.runs == "cpu runs fp32 eagerly at batch sizes 1, 2, 3, 4"
     image = encode(random_rgb(5))
     with Client(running.target) as client:
         [result] = client.classify([image], full=True)

@@ -21,7 +21,7 @@ import tritonclient.grpc as tc
 
 from resnet_client import ClassifierError, Client
 from resnet_client.api import classifier_pb2 as pb
-from resnet_client.bench import LoadSpec, _closed_loop, scrape, server_cpu
+from resnet_client.bench import LoadSpec, closed_loop, scrape, server_cpu
 from resnet_server.common.config import ServerConfig
 from resnet_server.common.errors import StartupError
 from resnet_server.common.metrics import Metrics, serve_child_metrics
@@ -106,7 +106,7 @@ def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, 
             # counted with its queue time, no torn row), and the counts never going back.
             loading = threading.Event()
             reading = pool.submit(statistics_while, triton, loading)
-            records = _closed_loop(LoadSpec(target, request, 16, None, 0.0, 1.0, {"timeout": 30}, connections=16))
+            records = closed_loop(LoadSpec(target, request, 16, None, 0.0, 1.0, {"timeout": 30}, connections=16))
             loading.set()
             counts = reading.result()
         after = scrape(url)

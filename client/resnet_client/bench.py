@@ -134,7 +134,7 @@ def _bytes_of(image) -> bytes:
     return image if isinstance(image, bytes) else image.tobytes()
 
 
-def _closed_loop(spec: LoadSpec) -> list[tuple[float, str]]:
+def closed_loop(spec: LoadSpec) -> list[tuple[float, str]]:
     """``spec.concurrency`` threads, each sending its next request when the last one is answered.
 
     Blocking stubs rather than grpc.aio: at c=1 they add less of the client's own latency and CPU a call, so
@@ -211,7 +211,7 @@ async def _open_loop(spec: LoadSpec) -> list[tuple[float, str]]:
     return window.records
 
 
-async def _stream_loop(spec: LoadSpec) -> list[tuple[float, str]]:
+async def stream_loop(spec: LoadSpec) -> list[tuple[float, str]]:
     """``spec.concurrency`` ClassifyStream calls, each sending its next request when the last one is answered.
 
     A message on an open stream skips what a call costs both ends (its HTTP/2 stream, headers and status):
@@ -281,9 +281,9 @@ def _worker(spec: LoadSpec) -> tuple[list[tuple[float, str]], float]:
     """The calls made (latency, code) and the process's CPU seconds over the measured window."""
     cpu = _WindowCpu(spec)
     if spec.stream:
-        records = asyncio.run(_stream_loop(spec))
+        records = asyncio.run(stream_loop(spec))
     else:
-        records = _closed_loop(spec) if spec.concurrency else asyncio.run(_open_loop(spec))
+        records = closed_loop(spec) if spec.concurrency else asyncio.run(_open_loop(spec))
     return records, cpu.stop()
 
 

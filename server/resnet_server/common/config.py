@@ -8,6 +8,7 @@ line wins over the environment, which wins over the default. Only ``main()`` cal
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import socket
@@ -110,6 +111,7 @@ class ServerConfig:
     frontends: int = 0  # 0: auto (resnet_server.supervisor.launcher.frontend_count)
     event_loop: str = "auto"  # the front-ends' (resnet_server.common.event_loop)
     runner: str = "model"  # what runs the engines' batches (resnet_server.engine.runners)
+    runtime: str = "torch"  # what runs the forward pass: PyTorch, or ONNX Runtime (resnet_server.engine.onnx_runtime)
 
     def __post_init__(self) -> None:
         """Each field of the type it is declared with, and each choice one of its values: a configuration built in
@@ -170,14 +172,16 @@ def _one_of(*options: str) -> Callable[[str], str]:
 
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+RUNTIMES = ("torch", "onnxruntime")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MODEL_CONTROL_MODES = ("none", "explicit")
 # The fields that take one of a few values, and those values (what the flags below accept, and what a
 # configuration built in code is checked against).
 _CHOICES = {"precision": PRECISIONS, "compile_mode": COMPILE_MODES, "log_format": LOG_FORMATS,
             "event_loop": EVENT_LOOPS, "log_level": LOG_LEVELS, "cuda_graphs": AUTO_BOOLEAN,
-            "decode_on_device": AUTO_BOOLEAN, "model_control": MODEL_CONTROL_MODES}
+            "decode_on_device": AUTO_BOOLEAN, "model_control": MODEL_CONTROL_MODES, "runtime": RUNTIMES}
 _precision = _one_of(*PRECISIONS)
+_runtime = _one_of(*RUNTIMES)
 _compile_mode = _one_of(*COMPILE_MODES)
 _log_format = _one_of(*LOG_FORMATS)
 _model_control = _one_of(*MODEL_CONTROL_MODES)
@@ -340,7 +344,7 @@ def tls_problem(cert: str | None, key: str | None, client_ca: str | None) -> str
 
 # (flag, type, help). Defaults come from ServerConfig so they live in one place. The help is also the README's
 # flags table (flags_table(); tests/test_config.py checks that they agree), so it says what a user needs there.
-_FLAGS: list[tuple[str, FlagType, str]] = [
+FLAGS: list[tuple[str, FlagType, str]] = [
     ("host", bind_address, "gRPC bind address: an address of this machine, 0.0.0.0 or :: for all"),
     ("port", port_number, "gRPC port, 0 to 65535 (0 picks a free one)"),
     ("metrics-host", bind_address, "/metrics bind address; expose it only inside the cluster"),
@@ -449,13 +453,19 @@ _FLAGS: list[tuple[str, FlagType, str]] = [
                                        "on a GPU whole graphs), reused by the next start; inductor keys it on "
                                        "torch's version, the device, the precision and each batch size, so a "
                                        "change compiles afresh. Default: inductor's own folder under the temp "
-                                       "folder, which a container loses"),
+                                       "folder, which a container loses. With --runtime onnxruntime: where the "
+                                       "ONNX export is kept, by its weights' SHA-256 and the versions"),
     ("torchscript", _boolean, "run the model and softmax as a frozen TorchScript graph traced at start-up (the "
                               "GIL held once a batch instead of at every operator; docs/operations.md); not with "
                               "--compile"),
     ("cuda-graphs", _auto_boolean, "on CUDA, capture the model and softmax as one CUDA graph per warmed batch size "
                                    "at start-up and replay it per batch (no compiler); auto: on unless --compile "
                                    "or --torchscript is asked for; false: eager; nothing changes on the CPU"),
+    ("runtime", _runtime, "what runs the forward pass: torch (PyTorch), or onnxruntime: the served weights exported "
+                          "to ONNX at start-up (kept in --compile-cache, or a folder under the temp folder, by their "
+                          "SHA-256 and the versions) and run by ONNX Runtime's CPU execution provider with "
+                          "--torch-threads' threads; fp32 on CPU devices, not with --compile or --torchscript (the "
+                          "onnx extra installs it; docs/operations.md)"),
     ("runner", runner_spec, "what runs each batch: model; or, to measure the serving path's own cost, free[:MS]: no "
                             "forward pass, ready-made scores landing MS ms after the launch (answers meaningless); or "
                             "faulty:FILE: the model, its batches failing as FILE says (fault injection for tests; "
@@ -485,7 +495,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "(--compile is --compile true). `resnet-server bench-model --help`: the in-process benchmark.",
     )
     defaults = ServerConfig()
-    for flag, kind, help_text in _FLAGS:
+    for flag, kind, help_text in FLAGS:
         name = env_name(flag)
         default = getattr(defaults, _field_name(flag))
         for alias in (name, *(env_name(old.removeprefix("--")) for old in _ALIASES.get(flag, ()))):
@@ -524,7 +534,7 @@ def flags_table() -> str:
     """The README's table of flags, from the same list as --help."""
     defaults = ServerConfig()
     rows = ["| flag | env | default | meaning |", "| --- | --- | --- | --- |"]
-    for flag, kind, help_text in _FLAGS:
+    for flag, kind, help_text in FLAGS:
         shown = _shown_default(kind, getattr(defaults, _field_name(flag)))
         rows.append(f"| `--{flag}` | `{env_name(flag)}` | `{shown}` | {help_text} |")
     return "\n".join(rows) + "\n"
@@ -545,6 +555,8 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     if problem := graph_problem(config.compile, config.compile_mode, config.torchscript,
                                  config.cuda_graphs == "true"):
         raise ConfigError(problem)
+    if problem := runtime_problem(config):
+        raise ConfigError(problem)
     if problem := tls_problem(config.tls_cert, config.tls_key, config.tls_client_ca):
         raise ConfigError(problem)
     if config.port and config.port == config.metrics_port and _may_overlap(config.host, config.metrics_host):
@@ -564,6 +576,23 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
 def _may_overlap(host: str, other: str) -> bool:
     """Whether two bind addresses may be the same socket address: the same, or either of them every address."""
     return host == other or bool({host, other} & {"0.0.0.0", "::", ""})
+
+
+def runtime_problem(config: ServerConfig) -> str | None:
+    """Why --runtime onnxruntime cannot serve as configured, or None."""
+    if config.runtime != "onnxruntime":
+        return None
+    if config.precision != "fp32":
+        return f"--runtime onnxruntime serves fp32, not --precision {config.precision}"
+    chosen = [flag for flag, on in (("--compile", config.compile), ("--torchscript", config.torchscript),
+                                    ("--cuda-graphs true", config.cuda_graphs == "true")) if on]
+    if chosen:
+        return f"--runtime onnxruntime and {' and '.join(chosen)} exclude each other: choose one"
+    if any(device.startswith("cuda") for device in config.devices):
+        return "--runtime onnxruntime runs on the CPU: serve --device cpu, or run torch on a GPU"
+    if importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnx") is None:
+        return "--runtime onnxruntime: ONNX Runtime is not installed (pip install '.[onnx]')"
+    return None
 
 
 def graph_problem(compile: bool, mode: str, torchscript: bool, cuda_graphs: bool = False) -> str | None:

@@ -57,6 +57,7 @@ class EngineConfig:
     decode_on_device: str
     max_pixels: int  # checked again before a JPEG is decoded here (the front-end checked its header)
     runner: str
+    runtime: str
     grace_period: float
     uses_cuda_graphs: bool  # --cuda-graphs resolved (ServerConfig.uses_cuda_graphs)
     largest_batch: int  # the histograms' and statistics' widest batch
@@ -81,6 +82,7 @@ class FrontendConfig:
     grace_period: float
     unhealthy_exit_after: float
     precision: str
+    runtime: str
     max_batch_delay_ms: float
     wait_for_callers_ms: float
     max_queue: int

@@ -109,6 +109,8 @@ class _ReplicaSetup:
 
     def __call__(self) -> ModelRunner:
         config, device = self.config, self.device
+        if config.runtime == "onnxruntime" and device.type != "cpu":
+            raise StartupError(f"--runtime onnxruntime runs on the CPU, not on {device}")
         # This thread's OpenMP team: set here, since other threads (preprocessing) set theirs to 1.
         use_torch_threads(self.torch_threads)
         loaded = load_weights(config.weights, device)
@@ -128,7 +130,8 @@ class _ReplicaSetup:
         runner = build_runner(config.runner, self.name, model, device, config.precision, config.channels_last,
                               compiled=config.compile, compile_mode=config.compile_mode,
                               compile_cache=config.compile_cache, torchscript=config.torchscript,
-                              cuda_graphs=config.uses_cuda_graphs)
+                              cuda_graphs=config.uses_cuda_graphs, runtime=config.runtime,
+                              threads=self.torch_threads)
         sizes = bucket_sizes(self.batch_limit, device.type == "cuda")
         try:
             runner.warm_up(sizes)

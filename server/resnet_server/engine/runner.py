@@ -53,8 +53,13 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, precision: str = "fp32",
                  channels_last: bool = True, compiled: bool = False, compile_mode: str = "default",
                  compile_cache: str | None = None, fold_batch_norms: bool = True, torchscript: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, runtime: str = "torch", threads: int = 1) -> None:
         self.device = device
+        # ``runtime`` onnxruntime: the model exported to ONNX and run by ONNX Runtime with ``threads`` intra-op
+        # threads (resnet_server.engine.onnx_runtime), on plain NCHW float32 batches.
+        self.runtime, self.threads = runtime, threads
+        self.runs_on = ""  # the runtime's own description, other than torch's
+        channels_last = channels_last and runtime == "torch"
         self.precision = precision
         self.dtype = PRECISIONS[precision]
         self.cuda = device.type == "cuda"
@@ -75,6 +80,7 @@ class ModelRunner:
         self.compile_mode = compile_mode if compiled else None
         if compiled and compile_cache:
             inductor.use_cache_dir(compile_cache)
+        self.compile_cache = compile_cache
         self.graphs_cached = inductor.CacheUse(0, 0, 0)  # what warm_up's compiling found in inductor's cache
         self.torchscript = torchscript
         self.cuda_graphs = cuda_graphs and self.cuda
@@ -88,7 +94,7 @@ class ModelRunner:
     def swaps_in_place(self) -> bool:
         """New weights can be copied into the tensors served now: eager and CUDA graphs (a captured graph reads
         them where they lie); a compiled or TorchScript network has the old ones frozen into its graph."""
-        return not (self.compiled or self.torchscript)
+        return not (self.compiled or self.torchscript or self.runtime != "torch")
 
     @torch.no_grad()
     def staged(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -113,6 +119,8 @@ class ModelRunner:
         """How batches run, for the start-up log: '<device> runs fp16 as CUDA graphs at batch sizes 1, 2, ...'."""
         if self.cuda_graphs:
             how = "as CUDA graphs"
+        elif self.runtime != "torch":
+            how = self.runs_on
         elif self.compiled:
             how = f"compiled by inductor ({self.compile_mode})"
         else:
@@ -128,8 +136,14 @@ class ModelRunner:
         return (f"; graphs from inductor's cache at {inductor.cache_dir()}: {loaded} loaded, {compiled} compiled, "
                 f"{uncacheable} not cacheable (their kernels are)")
 
-    def _graph(self) -> torch.nn.Module:
-        """What runs the forward pass: the model itself, compiled, or traced and frozen."""
+    def _graph(self) -> Callable[..., torch.Tensor]:
+        """What runs the forward pass: the model itself, compiled, traced and frozen, or exported to ONNX."""
+        if self.runtime == "onnxruntime":
+            from resnet_server.engine import onnx_runtime
+
+            network = onnx_runtime.OnnxNetwork(onnx_runtime.exported(self.model, self.compile_cache), self.threads)
+            self.runs_on = network.describe()
+            return network
         if self.compile_mode is not None:  # compiled
             return inductor.compile_model(self.model, self.compile_mode)
         if self.torchscript:  # the softmax too: one call a batch
@@ -259,14 +273,14 @@ class ModelRunner:
             for size in sorted(self.buckets, reverse=True):
                 self._graphs[size] = self._capture_one(size, pool)
 
-    def _graph_input(self, size: int) -> torch.Tensor:
+    def graph_input(self, size: int) -> torch.Tensor:
         """A captured bucket's own input: zeros of the model's dtype on its device, in the layout the network
         runs in (zeros() takes no memory_format: empty, then zeroed). Made on the CPU too, where it is tested."""
         return torch.empty((size, *FLOAT_SHAPE), dtype=self.dtype, device=self.device,
                            memory_format=self.memory_format).zero_()
 
     def _capture_one(self, size: int, pool: torch.cuda._POOL_HANDLE) -> _CapturedBatch:
-        inputs = self._graph_input(size)
+        inputs = self.graph_input(size)
         temperatures = torch.ones(size, dtype=torch.float64, device=self.device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls meanwhile (a second replica warming up) are no error.
@@ -285,7 +299,7 @@ class ModelRunner:
                 inputs = _fresh_batch(inputs, len(inputs) + padding, self.memory_format)
             return self._run_bucket(inputs)[: len(inputs) - padding]
         outputs, start = [], 0
-        for size in _split(len(inputs), self.buckets):
+        for size in split_into_buckets(len(inputs), self.buckets):
             piece = inputs[start:start + size]
             outputs.append(self._run_bucket(_fresh_batch(piece, size, self.memory_format) if self.compiled else piece))
             start += size
@@ -302,7 +316,7 @@ class ModelRunner:
             return [count]
         if self.cuda:
             return [count + self.padding_for(count)]
-        return _split(count, self.buckets)
+        return split_into_buckets(count, self.buckets)
 
     def padding_for(self, count: int) -> int:
         """Zero rows added to a batch of ``count`` images: up to the next bucket on CUDA, none on the CPU."""
@@ -416,7 +430,7 @@ def _conv_name(norm_name: str) -> str:
     return str(int(norm_name) - 1) if norm_name.isdigit() else norm_name.replace("bn", "conv", 1)
 
 
-def _split(count: int, sizes: list[int]) -> list[int]:
+def split_into_buckets(count: int, sizes: list[int]) -> list[int]:
     """Greedy largest-first split of a batch into available sizes (which include 1)."""
     parts = []
     while count:
@@ -469,3 +483,4 @@ def bucket_sizes(max_batch_size: int, cuda: bool) -> list[int]:
     if not cuda:
         sizes.update(range(1, min(8, max_batch_size) + 1))
     return sorted(sizes)
+

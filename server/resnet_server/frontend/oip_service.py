@@ -107,7 +107,8 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
     """Answers UNAVAILABLE (and ready=false) until :meth:`attach` hands it the loaded core."""
 
     def __init__(self, statistics: ModelStatistics, control: ModelControl, repository: RepositoryService,
-                 shared_memory: SharedMemoryService) -> None:
+                 shared_memory: SharedMemoryService, runtime: str = "torch") -> None:
+        self._runtime = runtime  # what runs the forward pass (--runtime): Triton's platform says it
         self._core: InferenceCore | None = None
         self._labels: list[str] = []
         self._info: pb.ModelInfo | None = None
@@ -130,7 +131,8 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
     def _configs(self) -> dict[str, mc.ModelConfig]:
         if self._info is None:
             return {}
-        return {name: model_config(self._info, name, self._control.served.sha256) for name in DECLARED_INPUTS}
+        return {name: model_config(self._info, name, self._control.served.sha256, self._runtime)
+                for name in DECLARED_INPUTS}
 
     async def ServerLive(self, request, context):
         return oip.ServerLiveResponse(live=True)
@@ -149,7 +151,7 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request, context):
         check_model(request.name, request.version, self._version)
-        return model_metadata(request.name, self._version)
+        return model_metadata(request.name, self._version, self._runtime)
 
     async def ModelConfig(self, request, context):
         check_model(request.name, request.version, self._version)

@@ -69,7 +69,7 @@ class App:
     def __init__(self, config: FrontendConfig, metrics: Metrics, engines: Sequence[EngineLink],
                  owner: int, index: int = 0, control: ModelControl | None = None) -> None:
         self.config, self.index = config, index  # this front-end's index among config.frontends
-        self.engines, self.owner = list(engines), owner  # one engine process per device; its number in their slabs
+        self.links, self.owner = list(engines), owner  # one engine process per device; its number in their slabs
         self.metrics = metrics
         # Checked before binding, so a bad --temperature-file or TLS file fails at once.
         network = config.network
@@ -86,7 +86,8 @@ class App:
         repository = RepositoryService(self.control, config.model_control == "explicit", config.max_weights_mb << 20,
                                        list(DECLARED_INPUTS))
         self.shared_memory = SharedMemoryService(self.control, config, tokens_on=bool(self.tokens))
-        self.inference = InferenceService(self.metrics.statistics, self.control, repository, self.shared_memory)
+        self.inference = InferenceService(self.metrics.statistics, self.control, repository, self.shared_memory,
+                                          config.runtime)
         self._server: grpc.aio.Server | None = None
         self.tracing: Tracing | None = None  # with --otlp-endpoint, from bind() on
         self._no_replica = False  # every replica out of rotation: health went NOT_SERVING
@@ -116,7 +117,7 @@ class App:
         """The line that says the server is up (scripts and tests wait for it)."""
         config = self.config
         worker = f"; front-end {self.index} of {config.frontends}" if config.frontends > 1 else ""
-        devices = ", ".join(engine.name for engine in self.engines)
+        devices = ", ".join(engine.name for engine in self.links)
         log.info("serving %s on %s (devices %s; event loop %s%s)", MODEL_NAME,
                  host_port(config.network.host, self.port), devices, event_loop.resolved(config.event_loop), worker)
 
@@ -211,7 +212,7 @@ class App:
             self._change_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def _connect_engines(self) -> list[EngineClient]:
-        clients = [EngineClient(link, self.owner, self._engine_lost, self._replica_rejoined) for link in self.engines]
+        clients = [EngineClient(link, self.owner, self._engine_lost, self._replica_rejoined) for link in self.links]
         await asyncio.gather(*(client.open() for client in clients))
         return clients
 
@@ -233,7 +234,8 @@ class App:
 
     def _model_info_series(self, device: str, weights: str) -> None:
         self.metrics.model.labels(device).info(
-            {"model": MODEL_NAME, "version": MODEL_VERSION, "weights": weights, "server_version": __version__})
+            {"model": MODEL_NAME, "version": MODEL_VERSION, "weights": weights, "server_version": __version__,
+             "runtime": self.config.runtime})
 
     def request_stop(self, reason: str, exit_code: int = 0) -> None:
         """Ask serve() to drain and end the process with ``exit_code``; the first request wins."""
@@ -256,6 +258,11 @@ class App:
             self._give_up = asyncio.get_running_loop().call_later(
                 seconds, self.request_stop, f"no replica back in rotation within {seconds:g}s "
                 "(--unhealthy-exit-after)", 1)
+
+    @property
+    def engines(self) -> Sequence[EngineHandle]:
+        """The engines this front-end serves from, once loaded (what each reported: its ``info``)."""
+        return self.core.router.replicas if self.core is not None else ()
 
     @property
     def gives_up_at(self) -> float | None:

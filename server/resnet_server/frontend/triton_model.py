@@ -9,17 +9,19 @@ from resnet_client.api import model_config_pb2 as mc
 from resnet_server.common.statistics import BatchTotals, Duration, Totals
 from resnet_server.frontend.oip_codec import DECLARED_INPUTS, INPUT_NAME, OUTPUT_TYPES, PROBABILITIES, TOP_K_OUTPUTS
 
+# Triton's platform and backend names for what runs the forward pass (--runtime).
+PLATFORMS = {"torch": ("pytorch_libtorch", "pytorch"), "onnxruntime": ("onnxruntime_onnx", "onnxruntime")}
 # The declared input's type and layout in ModelConfig's terms, by its datatype.
 _CONFIG_INPUTS = {"FP32": (mc.TYPE_FP32, mc.ModelInput.FORMAT_NCHW),
                   "UINT8": (mc.TYPE_UINT8, mc.ModelInput.FORMAT_NHWC)}
 
 
-def model_metadata(name: str, version: int) -> oip.ModelMetadataResponse:
+def model_metadata(name: str, version: int, runtime: str = "torch") -> oip.ModelMetadataResponse:
     """The model's metadata under ``name``: the input form that name declares, and every output."""
     tensor = oip.ModelMetadataResponse.TensorMetadata
     datatype, shape = DECLARED_INPUTS[name]
     return oip.ModelMetadataResponse(
-        name=name, versions=[str(version)], platform="pytorch_libtorch",
+        name=name, versions=[str(version)], platform=PLATFORMS[runtime][0],
         inputs=[tensor(name=INPUT_NAME, datatype=datatype, shape=shape)],
         outputs=[tensor(name=PROBABILITIES, datatype="FP32", shape=[-1, 1000]),
                  *(tensor(name=output, datatype=OUTPUT_TYPES[output], shape=[-1, -1]) for output in TOP_K_OUTPUTS)],
@@ -45,7 +47,7 @@ def model_statistics(totals: Totals, name: str, version: int) -> oip.ModelStatis
     )
 
 
-def model_config(info: pb.ModelInfo, name: str, weights_sha256: str = "") -> mc.ModelConfig:
+def model_config(info: pb.ModelInfo, name: str, weights_sha256: str = "", runtime: str = "torch") -> mc.ModelConfig:
     """Triton's view of the served model under ``name``, from the ModelInfo our own API reports; settings
     Triton's config has no field for (the default temperature, the wait for closed-loop callers, the weights'
     SHA-256) go in its parameters."""
@@ -60,7 +62,7 @@ def model_config(info: pb.ModelInfo, name: str, weights_sha256: str = "") -> mc.
     datatype, shape = DECLARED_INPUTS[name]
     config_type, config_format = _CONFIG_INPUTS[datatype]
     return mc.ModelConfig(
-        name=name, platform="pytorch_libtorch", backend="pytorch",
+        name=name, platform=PLATFORMS[runtime][0], backend=PLATFORMS[runtime][1],
         max_batch_size=info.input.max_images_per_request,
         input=[mc.ModelInput(name=INPUT_NAME, data_type=config_type, format=config_format, dims=shape[1:])],
         output=[mc.ModelOutput(name=PROBABILITIES, data_type=mc.TYPE_FP32, dims=[1000]),

@@ -300,13 +300,13 @@ class Supervisor:
         # The front-ends start beside the engines: waiting for the engines first adds a front-end's own start
         # (imports, gRPC, the port) to the time to SERVING. An engine or front-end that ends before it is ready
         # ends the set.
-        self._start_frontend(0, self.config.port)
-        if (failed := self._wait_until(lambda: self._port_of("frontend-0") != 0)) is not None:
+        self.start_frontend(0, self.config.port)
+        if (failed := self.wait_until(lambda: self._port_of("frontend-0") != 0)) is not None:
             return failed
         self.port = self._port_of("frontend-0")
         for index in range(1, self.frontends):
-            self._start_frontend(index, self.port)
-        if (failed := self._wait_until(self._engines_warm)) is not None:
+            self.start_frontend(index, self.port)
+        if (failed := self.wait_until(self._engines_warm)) is not None:
             return failed
         if self.config.metrics_port:
             log.info("metrics of every process on http://%s/metrics",
@@ -314,13 +314,13 @@ class Supervisor:
         return self._supervise()
 
     def start_engines(self) -> bool | None:
-        """Start an engine per device and wait until each is warm: None then, else as _wait_until."""
+        """Start an engine per device and wait until each is warm: None then, else as wait_until."""
         self._start_engines()
-        return self._wait_until(self._engines_warm)
+        return self.wait_until(self._engines_warm)
 
     def _start_engines(self) -> None:
         for index in range(len(self.links)):
-            self._start_engine(index)
+            self.start_engine(index)
 
     def _engines_warm(self) -> bool:
         return all((child := self.children.get(f"engine-{index}")) is not None and child.serving
@@ -330,8 +330,21 @@ class Supervisor:
         child = self.children.get(name)
         return child.port if child is not None else 0
 
-    def _wait_until(self, done: Callable[[], bool]) -> bool | None:
-        """Wait for start-up reports until ``done()``; None then, False on a signal, True if a child ended."""
+    def forget(self, name: str) -> None:
+        """Watch child ``name`` no longer: one that has ended, whose end is not to be acted on."""
+        self.children.pop(name, None)
+
+    def replace_engine(self, index: int) -> bool | None:
+        """Engine ``index``, which has ended, replaced by a new one and waited for until warm: None then, else as
+        wait_until."""
+        self.forget(f"engine-{index}")
+        self.start_engine(index)
+        return self.wait_until(lambda: (child := self.children.get(f"engine-{index}")) is not None and child.serving)
+
+    def wait_until(self, done: Callable[[], bool]) -> bool | None:
+        """Wait for start-up reports until ``done()``; None then, False on a signal, True if a child ended. With
+        start_engine and start_frontend, the supervisor's public API for starting children and waiting on them
+        (its own start-up, and tests that start or replace one child)."""
         while not done():
             ready = self._wait()
             if self._signalled(ready):
@@ -370,9 +383,9 @@ class Supervisor:
                 del self.due[name]
                 kind, index = name.split("-")
                 if kind == "engine":
-                    self._start_engine(int(index), quick_ends)
+                    self.start_engine(int(index), quick_ends)
                 else:
-                    self._start_frontend(int(index), self.port, load_first=bool(self.port), quick_ends=quick_ends)
+                    self.start_frontend(int(index), self.port, load_first=bool(self.port), quick_ends=quick_ends)
 
     def _signalled(self, ready: set[int]) -> bool:
         """Whether SIGTERM or SIGINT has come (stop); a SIGHUP starts a reload of --weights."""
@@ -420,7 +433,7 @@ class Supervisor:
                   child.process.describe_end(), delay, looping)
         return time.monotonic() + delay, quick_ends
 
-    def _start_engine(self, index: int, quick_ends: int = 0) -> _Child | None:
+    def start_engine(self, index: int, quick_ends: int = 0) -> _Child | None:
         link, config, served = self.links[index], self.config, self.reloads.served
         receiver, sender = _children.Pipe(duplex=False)
         orders, to_child = _children.Pipe(duplex=False)
@@ -430,7 +443,7 @@ class Supervisor:
             SharedRow(self.statistics, self.frontends + index), bool(config.metrics_port), sender, orders))
         return self._started(f"engine-{index}", process, (receiver, sender), (orders, to_child), quick_ends)
 
-    def _start_frontend(self, index: int, port: int, load_first: bool = False, quick_ends: int = 0) -> _Child | None:
+    def start_frontend(self, index: int, port: int, load_first: bool = False, quick_ends: int = 0) -> _Child | None:
         """Start front-end ``index``; it writes its statistics into row ``index`` (a replacement goes on from
         its predecessor's counts)."""
         receiver, sender = _children.Pipe(duplex=False)
