@@ -40,7 +40,8 @@ def make_server(weights_file):
     started: list[EngineSet] = []
 
     def start(**overrides) -> ServerThread:
-        engines = EngineSet(base_config(str(weights_file[0]), **{"metrics_port": free_port(), **overrides}))
+        weights = overrides.pop("weights", str(weights_file[0]))
+        engines = EngineSet(base_config(weights, **{"metrics_port": free_port(), **overrides}))
         started.append(engines)
         return engines.frontend()
 

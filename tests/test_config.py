@@ -277,7 +277,7 @@ def test_the_readme_flag_table_is_the_help_of_every_flag():
     ("port", "50051", "port must be int, got '50051' (str)"),
     ("grace_period", True, "grace_period must be float, got True (bool)"),
     ("devices", "cpu", "devices must be tuple[str, ...], got 'cpu' (str)"),
-    ("precision", "fp8", "precision must be one of fp32, fp16, bf16, got 'fp8'"),
+    ("precision", "fp8", "precision must be one of fp32, fp16, bf16, int8, got 'fp8'"),
     ("tls_cert", 3, "tls_cert must be str | None, got 3 (int)"),
 ])
 def test_a_configuration_built_in_code_is_checked_as_the_flags_are(field, value, error):

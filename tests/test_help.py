@@ -15,6 +15,7 @@ import pytest
 from resnet_client.cli import build_parser as client_parser
 from resnet_server.common.config import build_parser as server_parser
 from resnet_server.engine.bench_model import build_parser as bench_model_parser
+from resnet_server.engine.quantize import parser as quantize_parser
 
 BIN = Path(sys.executable).parent  # the venv's console scripts, beside its python
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +33,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 COMMANDS = [
     (["resnet-server"], server_parser({})),
     (["resnet-server", "bench-model"], bench_model_parser()),
+    (["resnet-server", "quantize"], quantize_parser()),
     (["resnet-client"], client_parser()),
     *((["resnet-client", name], sub) for name, sub in _subcommands(client_parser()).items()),
 ]

@@ -44,7 +44,7 @@ def test_onnxruntime_answers_as_the_torchvision_reference_and_names_itself(make_
 
 
 @pytest.mark.parametrize(("flags", "error"), [
-    (["--precision", "bf16"], "--runtime onnxruntime serves fp32, not --precision bf16"),
+    (["--precision", "bf16"], "--runtime onnxruntime serves fp32 or int8, not --precision bf16"),
     (["--compile"], "--runtime onnxruntime and --compile exclude each other: choose one"),
     (["--torchscript"], "--runtime onnxruntime and --torchscript exclude each other: choose one"),
     (["--device", "cuda:0"], "--runtime onnxruntime runs on the CPU: serve --device cpu, or run torch on a GPU"),

@@ -36,6 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from resnet_server.engine.bench_model import main as bench_model
 
         return bench_model(argv[1:])
+    if argv[:1] == ["quantize"]:
+        from resnet_server.engine.quantize import main as quantize
+
+        return quantize(argv[1:])
     from resnet_server.supervisor.main import main as serve
 
     return serve(argv)

@@ -171,7 +171,7 @@ def _one_of(*options: str) -> Callable[[str], str]:
     return check
 
 
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 RUNTIMES = ("torch", "onnxruntime")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MODEL_CONTROL_MODES = ("none", "explicit")
@@ -355,8 +355,9 @@ FLAGS: list[tuple[str, FlagType, str]] = [
                              "one engine each"),
     ("weights", weights_source, "imagenet (torchvision's, cached under TORCH_HOME), random (seeded, untrained), "
                                 "or the PATH of a state_dict file (a plain state_dict, a checkpoint dict with "
-                                "state_dict or model, module.-prefixed keys; saved on any device); checked "
-                                "before any process starts"),
+                                "state_dict or model, module.-prefixed keys; saved on any device), or of an ONNX "
+                                "model (.onnx, with --runtime onnxruntime: one `resnet-server quantize` made); "
+                                "checked before any process starts"),
     ("temperature", positive_float, "default softmax temperature T, finite and > 0; each request may override it"),
     ("temperature-file", _temperature_file, "JSON {\"temperature\": T} (as written by resnet-client "
                                             "calibrate); wins over --temperature"),
@@ -440,7 +441,9 @@ FLAGS: list[tuple[str, FlagType, str]] = [
     ("auth-health", _boolean, "also require the token on grpc.health.v1.Health (kept open by default for "
                               "orchestrator probes)"),
     ("precision", _precision, "fp32, fp16 or bf16 weights and activations (the softmax in float64, then fp32); "
-                              "bf16 is faster than fp32 on CPUs with AMX or AVX-512 BF16 (docs/operations.md)"),
+                              "bf16 is faster than fp32 on CPUs with AMX or AVX-512 BF16 (docs/operations.md); int8: "
+                              "an ONNX model `resnet-server quantize` made, given as --weights, with --runtime "
+                              "onnxruntime"),
     ("channels-last", _boolean, "channels_last memory format, on CUDA and on the CPU (faster convolutions)"),
     ("cudnn-benchmark", _boolean, "cuDNN autotuning, paid at warm-up for every warmed batch size before SERVING"),
     ("compile", _boolean, "torch.compile (inductor, weights frozen) for every warmed batch size at warm-up, before "
@@ -578,12 +581,21 @@ def _may_overlap(host: str, other: str) -> bool:
     return host == other or bool({host, other} & {"0.0.0.0", "::", ""})
 
 
+HOW_TO_QUANTIZE = ("make one with resnet-server quantize --weights W --calibration DIR --out model.int8.onnx, "
+                   "then serve --runtime onnxruntime --precision int8 --weights model.int8.onnx")
+
+
 def runtime_problem(config: ServerConfig) -> str | None:
-    """Why --runtime onnxruntime cannot serve as configured, or None."""
+    """Why the runtime cannot serve as configured, or None: int8 is an ONNX file quantized for ONNX Runtime, and an
+    ONNX file is served by ONNX Runtime only."""
+    onnx_file = config.weights.endswith(".onnx")
+    if config.precision == "int8" and not (onnx_file and config.runtime == "onnxruntime"):
+        return f"--precision int8 serves an int8 ONNX model with --runtime onnxruntime: {HOW_TO_QUANTIZE}"
     if config.runtime != "onnxruntime":
-        return None
-    if config.precision != "fp32":
-        return f"--runtime onnxruntime serves fp32, not --precision {config.precision}"
+        return f"--weights {config.weights[-64:]}: an ONNX file is served with --runtime onnxruntime" \
+            if onnx_file else None
+    if config.precision not in ("fp32", "int8"):
+        return f"--runtime onnxruntime serves fp32 or int8, not --precision {config.precision}"
     chosen = [flag for flag, on in (("--compile", config.compile), ("--torchscript", config.torchscript),
                                     ("--cuda-graphs true", config.cuda_graphs == "true")) if on]
     if chosen:

@@ -207,6 +207,9 @@ def parse_model_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] |
     args = parser.parse_args(argv)
     if problem := graph_problem(args.compile, args.compile_mode, args.torchscript, args.cuda_graphs):
         parser.error(problem)
+    if args.precision == "int8":  # an ONNX Runtime model, which this PyTorch timing does not run
+        parser.error("--precision int8 is an ONNX model served with --runtime onnxruntime; bench-model times "
+                     "PyTorch's fp32, fp16 or bf16")
     return args
 
 

@@ -32,6 +32,10 @@ def default_cache() -> str:
     return os.path.join(tempfile.gettempdir(), "resnet-onnx-cache")
 
 
+# What a quantized model records of where it came from (its metadata_props), which the server logs when it serves it.
+SOURCE_SHA256, CALIBRATION_SHA256, PRECISION = "resnet_source_sha256", "resnet_calibration_sha256", "resnet_precision"
+
+
 def versions() -> str:
     import onnx
     import onnxruntime
@@ -88,3 +92,7 @@ class OnnxNetwork:
 
     def describe(self) -> str:
         return f"on ONNX Runtime {self.version} ({PROVIDER}, {self.threads} threads)"
+
+    def recorded(self) -> dict[str, str]:
+        """What the model file records of itself (a quantized one: its source's and calibration's SHA-256)."""
+        return dict(self.session.get_modelmeta().custom_metadata_map)

@@ -11,16 +11,17 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from resnet_server.common.config import DEFAULT_MAX_BATCH_SIZE
 from resnet_server.common.errors import StartupError
 from resnet_server.common.metrics import Metrics
-from resnet_server.common.model import LoadedWeights, build_model, load_weights
+from resnet_server.common.model import LoadedWeights, WeightsError, build_model, file_sha256, load_weights
 from resnet_server.common.sections import EngineConfig
 from resnet_server.common.threads import use_torch_threads
-from resnet_server.engine import inductor
+from resnet_server.engine import inductor, onnx_runtime
 from resnet_server.engine.batcher import Answers, Batcher
 from resnet_server.engine.runner import ModelRunner, bucket_sizes
 from resnet_server.engine.runners import build_runner
@@ -70,7 +71,11 @@ class Replica:
     def stage(self, source: str) -> LoadedWeights:
         """Load ``source`` and make it ready beside the weights served now, which serve on meanwhile: copied into
         the served precision and layout (eager, CUDA graphs), or a new runner compiled and warmed up (inductor's
-        cache makes that fast). WeightsError if the weights are not a ResNet18's."""
+        cache makes that fast), or an ONNX file's session. WeightsError if the weights are not a ResNet18's."""
+        if self.setup is not None and self.setup.serves_files:
+            runner, weights = self.setup.file_runner(source)
+            self.staged = _Staged(weights, runner, lambda: self.batcher.use_runner(runner))
+            return weights
         loaded = load_weights(source, self.device)
         model = build_model(loaded, self.device)
         weights = loaded.without_tensors()
@@ -107,12 +112,20 @@ class _ReplicaSetup:
         self.weights: LoadedWeights | None = None
         self.runner: ModelRunner | None = None
 
+    @property
+    def serves_files(self) -> bool:
+        """Whether the weights are an ONNX file, served as it is (a quantized model), not a state_dict."""
+        return self.config.weights.endswith(".onnx")
+
     def __call__(self) -> ModelRunner:
         config, device = self.config, self.device
         if config.runtime == "onnxruntime" and device.type != "cpu":
             raise StartupError(f"--runtime onnxruntime runs on the CPU, not on {device}")
         # This thread's OpenMP team: set here, since other threads (preprocessing) set theirs to 1.
         use_torch_threads(self.torch_threads)
+        if self.serves_files:
+            self.runner, self.weights = self.file_runner(config.weights)
+            return self.runner
         loaded = load_weights(config.weights, device)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = config.cudnn_benchmark
@@ -146,6 +159,29 @@ class _ReplicaSetup:
                 raise
             raise StartupError(f"{flag} failed on {device}: {type(exc).__name__}: {str(exc)[:300]} ({hint})") from exc
         return runner
+
+    def file_runner(self, source: str) -> tuple[ModelRunner, LoadedWeights]:
+        """A runner of the ONNX model at ``source``, warmed up, and what it is; WeightsError if the file is no
+        model of the precision served."""
+        path = Path(source)
+        try:
+            network = onnx_runtime.OnnxNetwork(path, self.torch_threads)
+        except Exception as exc:  # onnxruntime's own errors: a missing, truncated or foreign file
+            raise WeightsError(f"weights {source}: not an ONNX model ONNX Runtime can load "
+                               f"({type(exc).__name__})") from exc
+        recorded = network.recorded()
+        made_as = recorded.get(onnx_runtime.PRECISION, "fp32")
+        if made_as != self.config.precision:
+            raise WeightsError(f"weights {source}: an {made_as} model, served as --precision {self.config.precision}")
+        runner = ModelRunner(None, self.device, self.config.precision, runtime="onnxruntime",
+                             threads=self.torch_threads, network=network)
+        runner.warm_up(bucket_sizes(self.batch_limit, False))
+        sha256 = file_sha256(path)
+        made = f"; quantized from weights of SHA-256 {recorded[onnx_runtime.SOURCE_SHA256]}, calibrated on images " \
+            f"of SHA-256 {recorded.get(onnx_runtime.CALIBRATION_SHA256, '')}" \
+            if onnx_runtime.SOURCE_SHA256 in recorded else ""
+        log.info("replica %s serves the ONNX model %s (SHA-256 %s)%s", self.name, source, sha256, made)
+        return runner, LoadedWeights({}, source, sha256=sha256)
 
     def loaded(self) -> tuple[ModelRunner, LoadedWeights]:
         """What the worker's thread set up, once the batcher has started, handed over once: the setup keeps no

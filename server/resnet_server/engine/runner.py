@@ -40,20 +40,25 @@ from resnet_server.common.errors import InvalidInput
 from resnet_server.common.postprocess import temperature_softmax
 from resnet_server.common.preprocess import FLOAT_SHAPE, CroppedImage, RawImage, cropped_batch, raw_batch, whole_batch
 from resnet_server.common.work import ModelInput
-from resnet_server.engine import inductor
+from resnet_server.engine import inductor, onnx_runtime
 
 Kind = TypeVar("Kind", DeferredJpeg, RawImage, CroppedImage)  # an input the runner converts a batch at a time
 
 # Batches a CUDA batcher keeps launched and unanswered: one computing on the device, the next queued behind it.
 CUDA_BATCHES_IN_FLIGHT = 2
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The dtype of each precision's inputs (int8: a quantized ONNX model, which takes float32 and quantizes inside).
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.float32}
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device, precision: str = "fp32",
+    """Runs the batches of ``model``, or of ``network`` (a forward pass made elsewhere: an ONNX file's session) where
+    there is no torch model."""
+
+    def __init__(self, model: torch.nn.Module | None, device: torch.device, precision: str = "fp32",
                  channels_last: bool = True, compiled: bool = False, compile_mode: str = "default",
                  compile_cache: str | None = None, fold_batch_norms: bool = True, torchscript: bool = False,
-                 cuda_graphs: bool = False, runtime: str = "torch", threads: int = 1) -> None:
+                 cuda_graphs: bool = False, runtime: str = "torch", threads: int = 1,
+                 network: onnx_runtime.OnnxNetwork | None = None) -> None:
         self.device = device
         # ``runtime`` onnxruntime: the model exported to ONNX and run by ONNX Runtime with ``threads`` intra-op
         # threads (resnet_server.engine.onnx_runtime), on plain NCHW float32 batches.
@@ -72,9 +77,11 @@ class ModelRunner:
         # inductor picks its own layouts): docs/performance.md, "Figures behind the code".
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.fold_batch_norms = fold_batch_norms  # off only to measure what it saves
-        model = _fold_batch_norms(model) if fold_batch_norms else model.eval()
-        # Module.to takes memory_format (it converts 4-D parameters); torch's overloads leave it out.
-        self.model = model.to(device=device, dtype=self.dtype, memory_format=self.memory_format)  # type: ignore[call-overload]
+        if model is not None:
+            model = batch_norms_folded(model) if fold_batch_norms else model.eval()
+            # Module.to takes memory_format (it converts 4-D parameters); torch's overloads leave it out.
+            model = model.to(device=device, dtype=self.dtype, memory_format=self.memory_format)  # type: ignore[call-overload]
+        self._model = model
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.compiled = compiled
         self.compile_mode = compile_mode if compiled else None
@@ -85,10 +92,20 @@ class ModelRunner:
         self.torchscript = torchscript
         self.cuda_graphs = cuda_graphs and self.cuda
         self._graphs: dict[int, _CapturedBatch] = {}  # by bucket, captured by warm_up with cuda_graphs
-        self._network = self._graph()
+        self._network: Callable[..., torch.Tensor] = self._graph() if network is None else self._runs_on(network)
         self.buckets: list[int] = []  # the batch sizes warmed up, filled by warm_up
         self.sizes_run: set[int] = set()  # every batch size the network has run since warm-up (tests check it)
         self._batch_buffer: torch.Tensor | None = None  # see _stack
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if self._model is None:
+            raise RuntimeError("this runner runs a network with no torch model (an ONNX file's)")
+        return self._model
+
+    def _runs_on(self, network: onnx_runtime.OnnxNetwork) -> onnx_runtime.OnnxNetwork:
+        self.runs_on = network.describe()
+        return network
 
     @property
     def swaps_in_place(self) -> bool:
@@ -100,7 +117,7 @@ class ModelRunner:
     def staged(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """``model``'s tensors as this runner serves its own (folded, in its precision and memory format, on its
         device), by name: beside the served ones until ``load_staged``."""
-        prepared = _fold_batch_norms(model) if self.fold_batch_norms else model.eval()
+        prepared = batch_norms_folded(model) if self.fold_batch_norms else model.eval()
         prepared = prepared.to(device=self.device, dtype=self.dtype, memory_format=self.memory_format)  # type: ignore[call-overload]  # as in __init__
         if self.cuda:  # made on this thread's stream: done before the runner's stream may read them
             torch.cuda.synchronize(self.device)
@@ -139,11 +156,8 @@ class ModelRunner:
     def _graph(self) -> Callable[..., torch.Tensor]:
         """What runs the forward pass: the model itself, compiled, traced and frozen, or exported to ONNX."""
         if self.runtime == "onnxruntime":
-            from resnet_server.engine import onnx_runtime
-
-            network = onnx_runtime.OnnxNetwork(onnx_runtime.exported(self.model, self.compile_cache), self.threads)
-            self.runs_on = network.describe()
-            return network
+            return self._runs_on(onnx_runtime.OnnxNetwork(onnx_runtime.exported(self.model, self.compile_cache),
+                                                          self.threads))
         if self.compile_mode is not None:  # compiled
             return inductor.compile_model(self.model, self.compile_mode)
         if self.torchscript:  # the softmax too: one call a batch
@@ -406,7 +420,7 @@ class _Scored(torch.nn.Module):
         return _scores(self.network(inputs), temperatures)
 
 
-def _fold_batch_norms(model: torch.nn.Module) -> torch.nn.Module:
+def batch_norms_folded(model: torch.nn.Module) -> torch.nn.Module:
     """The model in eval mode with every batch norm folded into the convolution it follows: the same function
     (logits within 1e-5), one pass less over each activation and 20 fewer kernels per forward pass. On the CPU
     it is worth little; it is there for small GPU batches, where kernel launches dominate. Done in fp32, before

@@ -1,0 +1,110 @@
+"""int8: `resnet-server quantize` writes a QDQ model of the served weights with its evidence, and
+`--runtime onnxruntime --precision int8` serves it; the flags that go with it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from resnet_client import Client
+from resnet_server.common.config import HOW_TO_QUANTIZE, ConfigError, parse_config
+from tests.helpers import encode, random_rgb
+
+onnx = pytest.importorskip("onnx")
+onnxruntime = pytest.importorskip("onnxruntime")
+PIXELS = [random_rgb(seed) for seed in (61, 62)]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def quantized(weights_file, tmp_path_factory) -> tuple[Path, dict, list[Path]]:
+    """The test weights quantized on 12 random images, 4 of them held out: the model, its report, the held-out."""
+    folder = tmp_path_factory.mktemp("calibration")
+    images = []
+    for index in range(12):
+        images.append(folder / f"image{index:02d}.jpg")
+        images[-1].write_bytes(encode(random_rgb(300 + index, 200, 260)))
+    out = tmp_path_factory.mktemp("int8") / "resnet18.int8.onnx"
+    done = subprocess.run([sys.executable, "-m", "resnet_server", "quantize", "--weights", str(weights_file[0]),
+                           "--calibration", str(folder), "--out", str(out), "--held-out", "4",
+                           "--min-agreement", "0"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.with_name(out.name + ".report.json").read_text())
+    assert json.loads(done.stdout) == report
+    return out, report, images[-4:]
+
+
+def session_probabilities(model: Path, inputs: torch.Tensor) -> np.ndarray:
+    session = onnxruntime.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"input": inputs.numpy()})
+    return torch.softmax(torch.from_numpy(logits).double(), dim=1).numpy()
+
+
+def test_the_report_says_how_the_int8_model_agrees_with_fp32_and_the_model_records_its_sources(
+        quantized, weights_file, reference):
+    out, report, held_out = quantized
+    inputs = torch.stack([reference.input_from_bytes(path.read_bytes()) for path in held_out])
+    fp32 = torch.softmax(reference.logits(inputs).double(), dim=1).numpy()
+    int8 = session_probabilities(out, inputs)
+    assert report["calibration_images"] == 8 and report["held_out_images"] == 4 and report["written"] is True
+    assert report["top1_agreement"] == pytest.approx(float(np.mean(fp32.argmax(1) == int8.argmax(1))))
+    assert report["max_probability_difference"] == pytest.approx(float(np.abs(fp32 - int8).max()), abs=1e-5)
+    assert report["weights_sha256"] == hashlib.sha256(weights_file[0].read_bytes()).hexdigest()
+    recorded = {entry.key: entry.value for entry in onnx.load(str(out)).metadata_props}
+    assert recorded["resnet_source_sha256"] == report["weights_sha256"]
+    assert recorded["resnet_calibration_sha256"] == report["calibration_sha256"]
+    assert recorded["resnet_precision"] == "int8"
+    assert any(node.op_type == "QuantizeLinear" for node in onnx.load(str(out)).graph.node)
+
+
+def test_a_model_under_the_least_agreement_is_not_written(weights_file, quantized, tmp_path):
+    from resnet_server.engine.quantize import quantize
+
+    _, _, held_out = quantized
+    calibration = sorted(held_out[0].parent.glob("*.jpg"))[:8]
+    out = tmp_path / "refused.onnx"
+    report = quantize(str(weights_file[0]), calibration, held_out, out, min_agreement=1.01, temperature=1.0)
+    assert report["written"] is False and not out.exists()
+    assert json.loads((tmp_path / "refused.onnx.report.json").read_text()) == report
+
+
+def test_the_int8_model_is_served_with_its_answers_and_names_what_it_is(make_server, quantized, reference):
+    out, _, _ = quantized
+    running = make_server(runtime="onnxruntime", precision="int8", weights=str(out), max_batch_size=2)
+    assert running.app.engines[0].info.runs.startswith("cpu runs int8 on ONNX Runtime ")
+    with Client(running.target) as client:
+        results = client.classify(PIXELS, full=True)
+    inputs = torch.stack([reference.input_from_array(pixels) for pixels in PIXELS])
+    want = session_probabilities(out, inputs)
+    for result, expected in zip(results, want, strict=True):
+        np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
+
+
+def test_int8_without_a_quantized_model_is_a_usage_error_saying_how_to_make_one(quantized, weights_file):
+    with pytest.raises(ConfigError) as caught:
+        parse_config(["--precision", "int8", "--runtime", "onnxruntime", "--weights", str(weights_file[0])], env={})
+    assert str(caught.value) == \
+        f"--precision int8 serves an int8 ONNX model with --runtime onnxruntime: {HOW_TO_QUANTIZE}"
+    with pytest.raises(ConfigError, match="an ONNX file is served with --runtime onnxruntime"):
+        parse_config(["--weights", str(quantized[0])], env={})
+
+
+def test_quantize_refuses_a_bad_least_agreement_and_a_folder_without_enough_images(tmp_path, capsys):
+    from resnet_server.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["quantize", "--weights", "random", "--calibration", str(tmp_path), "--out", str(tmp_path / "m.onnx"),
+              "--min-agreement", "1.5"])
+    assert exited.value.code == 2 and "argument --min-agreement: must be between 0 and 1, got 1.5" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["quantize", "--weights", "random", "--calibration", str(tmp_path), "--out", str(tmp_path / "m.onnx")])
+    assert exited.value.code == 2 and f"--calibration {tmp_path} holds 0 images; it needs more than the 1 held out" \
+        in capsys.readouterr().err
