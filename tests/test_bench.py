@@ -798,3 +798,17 @@ def test_the_handler_floor_answers_by_value_inline_and_by_reference_in_its_regio
     assert answered["by_value"] == [4000] and answered["refused"] == "UNKNOWN"
     assert answered["by_reference"] == {name: [f"{name}_data", 0] for name in outputs}
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("handler-floor-")]
+
+
+@pytest.mark.slow
+def test_runtime_cost_serves_each_runtime_in_rounds_against_torch():
+    """scripts/benchmarks/runtime_cost.py end to end, briefly: an int8 model made, each runtime served and measured
+    once, each rate set against PyTorch's."""
+    pytest.importorskip("onnxruntime")
+    result = run_benchmark("runtime_cost", "--concurrency", "2", "--duration", "1", "--rounds", "1",
+                           "--calibration-images", "6", "--json")
+    assert list(result) == ["torch fp32", "onnxruntime fp32", "onnxruntime int8"]
+    assert result["torch fp32"]["ratio_to_torch"] == 1.0
+    for row in result.values():
+        assert row["images_per_s"] > 0 and row["p50_ms"] > 0 and len(row["rounds"]) == 1
+        assert row["ratio_to_torch"] == pytest.approx(row["images_per_s"] / result["torch fp32"]["images_per_s"])
