@@ -282,42 +282,41 @@ def parallel_kernels(folder: Path) -> list[list[str]]:
     return [re.findall(r"#pragma omp parallel.*", graph) for graph in graphs if "cpp_fused" in graph]
 
 
-@pytest.mark.slow
-def test_a_compiled_reload_runs_its_cpu_kernels_with_the_workers_threads(versions, tmp_path):
-    """The new runner of a --compile reload is compiled on the engine's background thread, which computes with one
-    torch thread; its kernels still run with the replica's --torch-threads, as the first runner's do, and it
-    serves the new weights."""
+def served_after_a_reload(versions, *flags: str) -> tuple[str, float]:
+    """A one-front-end server started on the first weights with ``flags``, sent the second: the version then
+    answered, and how far its probabilities are from the second weights' reference."""
     (first, _), (second, second_reference) = versions["first"], versions["second"]
-    cache = tmp_path / "cache"
-    workers = Workers(str(first), "--model-control", "explicit", "--compile", "--compile-cache", str(cache),
-                      "--torch-threads", "2", "--max-batch-size", "1", "--frontends", "1")
+    workers = Workers(str(first), "--model-control", "explicit", "--frontends", "1", *flags)
     try:
         port, _ = workers.serving(1)
         triton = tc.InferenceServerClient(f"127.0.0.1:{port}")
         triton.load_model("resnet18", files={"file:1/second.pt": second.read_bytes()})
         version, probabilities = infer(triton)
-        assert version == "2" and np.abs(probabilities - expected(second_reference)).max() < 1e-4
-        graphs = parallel_kernels(cache)
-        assert len(graphs) >= 2  # the first runner's and the reload's
-        assert all(pragmas and set(pragmas) == {"#pragma omp parallel num_threads(2)"} for pragmas in graphs)
+        return version, float(np.abs(probabilities - expected(second_reference)).max())
     finally:
         workers.close()
+
+
+@pytest.mark.slow
+def test_a_compiled_reload_runs_its_cpu_kernels_with_the_workers_threads(versions, tmp_path):
+    """The new runner of a --compile reload is compiled on the engine's background thread, which computes with one
+    torch thread; its kernels still run with the replica's --torch-threads, as the first runner's do, and it
+    serves the new weights."""
+    cache = tmp_path / "cache"
+    version, off = served_after_a_reload(versions, "--compile", "--compile-cache", str(cache), "--torch-threads", "2",
+                                         "--max-batch-size", "1")
+    assert version == "2" and off < 1e-4
+    graphs = parallel_kernels(cache)
+    assert len(graphs) >= 2  # the first runner's and the reload's
+    assert all(pragmas and set(pragmas) == {"#pragma omp parallel num_threads(2)"} for pragmas in graphs)
 
 
 @pytest.mark.slow
 def test_an_onnxruntime_engine_reloads_into_a_new_export_and_serves_it(versions, tmp_path):
     """ONNX Runtime's graph holds its weights: a reload exports the new ones and runs them in a new session."""
     pytest.importorskip("onnxruntime")
-    (first, _), (second, second_reference) = versions["first"], versions["second"]
     cache = tmp_path / "onnx"
-    workers = Workers(str(first), "--model-control", "explicit", "--runtime", "onnxruntime", "--compile-cache",
-                      str(cache), "--max-batch-size", "2", "--frontends", "1")
-    try:
-        port, _ = workers.serving(1)
-        triton = tc.InferenceServerClient(f"127.0.0.1:{port}")
-        triton.load_model("resnet18", files={"file:1/second.pt": second.read_bytes()})
-        version, probabilities = infer(triton)
-        assert version == "2" and np.abs(probabilities - expected(second_reference)).max() < 1e-5
-        assert len(list(cache.glob("resnet18-*.onnx"))) == 2  # the first weights' export and the second's
-    finally:
-        workers.close()
+    version, off = served_after_a_reload(versions, "--runtime", "onnxruntime", "--compile-cache", str(cache),
+                                         "--max-batch-size", "2")
+    assert version == "2" and off < 1e-5
+    assert len(list(cache.glob("resnet18-*.onnx"))) == 2  # the first weights' export and the second's

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
-from served import ServedProcess, serving
+from served import ServedProcess, in_rotating_rounds, serving
 
 BASE_PORT = 50201
 
@@ -66,13 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                     "onnxruntime int8": ["--runtime", "onnxruntime", "--precision", "int8", "--weights", str(int8)]}
         flags_by_port = {BASE_PORT + index: ["--metrics-port", "0", *flags]
                          for index, flags in enumerate(settings.values())}
-        measured: dict[str, list[tuple[float, float]]] = {name: [] for name in settings}
         with serving(flags_by_port) as by_port:
-            servers = dict(zip(settings, by_port.values(), strict=True))
-            names = list(settings)
-            for round_index in range(args.rounds):
-                for name in names[round_index % 3:] + names[:round_index % 3]:
-                    measured[name].append(measure(servers[name], args.concurrency, args.duration))
+            measured = in_rotating_rounds(dict(zip(settings, by_port.values(), strict=True)), args.rounds,
+                                          lambda server: measure(server, args.concurrency, args.duration))
     torch_rate = statistics.median(rate for rate, _ in measured["torch fp32"])
     results = {name: {"images_per_s": statistics.median(rate for rate, _ in points),
                       "ratio_to_torch": statistics.median(rate for rate, _ in points) / torch_rate,

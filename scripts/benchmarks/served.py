@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -71,3 +71,16 @@ def serving(flags_by_port: dict[int, list[str]]) -> Iterator[dict[int, ServedPro
         yield servers
     finally:
         stop_all(servers.values())
+
+
+def in_rotating_rounds(servers: dict[str, ServedProcess], rounds: int, measure: Callable[[ServedProcess], object]
+                       ) -> dict[str, list]:
+    """``measure`` of each server once a round, by name, in an order that rotates each round (a shared VM drifts
+    from one minute to the next; a drift then falls on every server alike)."""
+    names = list(servers)
+    measured: dict[str, list] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            measured[name].append(measure(servers[name]))
+    return measured

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from served import ServedProcess, serving
+from served import ServedProcess, in_rotating_rounds, serving
 
 SETTINGS = {"off": [], "rate 0.01": ["--trace-rate", "0.01"], "rate 1.0": ["--trace-rate", "1.0"]}
 BASE_PORT = 50191
@@ -70,14 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     flags_by_port = {BASE_PORT + index: ["--metrics-port", "0", "--runner", args.runner, *setting,
                                          *(endpoint if setting else [])]
                      for index, setting in enumerate(SETTINGS.values())}
-    measured: dict[str, list[tuple[float, float]]] = {name: [] for name in SETTINGS}
     try:
         with serving(flags_by_port) as by_port:
-            servers = dict(zip(SETTINGS, by_port.values(), strict=True))
-            names = list(SETTINGS)
-            for round_index in range(args.rounds):
-                for name in names[round_index % 3:] + names[:round_index % 3]:
-                    measured[name].append(measure(servers[name], args.concurrency, args.duration))
+            measured = in_rotating_rounds(dict(zip(SETTINGS, by_port.values(), strict=True)), args.rounds,
+                                          lambda server: measure(server, args.concurrency, args.duration))
     finally:
         receiver.server.stop(0)
     off = statistics.median(rate for rate, _ in measured["off"])
