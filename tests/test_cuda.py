@@ -12,12 +12,16 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as tc
 
 from resnet_client import Client
 from resnet_server.common.model import build_model, load_weights
 from resnet_server.common.preprocess import RawImage
 from resnet_server.engine.runner import ModelRunner
-from tests.helpers import EngineSet, base_config, free_port, random_rgb
+from tests.helpers import EngineSet, Reference, base_config, free_port, random_rgb, save_random_weights
+from tests.server_process import Workers
+from tests.test_reload import expected as expected_after_reload
+from tests.test_reload import infer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PIXELS = [random_rgb(seed) for seed in (51, 52, 53)]
@@ -210,3 +214,25 @@ def test_compiled_cuda_batches_are_padded_and_match_the_cpu_reference(make_serve
     for result, pixels in zip([*first, *second, *third], [*PIXELS, PIXELS[0], *PIXELS[1:]], strict=True):
         want = reference.logits(reference.input_from_array(pixels).unsqueeze(0))[0].numpy()
         np.testing.assert_allclose(result.logits, want, atol=0.02 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.timeout(900)
+def test_a_reduce_overhead_reload_serves_the_new_weights_from_the_workers_thread(tmp_path):
+    """The review's N10 (b): a reload's compiled runner is built and warmed on the engine's orders thread, and
+    inductor keeps CUDA graph trees per thread; read in torch 2.14, a compiled graph is bound to the tree of the
+    thread that first ran it, so the worker replays what the warm-up recorded. Served: every answer after the reload
+    is the new weights'."""
+    first, second = tmp_path / "first.pt", tmp_path / "second.pt"
+    save_random_weights(first, 1)
+    second_reference = Reference(save_random_weights(second, 2))
+    workers = Workers(str(first), "--device", "cuda:0", "--model-control", "explicit", "--compile", "--compile-mode",
+                      "reduce-overhead", "--max-batch-size", "2", "--frontends", "1")
+    try:
+        port, _ = workers.serving(1)
+        triton = tc.InferenceServerClient(f"127.0.0.1:{port}")
+        triton.load_model("resnet18", files={"file:1/second.pt": second.read_bytes()})
+        for _ in range(3):  # the graph recorded, then replayed
+            version, probabilities = infer(triton)
+            assert version == "2" and np.abs(probabilities - expected_after_reload(second_reference)).max() < 1e-3
+    finally:
+        workers.close()
