@@ -108,3 +108,15 @@ def test_quantize_refuses_a_bad_least_agreement_and_a_folder_without_enough_imag
         main(["quantize", "--weights", "random", "--calibration", str(tmp_path), "--out", str(tmp_path / "m.onnx")])
     assert exited.value.code == 2 and f"--calibration {tmp_path} holds 0 images; it needs more than the 1 held out" \
         in capsys.readouterr().err
+
+
+def test_an_onnx_file_that_is_not_resnet18_is_refused_naming_what_differs(tmp_path):
+    foreign = tmp_path / "linear.onnx"
+    torch.onnx.export(torch.nn.Linear(10, 1000), (torch.zeros(1, 10),), str(foreign), dynamo=False,
+                      input_names=["input"], output_names=["logits"], dynamic_axes={"input": {0: "n"}})
+    done = subprocess.run([sys.executable, "-m", "resnet_server", "--runtime", "onnxruntime", "--weights",
+                           str(foreign), "--device", "cpu", "--host", "127.0.0.1", "--port", "0", "--metrics-port",
+                           "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert f"resnet-server: error: engine cpu: weights {foreign}: not a ResNet18 model: its input is tensor(float) " \
+        "['n', 10], not float [N, 3, 224, 224]" in done.stderr

@@ -468,7 +468,7 @@ FLAGS: list[tuple[str, FlagType, str]] = [
                           "to ONNX at start-up (kept in --compile-cache, or a folder under the temp folder, by their "
                           "SHA-256 and the versions) and run by ONNX Runtime's CPU execution provider with "
                           "--torch-threads' threads; fp32 on CPU devices, not with --compile or --torchscript (the "
-                          "onnx extra installs it; docs/operations.md)"),
+                          "server extra installs it; docs/operations.md)"),
     ("runner", runner_spec, "what runs each batch: model; or, to measure the serving path's own cost, free[:MS]: no "
                             "forward pass, ready-made scores landing MS ms after the launch (answers meaningless); or "
                             "faulty:FILE: the model, its batches failing as FILE says (fault injection for tests; "
@@ -603,7 +603,7 @@ def runtime_problem(config: ServerConfig) -> str | None:
     if any(device.startswith("cuda") for device in config.devices):
         return "--runtime onnxruntime runs on the CPU: serve --device cpu, or run torch on a GPU"
     if importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnx") is None:
-        return "--runtime onnxruntime: ONNX Runtime is not installed (pip install '.[onnx]')"
+        return "--runtime onnxruntime: ONNX Runtime is not installed (pip install 'resnet-grpc[server]')"
     return None
 
 

@@ -93,6 +93,20 @@ class OnnxNetwork:
     def describe(self) -> str:
         return f"on ONNX Runtime {self.version} ({PROVIDER}, {self.threads} threads)"
 
+    def unlike_resnet18(self) -> str | None:
+        """What in the model's inputs or outputs differs from ResNet18's (one float [N, 3, 224, 224] in, one float
+        [N, 1000] out), or None."""
+        for kind, tensors, shape in (("input", self.session.get_inputs(), FLOAT_SHAPE),
+                                     ("output", self.session.get_outputs(), (1000,))):
+            if len(tensors) != 1:
+                return f"{len(tensors)} {kind}s, not one"
+            tensor = tensors[0]
+            if tensor.type != "tensor(float)" or len(tensor.shape) != 1 + len(shape) or \
+                    tuple(tensor.shape[1:]) != tuple(shape):
+                wanted = ", ".join(map(str, shape))
+                return f"its {kind} is {tensor.type} {list(tensor.shape)[:8]}, not float [N, {wanted}]"
+        return None
+
     def recorded(self) -> dict[str, str]:
         """What the model file records of itself (a quantized one: its source's and calibration's SHA-256)."""
         return dict(self.session.get_modelmeta().custom_metadata_map)

@@ -169,6 +169,8 @@ class _ReplicaSetup:
         except Exception as exc:  # onnxruntime's own errors: a missing, truncated or foreign file
             raise WeightsError(f"weights {source}: not an ONNX model ONNX Runtime can load "
                                f"({type(exc).__name__})") from exc
+        if (problem := network.unlike_resnet18()) is not None:
+            raise WeightsError(f"weights {source}: not a ResNet18 model: {problem}")
         recorded = network.recorded()
         made_as = recorded.get(onnx_runtime.PRECISION, "fp32")
         if made_as != self.config.precision:
