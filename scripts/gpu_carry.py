@@ -31,6 +31,9 @@ from perf_analyzer import binary, environment  # its folder is the first path en
 # with all it requires: the generated code needs grpcio >= 1.85.1 and protobuf >= 7.35.1, pytest-asyncio a pytest
 # >= 8.4, grpcio a typing-extensions >= 4.12, newer than such a machine may have.
 LENT = ("torch", "torchvision", "numpy", "pillow")
+# What a GPU's checks never run and would only fill the carry: ONNX Runtime serves CPUs (--runtime onnxruntime),
+# and its tests skip where it is not installed.
+CPU_ONLY = ("onnxruntime", "onnx")
 # Beside the server's own: pytest and the plugins pyproject's pytest options name (asyncio_mode, timeout), and the
 # check's profiler.
 TOOLS = ("pytest", "pytest-asyncio", "pytest-timeout", "py-spy")
@@ -60,8 +63,9 @@ def closure(names: list[str], leave: tuple[str, ...] = ()) -> list[str]:
 
 def carried_packages() -> list[str]:
     """The distributions to carry: the project's dependencies and its server extra (read from its installed
-    metadata, so a package added to pyproject travels too) and TOOLS, with all they require, less LENT."""
-    return closure([*required("resnet-grpc", extra="server"), *TOOLS], leave=LENT)
+    metadata, so a package added to pyproject travels too) and TOOLS, with all they require, less LENT and
+    CPU_ONLY."""
+    return closure([*required("resnet-grpc", extra="server"), *TOOLS], leave=LENT + CPU_ONLY)
 
 
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")

@@ -12,7 +12,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import tritonclient.grpc as tc
 
 from resnet_client import Client
 from resnet_server.common.model import build_model, load_weights
@@ -20,8 +19,6 @@ from resnet_server.common.preprocess import RawImage
 from resnet_server.engine.runner import ModelRunner
 from tests.helpers import EngineSet, Reference, base_config, free_port, random_rgb, save_random_weights
 from tests.server_process import Workers
-from tests.test_reload import expected as expected_after_reload
-from tests.test_reload import infer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PIXELS = [random_rgb(seed) for seed in (51, 52, 53)]
@@ -225,14 +222,15 @@ def test_a_reduce_overhead_reload_serves_the_new_weights_from_the_workers_thread
     first, second = tmp_path / "first.pt", tmp_path / "second.pt"
     save_random_weights(first, 1)
     second_reference = Reference(save_random_weights(second, 2))
+    want = second_reference.probabilities(second_reference.input_from_array(PIXELS[0]))
     workers = Workers(str(first), "--device", "cuda:0", "--model-control", "explicit", "--compile", "--compile-mode",
                       "reduce-overhead", "--max-batch-size", "2", "--frontends", "1")
     try:
         port, _ = workers.serving(1)
-        triton = tc.InferenceServerClient(f"127.0.0.1:{port}")
-        triton.load_model("resnet18", files={"file:1/second.pt": second.read_bytes()})
-        for _ in range(3):  # the graph recorded, then replayed
-            version, probabilities = infer(triton)
-            assert version == "2" and np.abs(probabilities - expected_after_reload(second_reference)).max() < 1e-3
+        with Client(f"127.0.0.1:{port}", timeout=300) as client:
+            client.reload(second.read_bytes())
+            for _ in range(3):  # the graph recorded, then replayed
+                (result,) = client.classify([PIXELS[0]], full=True)
+                assert np.abs(np.asarray(result.probabilities) - want).max() < 1e-3
     finally:
         workers.close()
