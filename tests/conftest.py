@@ -1,8 +1,14 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.helpers import EngineSet, Faults, Reference, ServerThread, base_config, free_port, save_random_weights
+
+# The servers tests start as processes listen for HTTP only where a test asks (--http-port): the default port is
+# one, which two servers at once, or anything else on the machine, would contend for.
+os.environ.setdefault("RESNET_SERVER_HTTP_PORT", "0")
 
 
 @pytest.fixture(scope="session")
@@ -21,8 +27,8 @@ def reference(weights_file) -> Reference:
 def server(weights_file):
     """One shared server on 127.0.0.1:0 serving the test-made weights file (the real file-loading path), as
     resnet-server runs: an engine process (its model, batcher and /metrics) fed through its shared slab by a
-    front-end, here on a thread of the test's process, so that tests can read its series."""
-    engines = EngineSet(base_config(str(weights_file[0]), metrics_port=free_port()))
+    front-end, here on a thread of the test's process, so that tests can read its series; gRPC and HTTP."""
+    engines = EngineSet(base_config(str(weights_file[0]), metrics_port=free_port(), http_port=free_port()))
     yield engines.frontend()
     engines.stop()
 

@@ -61,7 +61,7 @@ needs_perf_analyzer = pytest.mark.skipif(
 
 
 def base_config(weights: str, **overrides) -> ServerConfig:
-    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, devices=("cpu",), weights=weights,
+    config = ServerConfig(host="127.0.0.1", port=0, http_port=0, metrics_port=0, devices=("cpu",), weights=weights,
                           max_batch_size=8, preprocess_threads=2, grace_period=5.0)
     return replace(config, **overrides)
 
@@ -96,9 +96,17 @@ class ServerThread:
     def target(self) -> str:
         return host_port(self.host, self.app.port)
 
+    @property
+    def http_target(self) -> str:
+        """Its HTTP port's ``host:port`` (a server started with an ``http_port``)."""
+        assert self.app.http is not None, "started without http_port"
+        return host_port(self.host, self.app.http.port)
+
     def sample(self, name: str, **labels) -> float:
-        """The server's value of one series: this front-end's, plus its engines' (read from their /metrics)."""
-        value = self.metrics.registry.get_sample_value(name, labels) or 0.0
+        """The server's value of one series, summed over the labels not given (a request's ``protocol``, say):
+        this front-end's, plus its engines' (read from their /metrics)."""
+        value = sum(sample.value for family in self.metrics.registry.collect() for sample in family.samples
+                    if sample.name == name and labels.items() <= sample.labels.items())
         return value + sum(engine_sample(port, name, labels) for port in self.engine_metrics_ports)
 
     def stop(self, grace: float = 5.0) -> None:

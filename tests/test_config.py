@@ -185,6 +185,8 @@ def test_what_a_process_would_refuse_is_refused_before_any_process_starts(tmp_pa
         ("--device", "cpu,mps"): "argument --device: unknown device 'mps': use cpu, cuda, cuda:N, auto, or a "
                                  "comma-separated list",
         ("--port", "8000"): "--port and --metrics-port are both 8000: gRPC and /metrics need a port each",
+        ("--http-port", "50051"): "--port and --http-port are both 50051: gRPC and HTTP need a port each",
+        ("--http-port", "8000"): "--http-port and --metrics-port are both 8000: HTTP and /metrics need a port each",
         ("--host", "999.1.1.1"): "argument --host: '999.1.1.1' is neither an IP address nor a name this machine "
                                  "resolves",
         ("--metrics-host", "192.0.2.1"): "argument --metrics-host: '192.0.2.1' is not an address of this machine",

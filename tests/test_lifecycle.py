@@ -120,7 +120,7 @@ def test_the_server_drains_and_exits_1_when_no_replica_comes_back_in_time(weight
     caller.start()
     try:  # a front-end's serve() on this (the main) thread, signals and all
         code = frontend_server.run(frontend_config(config, 0, 1), 0, engines.links, 999,
-                                   Metrics(config.largest_batch), on_bound=ports.put)
+                                   Metrics(config.largest_batch), on_bound=lambda bound: ports.put(bound[0]))
     finally:
         engines.stop()
     returned.set()

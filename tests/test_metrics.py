@@ -42,7 +42,7 @@ def test_samples_count_requests_images_and_timings(make_server, weights_file):
     assert sample("resnet_request_duration_seconds_bucket", device="cpu", le="10.0") == 2
 
     text = scrape(running.metrics_port)  # the server's one /metrics: each process's series, labelled by worker
-    assert 'resnet_requests_total{code="OK",device="cpu",worker="0"} 2.0' in text
+    assert 'resnet_requests_total{code="OK",device="cpu",protocol="grpc",worker="0"} 2.0' in text
     assert 'resnet_batch_size_bucket{device="cpu",le="1.0",worker="engine-cpu"}' in text
 
 

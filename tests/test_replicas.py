@@ -369,7 +369,7 @@ def test_client_round_robin_spreads_calls_over_three_server_processes(weights_fi
         with Client(targets, timeout=60) as client:
             for _ in range(12):
                 assert client.classify([IMAGE])[0].top_k
-        counts = [scraped_value(metrics, 'resnet_requests_total{code="OK",device="cpu",worker="0"}')
+        counts = [scraped_value(metrics, 'resnet_requests_total{code="OK",device="cpu",protocol="grpc",worker="0"}')
                   for _, metrics in ports]
         assert sum(counts) == 12 and min(counts) >= 2, counts
     finally:

@@ -56,7 +56,7 @@ IMAGE = encode(random_rgb(31))
 
 def served_by(worker: int) -> str:
     """The sample of worker ``worker``'s answered requests on the supervisor's merged /metrics."""
-    return f'resnet_requests_total{{code="OK",device="cpu",worker="{worker}"}}'
+    return f'resnet_requests_total{{code="OK",device="cpu",protocol="grpc",worker="{worker}"}}'
 
 
 def statistics_while(triton: tc.InferenceServerClient, done: threading.Event) -> list[int]:
@@ -342,7 +342,7 @@ def test_a_lone_server_refuses_a_port_that_is_already_taken(server, weights_file
 def test_the_supervisors_metrics_merge_its_workers_labelled_and_mark_one_that_does_not_answer():
     supervisor_port = free_port()
     worker_0 = Metrics(largest_batch=8)
-    worker_0.requests.labels("cpu", "OK").inc(3)
+    worker_0.requests.labels("cpu", "OK", "grpc").inc(3)
     worker_0.compute.labels("cpu").observe(0.2)
     worker_0_http = serve_child_metrics(worker_0.registry)
     endpoints = [("0", worker_0_http.server_port), ("1", 0)]  # worker 1 has no endpoint (yet)
@@ -394,7 +394,7 @@ class _DyingChild(threading.Thread):
 ], ids=["cut short", "no status line", "text that does not parse"])
 def test_a_child_dying_mid_scrape_costs_only_its_own_series(answer):
     worker_0 = Metrics(largest_batch=8)
-    worker_0.requests.labels("cpu", "OK").inc(3)
+    worker_0.requests.labels("cpu", "OK", "grpc").inc(3)
     worker_0_http = serve_child_metrics(worker_0.registry)
     dying = _DyingChild(answer)
     dying.start()

@@ -73,6 +73,7 @@ class _Message(msgspec.Struct, array_like=True, frozen=True):
 
 class Bound(_Message, frozen=True, tag=int(Control.BOUND)):
     port: int
+    http_port: int = 0  # 0: no HTTP
 
 
 class MetricsPort(_Message, frozen=True, tag=int(Control.METRICS)):

@@ -63,6 +63,7 @@ MOST_WAITS_SKIPPED = 10
 class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
+    http_port: int = 8080  # 0: no HTTP
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 8000
     devices: tuple[str, ...] = ("auto",)
@@ -347,6 +348,9 @@ def tls_problem(cert: str | None, key: str | None, client_ca: str | None) -> str
 FLAGS: list[tuple[str, FlagType, str]] = [
     ("host", bind_address, "gRPC bind address: an address of this machine, 0.0.0.0 or :: for all"),
     ("port", port_number, "gRPC port, 0 to 65535 (0 picks a free one)"),
+    ("http-port", port_number, "HTTP port on the same address, 0 to 65535 (0 turns HTTP off): the Open Inference "
+                               "Protocol's REST API with Triton's binary tensors, and POST /v1/classify in JSON "
+                               "(docs/api.md); the front-ends share it as they share the gRPC port"),
     ("metrics-host", bind_address, "/metrics bind address; expose it only inside the cluster"),
     ("metrics-port", port_number, "/metrics port of the whole server, 0 to 65535 (0 turns the endpoint off); the "
                                   "engines and front-ends serve theirs on loopback ports the system picks, which "
@@ -562,8 +566,8 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         raise ConfigError(problem)
     if problem := tls_problem(config.tls_cert, config.tls_key, config.tls_client_ca):
         raise ConfigError(problem)
-    if config.port and config.port == config.metrics_port and _may_overlap(config.host, config.metrics_host):
-        raise ConfigError(f"--port and --metrics-port are both {config.port}: gRPC and /metrics need a port each")
+    if problem := port_clash(config):
+        raise ConfigError(problem)
     if config.max_batch_size > config.max_queue:
         raise ConfigError(f"--max-batch-size {config.max_batch_size} is over --max-queue {config.max_queue}, the "
                           "images a device holds at once: no batch could fill; raise --max-queue or lower the batch")
@@ -574,6 +578,17 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     if config.event_loop == "uvloop" and not uvloop_installed():
         raise ConfigError("--event-loop uvloop: uvloop is not installed (pip install uvloop), or choose asyncio")
     return config
+
+
+def port_clash(config: ServerConfig) -> str | None:
+    """Two listeners given the same port where their addresses may be the same, or None."""
+    listeners = [("--port", "gRPC", config.port, config.host), ("--http-port", "HTTP", config.http_port, config.host),
+                 ("--metrics-port", "/metrics", config.metrics_port, config.metrics_host)]
+    for index, (flag, what, port, host) in enumerate(listeners):
+        for other_flag, other, other_port, other_host in listeners[index + 1:]:
+            if port and port == other_port and _may_overlap(host, other_host):
+                return f"{flag} and {other_flag} are both {port}: {what} and {other} need a port each"
+    return None
 
 
 def _may_overlap(host: str, other: str) -> bool:

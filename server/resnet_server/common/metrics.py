@@ -44,7 +44,8 @@ class Metrics:
         by_code = _Labelled(labelnames=["device", "code"], registry=self.registry)
         self.request_latency = Histogram(
             PREFIX + "request_duration_seconds", "Server-side latency of a classification request, "
-            "from arrival to answer (decode, queue, compute)", buckets=LATENCY_BUCKETS, **by_device)
+            "from arrival to answer (decode, queue, compute), by protocol (grpc, http)", buckets=LATENCY_BUCKETS,
+            labelnames=["device", "protocol"], registry=self.registry)
         self.queue_wait = Histogram(
             PREFIX + "queue_wait_seconds", "Time an image waited in its device queue before its batch ran",
             buckets=LATENCY_BUCKETS, **by_device)
@@ -62,7 +63,9 @@ class Metrics:
         self.padded = Counter(
             PREFIX + "padded_images", "Zero rows added to batches to reach a size warmed at start-up (CUDA pads "
             "each batch up to its next bucket; the CPU splits instead)", **by_device)
-        self.requests = Counter(PREFIX + "requests", "Classification requests answered, by gRPC status code", **by_code)
+        self.requests = Counter(PREFIX + "requests", "Classification requests answered, by gRPC status code (an "
+                                "HTTP call's by the code its status maps from) and protocol (grpc, http)",
+                                labelnames=["device", "code", "protocol"], registry=self.registry)
         self.images = Counter(PREFIX + "images", "Images answered, by gRPC status code", **by_code)
         self.dropped = Counter(
             PREFIX + "dropped_images", "Queued images dropped before compute, by reason (deadline, cancelled)",

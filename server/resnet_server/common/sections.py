@@ -19,10 +19,11 @@ class Observability:
 
 @dataclass(frozen=True)
 class Network:
-    """A front-end's gRPC listener: where, how large, how long, and who may call."""
+    """A front-end's gRPC and HTTP listeners: where, how large, how long, and who may call."""
 
     host: str
     port: int
+    http_port: int  # 0: no HTTP
     max_message_mb: int
     max_concurrent_streams: int
     max_connection_age: float
@@ -114,8 +115,10 @@ def engine_config(config: ServerConfig, weights: str | None = None, weights_vers
                     weights_version=weights_version)
 
 
-def frontend_config(config: ServerConfig, port: int, frontends: int, uploads: str = "") -> FrontendConfig:
-    """A front-end's section, on ``port`` (the one the supervisor bound first, shared by all) as one of
-    ``frontends``; weights a client sends go to ``uploads``."""
-    return _section(FrontendConfig, config, network=_section(Network, config, port=port), frontends=frontends,
-                    observability=observability(config), uploads=uploads)
+def frontend_config(config: ServerConfig, port: int, frontends: int, uploads: str = "",
+                    http_port: int | None = None) -> FrontendConfig:
+    """A front-end's section, on ``port`` and ``http_port`` (those the first front-end bound, shared by all;
+    --http-port if None) as one of ``frontends``; weights a client sends go to ``uploads``."""
+    http_port = config.http_port if http_port is None else http_port
+    return _section(FrontendConfig, config, network=_section(Network, config, port=port, http_port=http_port),
+                    frontends=frontends, observability=observability(config), uploads=uploads)

@@ -8,6 +8,7 @@ path is measured the same way.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,9 @@ from resnet_server.frontend.router import EngineHandle, Router
 from resnet_server.frontend.tracing import CallTrace
 
 DEFAULT_TOP_K = 5
+# Which protocol carries the current call (its metrics' ``protocol`` label): gRPC's calls run in tasks of their own,
+# as aiohttp's requests do, and the HTTP front-end sets it for each of its own.
+PROTOCOL: contextvars.ContextVar[str] = contextvars.ContextVar("protocol", default="grpc")
 
 
 @dataclass(frozen=True)
@@ -122,10 +126,11 @@ class InferenceCore:
         finally:
             replica.pending -= len(call.images)
             in_flight.dec()
-            self._series(self._metrics.requests, replica.name, code).inc()
+            protocol = PROTOCOL.get()
+            self._series(self._metrics.requests, replica.name, code, protocol).inc()
             self._series(self._metrics.images, replica.name, code).inc(counted)
             elapsed = time.monotonic() - started
-            self._series(self._metrics.request_latency, replica.name).observe(elapsed)
+            self._series(self._metrics.request_latency, replica.name, protocol).observe(elapsed)
             self._metrics.statistics.record_request(elapsed, outputs)
         return outputs
 

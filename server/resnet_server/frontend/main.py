@@ -36,7 +36,7 @@ def frontend_main(config: FrontendConfig, index: int, engines: list[EngineLink],
                            trace_settings, regions)
     if with_metrics:
         control.report(MetricsPort(serve_child_metrics(metrics.registry).server_port))
-    code = run(config, index, engines, owner, metrics, on_bound=lambda port: control.report(Bound(port)),
+    code = run(config, index, engines, owner, metrics, on_bound=lambda ports: control.report(Bound(*ports)),
                on_serving=lambda: control.report(Serving()), load_first=load_first, control=control)
     control.stopped(code)
     raise SystemExit(code)

@@ -121,7 +121,7 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
     def attach(self, core: InferenceCore, labels: list[str], info: pb.ModelInfo) -> None:
         self._core, self._labels, self._info = core, labels, info
 
-    def _ready(self) -> bool:
+    def ready(self) -> bool:
         return self._core is not None and self._core.router.any_healthy() and self._core.unloaded is None
 
     @property
@@ -138,16 +138,16 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
         return oip.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        return oip.ServerReadyResponse(ready=self._ready())
+        return oip.ServerReadyResponse(ready=self.ready())
 
     async def ModelReady(self, request, context):
         check_model(request.name, request.version, self._version)
-        return oip.ModelReadyResponse(ready=self._ready())
+        return oip.ModelReadyResponse(ready=self.ready())
 
     async def ServerMetadata(self, request, context):
         return oip.ServerMetadataResponse(name="resnet-grpc", version=__version__,
-                                          extensions=["model_configuration", "model_repository", "parameters",
-                                                      "statistics", "system_shared_memory", "trace"])
+                                          extensions=["binary_tensor_data", "model_configuration", "model_repository",
+                                                      "parameters", "statistics", "system_shared_memory", "trace"])
 
     async def ModelMetadata(self, request, context):
         check_model(request.name, request.version, self._version)

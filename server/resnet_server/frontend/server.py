@@ -42,6 +42,8 @@ from resnet_server.frontend.classify_request import read_classify_request
 from resnet_server.frontend.core import InferenceCore, Limits
 from resnet_server.frontend.engine_client import EngineClient
 from resnet_server.frontend.handlers import registered
+from resnet_server.frontend.http_api import HttpApi
+from resnet_server.frontend.http_server import HttpListener
 from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.oip_codec import DECLARED_INPUTS
 from resnet_server.frontend.oip_service import MOST_RAW_INPUT_CONTENTS, InferenceService, read_infer_request
@@ -60,6 +62,9 @@ OIP_SERVICE_NAME = oip_pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].fu
 # The services' health says whether they take calls (readiness); the server's own, "", whether the process is
 # well (liveness): an unloaded model is the one, not the other.
 SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name, OIP_SERVICE_NAME)
+
+
+OnBound = Callable[[tuple[int, int]], object]  # hears the gRPC and HTTP ports once bound (0: no HTTP)
 
 
 class App:
@@ -89,6 +94,7 @@ class App:
         self.inference = InferenceService(self.metrics.statistics, self.control, repository, self.shared_memory,
                                           config.runtime)
         self._server: grpc.aio.Server | None = None
+        self.http: HttpListener | None = None  # with --http-port, from bind() on
         self.tracing: Tracing | None = None  # with --otlp-endpoint, from bind() on
         self._no_replica = False  # every replica out of rotation: health went NOT_SERVING
         self._give_up: asyncio.TimerHandle | None = None  # runs out --unhealthy-exit-after seconds after that
@@ -99,16 +105,16 @@ class App:
         self.exit_code = 0
         self._health_update: asyncio.Future | None = None  # the latest change of health; held, so it is not collected
 
-    async def start(self, on_bound: Callable[[int], object] | None = None, load_first: bool = False) -> int:
+    async def start(self, on_bound: OnBound | None = None, load_first: bool = False) -> int:
         """Bind and load: the port answers health checks (NOT_SERVING) while the model loads. ``on_bound``
-        hears the port as soon as it is bound. With ``load_first`` (a front-end replacing one that ended, on a
+        hears the ports as soon as they are bound. With ``load_first`` (a front-end replacing one that ended, on a
         port its siblings serve) it loads before it binds, so the kernel hands it no connection it cannot
         answer yet."""
         if load_first:
             await self.load()
         port = await self.bind()
         if on_bound is not None:
-            on_bound(port)
+            on_bound((port, self.http.port if self.http is not None else 0))
         if not load_first:
             await self.load()
         return port
@@ -118,8 +124,10 @@ class App:
         config = self.config
         worker = f"; front-end {self.index} of {config.frontends}" if config.frontends > 1 else ""
         devices = ", ".join(engine.name for engine in self.links)
-        log.info("serving %s on %s (devices %s; event loop %s%s)", MODEL_NAME,
-                 host_port(config.network.host, self.port), devices, event_loop.resolved(config.event_loop), worker)
+        http = f", HTTP on {host_port(config.network.host, self.http.port)}" if self.http is not None else ""
+        log.info("serving %s on %s%s (devices %s; event loop %s%s)", MODEL_NAME,
+                 host_port(config.network.host, self.port), http, devices, event_loop.resolved(config.event_loop),
+                 worker)
 
     async def bind(self) -> int:
         """Start gRPC, with health NOT_SERVING unless the model is loaded already; until load() is done,
@@ -166,8 +174,25 @@ class App:
             raise StartupError(f"cannot listen on {address}: the port is in use, or the address is not "
                                "this machine's") from None
         await self._server.start()
+        if network.http_port:
+            self.http = HttpListener(self._http_api(bounds), network, config.frontends > 1, self.tokens,
+                                     config.grace_period)
+            await self.http.start()
         self._start_tracing(host_port(network.host, self.port))
         return self.port
+
+    def _http_api(self, bounds: WireBounds) -> HttpApi:
+        config = self.config
+        most_body = config.network.max_message_mb << 20
+        # A file of weights travels in base64 over HTTP: a third larger.
+        most_load = (config.max_weights_mb + 1 << 20) * 4 // 3 if config.model_control == "explicit" else most_body
+        return HttpApi(self.inference, self.classifier, self.ready, bounds, config.max_images_per_request,
+                       most_body, max(most_load, most_body))
+
+    def ready(self) -> bool:
+        """Whether this front-end takes calls, as its gRPC health says: loaded, a replica in rotation, not
+        draining."""
+        return self.inference.ready() and not self._draining and not self._no_replica
 
     async def load(self) -> None:
         """Connect to every engine and wait until each has warmed up, then report SERVING (once a replica is
@@ -309,8 +334,10 @@ class App:
         grace = self.config.grace_period if grace is None else grace
         self._cancel_give_up()
         await self.begin_drain()
-        if self._server is not None:
-            await self._server.stop(grace)
+        stopping = [self._server.stop(grace)] if self._server is not None else []
+        if self.http is not None:
+            stopping.append(self.http.stop())
+        await asyncio.gather(*stopping)
         if self.core is not None:
             self.core.router.stop(timeout=grace)
             self.core.close()
@@ -425,7 +452,7 @@ def model_info(config: FrontendConfig, replicas: Sequence[EngineHandle], tempera
 
 
 async def serve(config: FrontendConfig, index: int, engines: Sequence[EngineLink], owner: int, metrics: Metrics,
-                on_bound: Callable[[int], object] | None = None, on_serving: Callable[[], object] | None = None,
+                on_bound: OnBound | None = None, on_serving: Callable[[], object] | None = None,
                 load_first: bool = False, control: ModelControl | None = None) -> int:
     """Run until SIGTERM or SIGINT (exit code 0), or until no replica has been in rotation for
     --unhealthy-exit-after seconds (1), then drain within the grace period. ``on_bound`` and ``load_first``: see
@@ -471,7 +498,7 @@ async def _unless_stopped(work: Awaitable[object], stop: asyncio.Event) -> bool:
 
 
 def run(config: FrontendConfig, index: int, engines: Sequence[EngineLink], owner: int, metrics: Metrics,
-        on_bound: Callable[[int], object] | None = None, on_serving: Callable[[], object] | None = None,
+        on_bound: OnBound | None = None, on_serving: Callable[[], object] | None = None,
         load_first: bool = False, control: ModelControl | None = None) -> int:
     """Serve until stopped and drain; serve()'s exit code, or exit 1 at once with the error in one line if
     start-up fails."""

@@ -130,6 +130,7 @@ class _Child:
     reports: Inbox[Report] | None  # None once the child has closed its end (it has ended)
     orders: Outbox
     port: int = 0
+    http_port: int = 0
     metrics_port: int = 0
     serving: bool = False
     quick_ends: int = 0  # how many children before it under this name ended soon after their start, in a row
@@ -167,7 +168,7 @@ class _Child:
         requests: list[Request] = []
         for report in reports:
             if isinstance(report, Bound):
-                self.port = report.port
+                self.port, self.http_port = report.port, report.http_port
             elif isinstance(report, MetricsPort):
                 self.metrics_port = report.port
             elif isinstance(report, Serving | Ready):
@@ -219,7 +220,7 @@ class Supervisor:
         self.regions = RegionTable(RegionLimits(config.max_shm_regions, config.max_shm_mb << 20))
         self.due: dict[str, tuple[float, int]] = {}  # a child to start -> (when, its quick ends before it)
         self._owners = itertools.count(1)
-        self.port = 0
+        self.port = self.http_port = 0  # those the first front-end bound, which the others share
         self.failure = ""  # why the set stopped, when a child ended before it served
 
     def metric_endpoints(self) -> list[tuple[str, int]]:
@@ -304,6 +305,7 @@ class Supervisor:
         if (failed := self.wait_until(lambda: self._port_of("frontend-0") != 0)) is not None:
             return failed
         self.port = self._port_of("frontend-0")
+        self.http_port = self.children["frontend-0"].http_port
         for index in range(1, self.frontends):
             self.start_frontend(index, self.port)
         if (failed := self.wait_until(self._engines_warm)) is not None:
@@ -450,7 +452,8 @@ class Supervisor:
         orders, to_child = _children.Pipe(duplex=False)
         owner = next(self._owners)
         process = _children.Process(target=frontend_main, name=f"resnet-frontend-{index}", args=(
-            frontend_config(self.config, port, self.frontends, str(self.uploads)), index, self.links, owner,
+            frontend_config(self.config, port, self.frontends, str(self.uploads), self.http_port or None), index,
+            self.links, owner,
             SharedRow(self.statistics, index), (sender, orders), load_first, bool(self.config.metrics_port),
             self.reloads.served, self.trace_settings, self.regions.specs()))
         child = self._started(f"frontend-{index}", process, (receiver, sender), (orders, to_child), quick_ends)
