@@ -38,8 +38,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     RESNET_SERVER_HOST=0.0.0.0 \
     RESNET_SERVER_PORT=50051 \
+    RESNET_SERVER_HTTP_PORT=8080 \
     RESNET_SERVER_METRICS_PORT=8000
-EXPOSE 50051 8000
+EXPOSE 50051 8080 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
   CMD ["resnet-client", "health", "--server", "127.0.0.1:50051", "--timeout", "3"]
 ENTRYPOINT ["tini", "--", "resnet-server"]

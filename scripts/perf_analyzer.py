@@ -70,16 +70,17 @@ def environment() -> dict[str, str]:
 
 def command(server: str, concurrency: int, window_ms: int | None, window_requests: int | None,
             first_windows: bool, input_kind: str = "fp32", streaming: bool = False,
-            shared_memory: str = "none") -> list[str]:
+            shared_memory: str = "none", protocol: str = "grpc") -> list[str]:
     """first_windows: report the first three windows whatever they read, instead of waiting (up to ten
     windows) for three within 10% of each other; for interleaving, where a run must take a known time.
     streaming: every request a message on ModelStreamInfer streams rather than a ModelInfer call.
     shared_memory: system sends each input and takes each output through regions under /dev/shm that
-    perf_analyzer registers (the server needs --allow-client-shm)."""
+    perf_analyzer registers (the server needs --allow-client-shm). protocol: grpc, or http (the REST API with
+    binary tensors; ``server`` is then the HTTP port's HOST:PORT)."""
     stability = ["--stability-percentage", "1000"] if first_windows or window_requests else []
     model, shape = INPUTS[input_kind]
     args = [binary() or "perf_analyzer", "-m", model, *shape, *(["--streaming"] if streaming else []),
-            "-i", "grpc", "-u", server, "-b", "1", "--shared-memory", shared_memory,
+            "-i", protocol, "-u", server, "-b", "1", "--shared-memory", shared_memory,
             "--input-data", "zero", "--concurrency-range", f"{concurrency}:{concurrency}", "--max-trials", "10",
             *stability]
     if window_requests:  # short windows for the tests: a count of requests each
@@ -106,9 +107,9 @@ def parse(report: str) -> dict:
 
 def run(server: str, concurrency: int, window_ms: int | None = None, window_requests: int | None = None,
         first_windows: bool = False, timeout: float = 300, input_kind: str = "fp32", streaming: bool = False,
-        shared_memory: str = "none") -> dict:
+        shared_memory: str = "none", protocol: str = "grpc") -> dict:
     args = command(server, concurrency, window_ms, window_requests, first_windows, input_kind, streaming,
-                   shared_memory)
+                   shared_memory, protocol)
     cpu_before, started = _children_cpu_seconds(), time.monotonic()
     done = subprocess.run(args, env=environment(), capture_output=True, text=True, timeout=timeout)
     client_cores = (_children_cpu_seconds() - cpu_before) / (time.monotonic() - started)
@@ -127,7 +128,9 @@ def _children_cpu_seconds() -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--server", required=True, help="HOST:PORT of the server")
+    parser.add_argument("--server", required=True, help="HOST:PORT of the server (its HTTP port with -i http)")
+    parser.add_argument("-i", "--protocol", choices=("grpc", "http"), default="grpc",
+                        help="grpc, or http: the REST API with binary tensors")
     parser.add_argument("--concurrency", default="1,16", help="comma-separated request concurrencies")
     parser.add_argument("--window-ms", type=int, default=5000, help="perf_analyzer's measurement window")
     parser.add_argument("--input", choices=sorted(INPUTS), default="fp32",
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     for concurrency in args.concurrency.split(","):
         figures = run(args.server, int(concurrency), window_ms=args.window_ms, input_kind=args.input,
-                      streaming=args.streaming, shared_memory=args.shared_memory)
+                      streaming=args.streaming, shared_memory=args.shared_memory, protocol=args.protocol)
         print(json.dumps(figures), flush=True)
 
 

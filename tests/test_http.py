@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import shutil
+import ssl
 import subprocess
 import urllib.error
 import urllib.request
@@ -19,7 +20,18 @@ import tritonclient.http as tc
 import tritonclient.http.aio as tc_aio
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import encode, random_rgb
+from tests.certs import Authority
+from tests.helpers import (
+    ROOT,
+    encode,
+    free_port,
+    load_script,
+    needs_perf_analyzer,
+    random_rgb,
+    scraped_value,
+    wait_for,
+)
+from tests.server_process import Workers
 
 IMAGES = [random_rgb(700 + i, 240, 300) for i in range(3)]
 JPEGS = [encode(image) for image in IMAGES]
@@ -151,22 +163,40 @@ def test_nested_json_data_and_a_json_answer_by_hand(server, reference):
         isinstance(label, str) and label for label in labels["data"])
 
 
-def test_classify_in_json_with_curl(server, reference, tmp_path):
-    """The README's curl line: a ClassifyRequest in protobuf's JSON mapping, the image in base64."""
-    if shutil.which("curl") is None:
-        pytest.skip("curl is not installed")
-    body = tmp_path / "request.json"
-    body.write_text(json.dumps({"images": [{"encoded": base64.b64encode(JPEGS[1]).decode()}], "top_k": 3,
-                                "temperature": 2.0, "return_probabilities": True}))
-    done = subprocess.run(["curl", "-sS", "--fail-with-body", "-H", "Content-Type: application/json",
-                           "--data-binary", f"@{body}", f"http://{server.http_target}/v1/classify"],
-                          capture_output=True, text=True, timeout=60)
+def readme_curl_line(path: str) -> str:
+    """The README's curl line that calls ``path``."""
+    readme = (ROOT / "README.md").read_text().splitlines()
+    (line,) = [line for line in readme if line.startswith(f"curl -s localhost:8080{path}")]
+    return line.split("  #")[0]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_the_readmes_curl_line_classifies_in_json(server, reference):
+    """The README's curl line as it is written (but the port): a ClassifyRequest in protobuf's JSON mapping, the
+    image in base64."""
+    line = readme_curl_line("/v1/classify").replace("localhost:8080", server.http_target)
+    done = subprocess.run(["bash", "-c", line], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr + done.stdout
-    result = json.loads(done.stdout)["results"][0]
-    expected = reference.probabilities(reference.input_from_bytes(JPEGS[1]), 2.0)
+    (result,) = json.loads(done.stdout)["results"]
+    image = (ROOT / "docs/samples/gradient.jpg").read_bytes()
+    expected = reference.probabilities(reference.input_from_bytes(image))
     assert [score["index"] for score in result["topK"]] == np.argsort(-expected)[:3].tolist()
+    np.testing.assert_allclose([score["probability"] for score in result["topK"]], np.sort(expected)[::-1][:3],
+                               atol=1e-4)
+    metadata = subprocess.run(["bash", "-c", readme_curl_line("/v2/models/resnet18").replace(
+        "localhost:8080", server.http_target)], capture_output=True, text=True, timeout=60)
+    assert json.loads(metadata.stdout)["name"] == "resnet18"
+
+
+def test_classify_in_json_with_probabilities_and_a_temperature(server, reference):
+    body = json.dumps({"images": [{"encoded": base64.b64encode(JPEGS[1]).decode()}], "top_k": 3,
+                       "temperature": 2.0, "return_probabilities": True}).encode()
+    status, _, answer = request(server.http_target, "/v1/classify", body)
+    assert status == 200
+    (result,) = json.loads(answer)["results"]
+    expected = reference.probabilities(reference.input_from_bytes(JPEGS[1]), 2.0)
     np.testing.assert_allclose(result["probabilities"], expected, atol=1e-4)
-    assert result["temperature"] == 2.0
+    assert result["temperature"] == 2.0 and len(result["topK"]) == 3
 
 
 def test_the_project_api_model_info(server):
@@ -257,3 +287,111 @@ def test_extensions_refused_as_on_grpc(triton):
         triton.register_system_shared_memory("region", "/resnet-test", 64)
     assert caught.value.status() == "403" and "--allow-client-shm" in caught.value.message()
     assert triton.get_trace_settings() == {"trace_level": ["OFF"]}
+
+
+@needs_perf_analyzer
+def test_perf_analyzer_over_http(server):
+    """Triton's load generator over HTTP (binary tensors, the uint8 model, 16 in flight): every request answered."""
+    figures = load_script("perf_analyzer").run(server.http_target, 16, window_requests=32, first_windows=True,
+                                               input_kind="uint8", protocol="http", timeout=300)
+    assert figures["requests"] >= 32 and figures["successes"] >= figures["requests"]
+
+
+def test_tokens_tls_and_the_open_health_paths(make_server, tmp_path):
+    """HTTPS with the gRPC port's certificate; a bearer token on every route but the health probes'."""
+    ca = Authority(tmp_path, "http-ca")
+    cert, key = ca.issue("server", "localhost", server=True)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("http-secret\n")
+    running = make_server(http_port=free_port(), tls_cert=cert, tls_key=key, auth_token_file=str(tokens))
+    target = f"localhost:{running.app.http.port}"
+    context = ssl.create_default_context(cafile=ca.cert_path)
+    with tc.InferenceServerClient(target, ssl=True, ssl_context_factory=lambda: context) as client:
+        assert client.is_server_live() and client.is_server_ready()  # open without a token
+        with pytest.raises(InferenceServerException) as caught:
+            client.get_model_metadata("resnet18")
+        assert caught.value.status() == "401" and "bearer token" in caught.value.message()
+        wrong = {"Authorization": "Bearer not-it"}
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("resnet18", [bytes_input(JPEGS[:1])], headers=wrong)
+        assert caught.value.status() == "401"
+        right = {"Authorization": "Bearer http-secret"}
+        result = client.infer("resnet18", [bytes_input(JPEGS[:1])], headers=right)
+        assert result.as_numpy("probabilities").shape == (1, 1000)
+    with pytest.raises((urllib.error.URLError, ConnectionError)):  # plaintext to the TLS port: closed unanswered
+        urllib.request.urlopen(f"http://{target}/v2/health/live", timeout=10)
+
+
+def test_the_size_limit_is_checked_before_the_body_is_read(make_server):
+    running = make_server(http_port=free_port(), max_message_mb=1, max_images_per_request=2)
+    target = running.http_target
+    status, _, text = request(target, "/v2/models/resnet18/infer", b"x" * ((1 << 20) + 1))
+    assert status == 413 and "--max-message-mb" in json.loads(text)["error"]
+    with tc.InferenceServerClient(target) as client:
+        assert client.infer("resnet18", [bytes_input(JPEGS[:2])]).as_numpy("probabilities").shape == (2, 1000)
+        with pytest.raises(InferenceServerException) as caught:  # 3 images: over the request limit
+            client.infer("resnet18", [bytes_input(JPEGS)])
+        assert caught.value.status() == "400" and "over the limit of 2" in caught.value.message()
+
+
+def unload_and_load_again(client: tc.InferenceServerClient) -> None:
+    """The repository extension over HTTP: unloaded, the server is not ready and inference is 503; loaded
+    again, it serves."""
+    tensor = bytes_input(JPEGS[:1])
+    client.unload_model("resnet18")
+    assert not client.is_server_ready() and not client.is_model_ready("resnet18")
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("resnet18", [tensor])
+    assert caught.value.status() == "503" and "unloaded" in caught.value.message()
+    assert client.get_model_repository_index() == [
+        {"name": name, "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+        for name in ("resnet18", "resnet18_uint8")]
+    client.load_model("resnet18")
+    wait_for(client.is_server_ready, timeout=60)
+    assert client.infer("resnet18", [tensor]).as_numpy("probabilities").shape == (1, 1000)
+    assert client.get_model_repository_index()[0]["state"] == "READY"
+
+
+def test_a_full_queue_is_429_while_accepted_work_is_answered(make_server, faults):
+    busy = make_server(http_port=free_port(), max_queue=2, runner=faults.runner)
+    faults.set("hold")  # the engine holds its batches' scores: the accepted pair keeps both slots of the queue
+
+    async def overload():
+        async with tc_aio.InferenceServerClient(busy.http_target) as client:
+            accepted = asyncio.ensure_future(client.infer("resnet18", [bytes_input(JPEGS[:2])]))
+            await asyncio.get_running_loop().run_in_executor(
+                None, wait_for, lambda: busy.sample("resnet_batches_in_flight", device="cpu") == 1)
+            with pytest.raises(InferenceServerException) as caught:
+                await client.infer("resnet18", [bytes_input(JPEGS[:1])])
+            assert not accepted.done()
+            faults.clear()
+            return caught.value, await accepted
+
+    refused, accepted = asyncio.run(overload())
+    assert refused.status() == "429" and "--max-queue of 2 images" in refused.message()
+    assert accepted.as_numpy("probabilities").shape == (2, 1000)
+    assert busy.sample("resnet_requests_total", device="cpu", code="RESOURCE_EXHAUSTED", protocol="http") == 1
+
+
+def test_the_front_ends_share_the_http_port(weights_file):
+    """resnet-server with two front-ends, as users run it: both bind the HTTP port the first one got, each
+    answers some of the connections the kernel spreads over them, a model unloaded and loaded through one is so
+    for both, and SIGTERM ends the whole set."""
+    http_port = free_port()
+    workers = Workers(str(weights_file[0]), "--http-port", str(http_port), "--model-control", "explicit")
+    try:
+        _, pids = workers.serving()
+        assert workers.count(f"HTTP on 127.0.0.1:{http_port}") == 2
+        series = 'resnet_requests_total{{code="OK",device="cpu",protocol="http",worker="{}"}}'
+        for _ in range(40):  # a connection each: the kernel spreads them over the front-ends
+            with tc.InferenceServerClient(f"127.0.0.1:{http_port}") as client:
+                assert client.infer("resnet18", [bytes_input(JPEGS[:1])]).as_numpy("probabilities").shape == (1, 1000)
+            if all(scraped_value(workers.metrics_port, series.format(index)) > 0 for index in (0, 1)):
+                break
+        else:
+            raise AssertionError("40 connections did not reach both front-ends")
+        with tc.InferenceServerClient(f"127.0.0.1:{http_port}") as client:
+            unload_and_load_again(client)
+        workers.terminate(pids)
+    finally:
+        workers.close()

@@ -103,6 +103,7 @@ def test_the_manifests_name_only_real_server_variables_with_values_the_server_ta
         assert set(data) <= known, set(data) - known
         assert int(data["RESNET_SERVER_PORT"]) == ServerConfig().port
         assert int(data["RESNET_SERVER_METRICS_PORT"]) == ServerConfig().metrics_port
+        assert int(data["RESNET_SERVER_HTTP_PORT"]) == ServerConfig().http_port
     for path in rendered.values():
         for variable in server_container(documents(path)).get("env", []):
             assert variable["name"] in known
@@ -115,7 +116,7 @@ def test_ports_probes_and_services_match_the_servers_defaults(rendered):
         docs = documents(path)
         container = server_container(docs)
         assert {port["name"]: port["containerPort"] for port in container["ports"]} == \
-            {"grpc": defaults.port, "metrics": defaults.metrics_port}
+            {"grpc": defaults.port, "http": defaults.http_port, "metrics": defaults.metrics_port}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             spec = container[probe]
             if name == "tls":  # plaintext gRPC probes cannot reach a TLS port: the client's health command
@@ -127,6 +128,11 @@ def test_ports_probes_and_services_match_the_servers_defaults(rendered):
         for service in ("Service/resnet-server", "Service/resnet-server-headless"):
             ports = {port["name"]: port for port in docs[service]["spec"]["ports"]}
             assert ports["grpc"]["port"] == defaults.port and ports["grpc"]["targetPort"] == "grpc"
+        http = {port["name"]: port for port in docs["Service/resnet-server"]["spec"]["ports"]}["http"]
+        assert http["port"] == defaults.http_port and http["targetPort"] == "http"
+        allowed = {port["port"] for rule in docs["NetworkPolicy/resnet-server"]["spec"]["ingress"]
+                   for port in rule["ports"]}
+        assert allowed == {defaults.port, defaults.http_port, defaults.metrics_port}
         assert docs["Service/resnet-server-headless"]["spec"]["clusterIP"] == "None"
         assert docs["PodMonitor/resnet-server"]["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
 

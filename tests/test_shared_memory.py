@@ -364,8 +364,8 @@ def answered_by_each(workers: Workers, target: str, expected: np.ndarray, output
     """Requests by reference on new connections until both front-ends serving now have answered some: each
     lists the regions, and each answer is the one by value."""
     def counts() -> list[float]:
-        return [scraped_value(workers.metrics_port, f'resnet_requests_total{{code="OK",device="cpu",protocol="grpc",worker="{index}"}}')
-                for index in (0, 1)]
+        series = 'resnet_requests_total{{code="OK",device="cpu",protocol="grpc",worker="{}"}}'
+        return [scraped_value(workers.metrics_port, series.format(index)) for index in (0, 1)]
 
     before = counts()
     for _ in range(40):

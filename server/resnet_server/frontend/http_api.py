@@ -13,13 +13,14 @@ import asyncio
 import base64
 import binascii
 import logging
+import typing
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 from google.protobuf import json_format
-from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from resnet_client.api import classifier_pb2 as pb
@@ -164,7 +165,7 @@ class HttpApi:
         reader."""
         data = message.SerializeToString()
         try:
-            check(message.DESCRIPTOR, data, self.bounds)
+            check(typing.cast(Descriptor, message.DESCRIPTOR), data, self.bounds)  # upb's is protobuf's
         except OverBound as exc:
             raise InvalidInput(str(exc)) from None
         return reader(data) if reader is not None else message

@@ -6,12 +6,13 @@ A body is JSON, or, with an ``Inference-Header-Content-Length`` header, that man
 tensors' raw bytes, each input's ``binary_data_size`` of them in order (tritonclient.http's default). Raw bytes
 go on as memoryviews of the body, never through JSON numbers. Every count a client controls is bounded before
 Python objects are made of it: the JSON's objects and keys by a count of their bytes, each input's ``data`` kept
-as raw JSON text and read into one NumPy array (numbers) or checked for its count first (strings).
+as raw JSON text and read into one NumPy array a slice at a time (numbers) or checked for its count first
+(strings).
 """
 
 from __future__ import annotations
 
-import warnings
+import math
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, NamedTuple
 
@@ -22,14 +23,16 @@ from resnet_client.api import grpc_predict_v2_pb2 as oip
 from resnet_server.common.errors import InvalidInput
 from resnet_server.frontend.bounds import MOST_DIMENSIONS, MOST_ENTRIES, MOST_FIELDS, MOST_STRING_BYTES
 from resnet_server.frontend.infer_parameters import SHM_BYTE_SIZE
-from resnet_server.frontend.oip_codec import parse_bytes_tensor
+from resnet_server.frontend.oip_codec import parse_bytes_tensor, serialize_bytes_tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 BINARY_DATA_SIZE, BINARY_DATA, BINARY_DATA_OUTPUT = "binary_data_size", "binary_data", "binary_data_output"
 _TRANSPORT_PARAMETERS = {BINARY_DATA_SIZE, BINARY_DATA, BINARY_DATA_OUTPUT}
 MOST_OBJECTS = MOST_ENTRIES * 4  # a request's JSON objects: itself, its tensors and their parameters
 _BRACKETS_TO_SPACES = bytes.maketrans(b"[]", b"  ")
-_NUMBER_TYPES = {"FP32": "fp32_contents", "UINT8": "uint_contents"}
+NUMBERS_SLICE = 1 << 20  # bytes of a JSON tensor's numbers read into Python objects at once
+_read_numbers = msgspec.json.Decoder(list[float])
+_NUMBER_TYPES = {"FP32": "<f4", "UINT8": "u1"}
 
 Name = Annotated[str, msgspec.Meta(max_length=MOST_STRING_BYTES)]
 Scalar = bool | int | float | str
@@ -134,7 +137,9 @@ def _set_parameters(into, parameters: Mapping[str, Any]) -> None:
 
 
 def _inputs(message: oip.ModelInferRequest, inputs: Sequence[_Input], binary: memoryview) -> list[memoryview]:
-    """Each input into ``message``, its values typed, or its raw bytes cut from ``binary`` (returned in order)."""
+    """Each input into ``message``, and its bytes, in order: cut from ``binary``, or its JSON ``data`` made into the
+    same little-endian bytes (so both forms take one path from here); an input in a shared-memory region has
+    none."""
     raw: list[memoryview] = []
     offset = 0
     for tensor in inputs:
@@ -149,7 +154,7 @@ def _inputs(message: oip.ModelInferRequest, inputs: Sequence[_Input], binary: me
             raw.append(binary[offset:offset + size])
             offset += size
         elif len(tensor.data):
-            _typed(proto, tensor.data, shape)
+            raw.append(memoryview(_json_bytes(tensor.name, tensor.datatype, tensor.data, shape)))
         elif SHM_BYTE_SIZE not in tensor.parameters:
             raise InvalidInput(f"input {tensor.name[:64]!r} has no data, {BINARY_DATA_SIZE} or shared-memory region")
     if offset != len(binary):
@@ -169,41 +174,44 @@ def _shape(raw: msgspec.Raw) -> list[int]:
     return shape
 
 
-def _typed(proto: oip.ModelInferRequest.InferInputTensor, data: msgspec.Raw, shape: list[int]) -> None:
-    """JSON ``data``, flat or nested (row-major), into the tensor's contents: numbers read as one array, strings
+def _json_bytes(name: str, datatype: str, data: msgspec.Raw, shape: list[int]) -> bytes:
+    """JSON ``data``, flat or nested (row-major), as the tensor's raw bytes: numbers read as one array, strings
     counted before they are listed."""
-    count = int(np.prod(shape)) if shape else 0
-    if proto.datatype == "BYTES":
-        text = bytes(data)
+    count = math.prod(shape)
+    text = bytes(data)
+    if datatype == "BYTES":
         if (text.count(b'"') - text.count(b'\\"')) // 2 > count:
-            raise InvalidInput(f"input {proto.name[:64]!r} holds more strings than its shape {shape}")
+            raise InvalidInput(f"input {name[:64]!r} holds more strings than its shape {shape}")
         try:
             strings = msgspec.json.decode(text, type=list[str])
         except msgspec.DecodeError:
-            raise InvalidInput(f"input {proto.name[:64]!r}: BYTES data must be a list of strings") from None
-        proto.contents.bytes_contents.extend(string.encode() for string in strings)
-        return
-    field = _NUMBER_TYPES.get(proto.datatype)
-    if field is None:
-        raise InvalidInput(f"input datatype must be FP32, UINT8 or BYTES, got {proto.datatype[:16]!r}")
-    values = _numbers(bytes(data), proto.name)
-    if proto.datatype == "UINT8" and values.size and (values.min() < 0 or values.max() > 255
-                                                       or not np.array_equal(values, np.floor(values))):
-        raise InvalidInput(f"input {proto.name[:64]!r}: UINT8 data must be whole numbers from 0 to 255")
+            raise InvalidInput(f"input {name[:64]!r}: BYTES data must be a list of strings") from None
+        return serialize_bytes_tensor([string.encode() for string in strings])
+    if datatype not in _NUMBER_TYPES:
+        raise InvalidInput(f"input datatype must be FP32, UINT8 or BYTES, got {datatype[:16]!r}")
+    values = _numbers(text, name)
     if values.size != count:
-        raise InvalidInput(f"input {proto.name[:64]!r} of shape {shape} needs {count} values, got {values.size}")
-    getattr(proto.contents, field).extend(values.astype(np.float32 if field == "fp32_contents" else np.uint32))
+        raise InvalidInput(f"input {name[:64]!r} of shape {shape} needs {count} values, got {values.size}")
+    if datatype == "UINT8" and values.size and (values.min() < 0 or values.max() > 255
+                                                or not np.array_equal(values, np.floor(values))):
+        raise InvalidInput(f"input {name[:64]!r}: UINT8 data must be whole numbers from 0 to 255")
+    return values.astype(_NUMBER_TYPES[datatype]).tobytes()
 
 
 def _numbers(text: bytes, name: str) -> np.ndarray:
-    """A JSON array of numbers, nested or not, as float64, read in C (NumPy's text reader) with no Python
-    object per number."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # NumPy warns, and stops, at text that is not a number
+    """A JSON array of numbers, nested or not, as one float64 array: its brackets dropped, then read a slice of
+    NUMBERS_SLICE bytes at a time, so that no more than one slice's numbers are ever Python objects."""
+    flat = text.translate(_BRACKETS_TO_SPACES)
+    parts, start = [], 0
+    while start < len(flat):
+        end = flat.find(b",", start + NUMBERS_SLICE)
+        end = len(flat) if end < 0 else end
         try:
-            return np.fromstring(text.translate(_BRACKETS_TO_SPACES), sep=",")
-        except (ValueError, DeprecationWarning):
+            parts.append(np.array(_read_numbers.decode(b"[" + flat[start:end] + b"]"), np.float64))
+        except msgspec.DecodeError:
             raise InvalidInput(f"input {name[:64]!r}: data must be an array of numbers") from None
+        start = end + 1
+    return np.concatenate(parts) if parts else np.empty(0)
 
 
 _OUTPUT_DTYPES = {"FP32": "<f4", "INT64": "<i8"}

@@ -124,8 +124,8 @@ class App:
         config = self.config
         worker = f"; front-end {self.index} of {config.frontends}" if config.frontends > 1 else ""
         devices = ", ".join(engine.name for engine in self.links)
-        http = f", HTTP on {host_port(config.network.host, self.http.port)}" if self.http is not None else ""
-        log.info("serving %s on %s%s (devices %s; event loop %s%s)", MODEL_NAME,
+        http = f"HTTP on {host_port(config.network.host, self.http.port)}; " if self.http is not None else ""
+        log.info("serving %s on %s (%sdevices %s; event loop %s%s)", MODEL_NAME,
                  host_port(config.network.host, self.port), http, devices, event_loop.resolved(config.event_loop),
                  worker)
 
