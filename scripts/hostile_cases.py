@@ -9,6 +9,7 @@ of LONG bytes. Used by tests/test_hostile_clients.py (each must be refused while
 
 from __future__ import annotations
 
+import http.client
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -125,3 +126,89 @@ def outcome(channel: grpc.Channel, case: Case, timeout: float = 60) -> str:
 
 REFUSED_IN_STREAM = "OK (refused in the stream)"
 ALLOWED = {code.name for code in REFUSALS} | {REFUSED_IN_STREAM}
+
+
+@dataclass(frozen=True)
+class HttpCase:
+    """One hostile HTTP request: its name, method and path, body, and headers."""
+
+    name: str
+    method: str
+    path: str
+    body: bytes = b""
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+HTTP_REFUSALS = {400, 401, 403, 404, 408, 413, 429, 431}
+
+
+def _infer_body(**fields: str) -> bytes:
+    parts = {"inputs": '[{"name": "input", "datatype": "UINT8", "shape": [1, 1, 1, 3], "data": [1, 2, 3]}]', **fields}
+    return ("{" + ", ".join(f'"{key}": {value}' for key, value in parts.items()) + "}").encode()
+
+
+def http_cases() -> list[HttpCase]:
+    """The HTTP routes' worst values: floods of objects, keys, values, strings and dimensions, nesting, long
+    strings, lying lengths, too many and too long headers. Each must be refused with a 4xx status."""
+    infer = "/v2/models/resnet18/infer"
+    many = ", ".join(["{}"] * MANY)
+    return [
+        HttpCase("inputs flood", "POST", infer, f'{{"inputs": [{many}]}}'.encode()),
+        HttpCase("outputs flood", "POST", infer, _infer_body(outputs=f"[{many}]")),
+        HttpCase("parameters flood", "POST", infer, _infer_body(parameters="{" + ", ".join(
+            f'"k{i}": 1' for i in range(MANY // 4)) + "}")),
+        HttpCase("long id", "POST", infer, _infer_body(id='"' + "x" * LONG + '"')),
+        HttpCase("shape flood", "POST", infer, _infer_body(inputs='[{"name": "input", "datatype": "UINT8", '
+                                                           '"shape": [' + ", ".join(["1"] * MANY) + "]}]")),
+        HttpCase("strings flood", "POST", infer, _infer_body(inputs='[{"name": "input", "datatype": "BYTES", '
+                                                             '"shape": [1], "data": [' + ", ".join(['""'] * MANY)
+                                                             + "]}]")),
+        HttpCase("numbers flood", "POST", infer, _infer_body(inputs='[{"name": "input", "datatype": "FP32", '
+                                                             '"shape": [1], "data": [' + ",".join(["0"] * (4 * MANY))
+                                                             + "]}]")),
+        HttpCase("deep data", "POST", infer, _infer_body(inputs='[{"name": "input", "datatype": "FP32", "shape": '
+                                                         '[1], "data": ' + "[" * MANY + "]" * MANY + "}]")),
+        HttpCase("header length past the body", "POST", infer, _infer_body(),
+                 (("Inference-Header-Content-Length", str(1 << 62)),)),
+        HttpCase("binary size past the body", "POST", infer, _infer_body(inputs='[{"name": "input", "datatype": '
+                                                                         '"UINT8", "shape": [1, 1, 1, 3], '
+                                                                         '"parameters": {"binary_data_size": '
+                                                                         f'{1 << 62}}}}}]')),
+        HttpCase("body over the limit", "POST", infer, b"0" * (64 * MIB + 1)),
+        HttpCase("load parameters flood", "POST", "/v2/repository/models/resnet18/load", (
+            '{"parameters": {' + ", ".join(f'"k{i}": ""' for i in range(MANY // 4)) + "}}").encode()),
+        HttpCase("load file not base64", "POST", "/v2/repository/models/resnet18/load",
+                 b'{"parameters": {"file:1/w.pt": "' + b"!" * LONG + b'"}}'),
+        HttpCase("region key long", "POST", "/v2/systemsharedmemory/region/r/register",
+                 b'{"key": "' + b"k" * LONG + b'", "byte_size": 64}'),
+        HttpCase("trace settings flood", "POST", "/v2/trace/setting",
+                 ("{" + ", ".join(f'"s{i}": "v"' for i in range(MANY // 4)) + "}").encode()),
+        HttpCase("classify images flood", "POST", "/v1/classify",
+                 ('{"images": [' + ", ".join(['{"encoded": ""}'] * (MANY // 4)) + "]}").encode()),
+        HttpCase("classify shape flood", "POST", "/v1/classify",
+                 ('{"images": [{"raw": {"shape": [' + ", ".join(["1"] * MANY) + "]}}]}").encode()),
+        HttpCase("long path", "GET", "/v2/models/" + "m" * LONG),
+        HttpCase("headers flood", "GET", "/v2", b"", tuple((f"x-h{i}", "v") for i in range(10_000))),
+        HttpCase("long header", "GET", "/v2", b"", (("x-long", "v" * LONG),)),
+    ]
+
+
+def http_outcome(host: str, port: int, case: HttpCase, timeout: float = 60) -> str:
+    """The status the server answered ``case`` with, or "closed" where it closed the connection without one
+    (before the client had sent it all: a refusal too)."""
+    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        connection.putrequest(case.method, case.path, skip_accept_encoding=True)
+        for key, value in case.headers:
+            connection.putheader(key, value)
+        if case.body or case.method == "POST":
+            connection.putheader("Content-Length", str(len(case.body)))
+        connection.endheaders(case.body)
+        return str(connection.getresponse().status)
+    except (ConnectionError, http.client.RemoteDisconnected):
+        return "closed"
+    finally:
+        connection.close()
+
+
+HTTP_ALLOWED = {str(status) for status in HTTP_REFUSALS} | {"closed"}

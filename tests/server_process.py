@@ -60,6 +60,11 @@ class Workers:
         assert len(ports) == 1
         return ports.pop(), pids
 
+    def http_port(self) -> int:
+        """The HTTP port the front-ends serve (a server started with --http-port)."""
+        line = self.read_until(1, "HTTP on 127.0.0.1:")[0]
+        return int(line.split("HTTP on 127.0.0.1:")[1].split(";")[0])
+
     def terminate(self, pids: list[int]) -> None:
         """SIGTERM the supervisor: it drains and exits 0, and every one of ``pids`` has ended."""
         self.process.send_signal(signal.SIGTERM)

@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from resnet_client.api import grpc_predict_v2_pb2 as oip
-from tests.helpers import load_script
+from tests.helpers import free_port, load_script
 from tests.server_process import Workers, gone
 
 HEALTH_WITHIN = 1.0
@@ -71,7 +71,7 @@ def hostile_target(weights_file, tmp_path_factory):
     """One server as users run it (one front-end, so that health is timed where the hostile calls land), with
     every extension on: repository control, client shared memory, tracing."""
     workers = Workers(str(weights_file[0]), "--frontends", "1", "--model-control", "explicit",
-                      "--allow-client-shm", "true", "--otlp-endpoint", "127.0.0.1:9")
+                      "--allow-client-shm", "true", "--otlp-endpoint", "127.0.0.1:9", "--http-port", str(free_port()))
     try:
         port, (frontend,) = workers.serving(1)
         pids = [workers.process.pid, frontend, *workers.engine_pids(1)]
@@ -100,6 +100,25 @@ def test_every_fields_worst_value_is_refused_while_health_answers(hostile_target
     assert max(grown.values()) < MOST_GROWTH_MB, grown
     assert workers.count("started resnet-frontend") == 1 and workers.count("started resnet-engine") == 1
     assert not any(gone(pid) for pid in pids)
+
+
+def test_every_http_routes_worst_values_are_refused_while_health_answers(hostile_target):
+    """The same over HTTP: each hostile body, path or header set is refused with a 4xx (or the connection closed
+    before it was all sent), health on the gRPC port answers within a second throughout, and no process grows past
+    the bound or is replaced."""
+    workers, target, pids, peaks = hostile_target
+    probe = HealthProbe(target)
+    try:
+        answered = {case.name: hostile.http_outcome("127.0.0.1", workers.http_port(), case)
+                    for case in hostile.http_cases()}
+    finally:
+        probe.stop()
+    wrong = {name: status for name, status in answered.items() if status not in hostile.HTTP_ALLOWED}
+    assert not wrong, wrong
+    assert probe.times and max(probe.times) < HEALTH_WITHIN, max(probe.times)
+    grown = {pid: peak_rss_mb(pid) - peaks[pid] for pid in pids}
+    assert max(grown.values()) < MOST_GROWTH_MB, grown
+    assert workers.count("started resnet-frontend") == 1 and not any(gone(pid) for pid in pids)
 
 
 @pytest.mark.parametrize("model_name, id_, raw_bytes", [

@@ -381,7 +381,7 @@ def test_the_front_ends_share_the_http_port(weights_file):
     workers = Workers(str(weights_file[0]), "--http-port", str(http_port), "--model-control", "explicit")
     try:
         _, pids = workers.serving()
-        assert workers.count(f"HTTP on 127.0.0.1:{http_port}") == 2
+        assert workers.count(f"HTTP on 127.0.0.1:{http_port}") == 2 and workers.http_port() == http_port
         series = 'resnet_requests_total{{code="OK",device="cpu",protocol="http",worker="{}"}}'
         for _ in range(40):  # a connection each: the kernel spreads them over the front-ends
             with tc.InferenceServerClient(f"127.0.0.1:{http_port}") as client:

@@ -204,15 +204,16 @@ class HttpApi:
     async def infer(self, request: web.Request) -> web.Response:
         name, version = _model(request)
         body = await read_body(request, self.most_body_bytes)
-        read = read_infer_body(body, request.headers.get(HEADER_LENGTH), name, version)
+        read = await _off_the_loop_if_large(body, read_infer_body, body, request.headers.get(HEADER_LENGTH), name,
+                                            version)
         message = self._read(read.message)
         context = HttpContext(request)
         response = await self.inference.ModelInfer(InferRequest(message, read.raw_input_contents), context)
-        answer, header_length = infer_answer(response, read.binary_outputs, read.all_binary)
+        answer, json_length = infer_answer(response, read.binary_outputs, read.all_binary)
         headers = dict(context.answered)
-        if header_length is None:
+        if json_length is None:
             return web.Response(body=answer, content_type=_JSON, headers=headers)
-        headers[HEADER_LENGTH] = str(header_length)
+        headers[HEADER_LENGTH] = str(json_length)
         return web.Response(body=answer, content_type="application/octet-stream", headers=headers)
 
     async def repository_index(self, request: web.Request) -> web.Response:
@@ -272,6 +273,12 @@ class HttpApi:
     async def classify(self, request: web.Request) -> web.Response:
         """The project's own API: a ClassifyRequest in protobuf's JSON mapping (images' bytes in base64)."""
         body = await read_body(request, self.most_body_bytes)
+        asked = await _off_the_loop_if_large(body, self._read_classify, body)
+        context = HttpContext(request)
+        answer = await self.classifier.Classify(asked, context)
+        return web.json_response(json_format.MessageToDict(answer), dumps=_dumps, headers=dict(context.answered))
+
+    def _read_classify(self, body: bytes) -> Any:
         check_counts(body, values=True)
         try:
             message = json_format.Parse(body, pb.ClassifyRequest(), max_recursion_depth=8)
@@ -279,14 +286,22 @@ class HttpApi:
             raise InvalidInput("the body's JSON nests too deep") from None
         except json_format.ParseError as exc:
             raise InvalidInput(f"the body is not a ClassifyRequest in JSON: {str(exc)[:200]}") from None
-        asked = self._read(message, lambda data: read_classify_request(data, self.max_images))
-        context = HttpContext(request)
-        answer = await self.classifier.Classify(asked, context)
-        return web.json_response(json_format.MessageToDict(answer), dumps=_dumps, headers=dict(context.answered))
+        return self._read(message, lambda data: read_classify_request(data, self.max_images))
 
     async def model_info(self, request: web.Request) -> web.Response:
         info = await self.classifier.GetModelInfo(pb.GetModelInfoRequest(), HttpContext(request))
         return web.json_response(json_format.MessageToDict(info), dumps=_dumps)
+
+
+MOST_BYTES_ON_THE_LOOP = 64 << 10  # a body larger than this is read off the event loop (JSON numbers, base64)
+
+
+async def _off_the_loop_if_large(body: bytes, read: Callable[..., Any], *args: Any) -> Any:
+    """``read(*args)``, on a thread when ``body`` is large: a JSON tensor's numbers or an image's base64 take
+    milliseconds a megabyte, which the loop's other calls would wait for."""
+    if len(body) <= MOST_BYTES_ON_THE_LOOP:
+        return read(*args)
+    return await asyncio.to_thread(read, *args)
 
 
 def _json(message: Message) -> web.Response:

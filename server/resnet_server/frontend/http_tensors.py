@@ -189,6 +189,10 @@ def _json_bytes(name: str, datatype: str, data: msgspec.Raw, shape: list[int]) -
         return serialize_bytes_tensor([string.encode() for string in strings])
     if datatype not in _NUMBER_TYPES:
         raise InvalidInput(f"input datatype must be FP32, UINT8 or BYTES, got {datatype[:16]!r}")
+    # Values, nested or not, are one more than the commas between them: counted before any is read.
+    if count and text.count(b",") + 1 != count:
+        raise InvalidInput(f"input {name[:64]!r} of shape {shape} needs {count} values, got "
+                           f"{text.count(b',') + 1}")
     values = _numbers(text, name)
     if values.size != count:
         raise InvalidInput(f"input {name[:64]!r} of shape {shape} needs {count} values, got {values.size}")
