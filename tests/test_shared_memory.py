@@ -455,3 +455,33 @@ def test_stream_messages_name_regions_too(shm_server):
             probabilities = np.frombuffer(answer.infer_response.raw_output_contents[0], np.float32)
             np.testing.assert_array_equal(probabilities, by_value(triton, IMAGES[index:index + 1])[0])
         assert answers[2].error_message.startswith("[INVALID_ARGUMENT] no shared-memory region 'nowhere'")
+
+
+def test_the_extension_over_http_equals_grpc(make_server):
+    """Register, infer by reference and unregister through tritonclient.http: the same regions, the same answer
+    in the output region as by value over gRPC."""
+    import tritonclient.http as tc_http
+
+    running = make_server(allow_client_shm=True, http_port=free_port())
+    client = tc_http.InferenceServerClient(running.http_target)
+    with region(IMAGES.nbytes) as (in_key, inputs), region(PROBABILITIES_BYTES) as (out_key, outputs):
+        shm.set_shared_memory_region(inputs, [IMAGES])
+        client.register_system_shared_memory("in", in_key, IMAGES.nbytes)
+        client.register_system_shared_memory("out", out_key, PROBABILITIES_BYTES)
+        assert {"name": "in", "key": in_key, "offset": 0, "byte_size": IMAGES.nbytes} in [
+            {"offset": 0, **status} for status in client.get_system_shared_memory_status()]
+        tensor = tc_http.InferInput("input", list(IMAGES.shape), "UINT8")
+        tensor.set_shared_memory("in", IMAGES.nbytes)
+        output = tc_http.InferRequestedOutput("probabilities", binary_data=True)
+        output.set_shared_memory("out", PROBABILITIES_BYTES)
+        result = client.infer("resnet18_uint8", [tensor], outputs=[output])
+        (answered,) = result.get_response()["outputs"]
+        assert answered["parameters"]["shared_memory_region"] == "out" and "data" not in answered
+        with tc.InferenceServerClient(running.target) as grpc_client:
+            np.testing.assert_array_equal(shm.get_contents_as_numpy(outputs, np.float32, [2, 1000]),
+                                          by_value(grpc_client, IMAGES))
+        client.unregister_system_shared_memory("in")
+        assert [status["name"] for status in client.get_system_shared_memory_status()] == ["out"]
+        client.unregister_system_shared_memory()
+        assert client.get_system_shared_memory_status() == []
+    client.close()

@@ -283,3 +283,26 @@ def test_the_batch_processors_warning_per_dropped_span_is_said_once_a_minute(cap
             "tracing: Queue full, dropping span. (spans are dropped; the next such line in 60s at the earliest)"]
     finally:
         tracing.shutdown()
+
+
+def test_an_http_call_continues_its_callers_trace(make_server, receiver):
+    """A traceparent header over HTTP continues the caller's trace as gRPC metadata does; the answer names the
+    server's span in its own traceparent header."""
+    import json
+    import urllib.request
+
+    from tests.helpers import free_port
+
+    running = make_server(otlp_endpoint=f"127.0.0.1:{receiver.port}", http_port=free_port())
+    trace_id, header = traceparent(sampled=True)
+    body = {"inputs": [{"name": "input", "datatype": "UINT8", "shape": [1, 8, 8, 3], "data": [7] * 192}]}
+    call = urllib.request.Request(f"http://{running.http_target}/v2/models/resnet18/infer",
+                                  json.dumps(body).encode(), {"traceparent": header})
+    with urllib.request.urlopen(call, timeout=30) as answer:
+        assert answer.status == 200
+        answered = answer.headers["traceparent"]
+    spans = receiver.trace(trace_id, 5)
+    server = spans["inference.GRPCInferenceService/ModelInfer"]
+    assert server.parent_span_id.hex() == header.split("-")[2]
+    assert attributes(server)["resnet.protocol"] == "http"
+    assert answered == f"00-{trace_id}-{server.span_id.hex()}-01"

@@ -12,6 +12,9 @@ LOG_FORMATS = ("text", "json")
 
 # The request id of the call being served, set where a front-end's methods are registered: its log lines say it.
 current_request: ContextVar[str] = ContextVar("current_request", default="")
+# Which protocol carries it (grpc, http): gRPC's calls run in tasks of their own, as aiohttp's requests do, and the
+# HTTP front-end sets it for each of its own. Its metrics' and span's ``protocol``.
+current_protocol: ContextVar[str] = ContextVar("current_protocol", default="grpc")
 
 
 class JsonFormatter(logging.Formatter):

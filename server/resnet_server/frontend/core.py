@@ -8,7 +8,6 @@ path is measured the same way.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from resnet_server.common.errors import (
     Unavailable,
     outcome,
 )
+from resnet_server.common.logs import current_protocol
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.postprocess import NUM_CLASSES
 from resnet_server.common.preprocess import ImageInput, RawImage, check_header, check_raw, preprocess
@@ -32,9 +32,6 @@ from resnet_server.frontend.router import EngineHandle, Router
 from resnet_server.frontend.tracing import CallTrace
 
 DEFAULT_TOP_K = 5
-# Which protocol carries the current call (its metrics' ``protocol`` label): gRPC's calls run in tasks of their own,
-# as aiohttp's requests do, and the HTTP front-end sets it for each of its own.
-PROTOCOL: contextvars.ContextVar[str] = contextvars.ContextVar("protocol", default="grpc")
 
 
 @dataclass(frozen=True)
@@ -126,7 +123,7 @@ class InferenceCore:
         finally:
             replica.pending -= len(call.images)
             in_flight.dec()
-            protocol = PROTOCOL.get()
+            protocol = current_protocol.get()
             self._series(self._metrics.requests, replica.name, code, protocol).inc()
             self._series(self._metrics.images, replica.name, code).inc(counted)
             elapsed = time.monotonic() - started

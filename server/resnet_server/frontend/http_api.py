@@ -26,11 +26,10 @@ from google.protobuf.message import Message
 from resnet_client.api import classifier_pb2 as pb
 from resnet_client.api import grpc_predict_v2_pb2 as oip
 from resnet_server.common.errors import ErrorKind, InvalidImages, InvalidInput, ServingError, caller_error
-from resnet_server.common.logs import current_request
+from resnet_server.common.logs import current_protocol, current_request
 from resnet_server.frontend.bounds import MOST_CONFIG_BYTES, OverBound, WireBounds, check
 from resnet_server.frontend.classifier_service import ClassifierService
 from resnet_server.frontend.classify_request import read_classify_request
-from resnet_server.frontend.core import PROTOCOL
 from resnet_server.frontend.http_tensors import HEADER_LENGTH, check_counts, infer_answer, read_infer_body
 from resnet_server.frontend.oip_service import InferenceService, InferRequest
 from resnet_server.frontend.repository_service import FILE_PREFIX, read_load_request
@@ -372,7 +371,7 @@ def middlewares(tokens: list[bytes], protect_health: bool) -> list:
     async def answered(request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every route's call: the protocol and request id made current, its token checked, what it raises
         answered as its status."""
-        PROTOCOL.set("http")
+        current_protocol.set("http")
         call_id(HttpContext(request))  # type: ignore[arg-type]  # reads its metadata as gRPC's context
         if tokens and (protect_health or request.path not in OPEN_PATHS) and \
                 not token_is_valid([("authorization", request.headers.get("Authorization", ""))], tokens):

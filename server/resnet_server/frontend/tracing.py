@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 import grpc
 
 from resnet_server.common.errors import InvalidInput, outcome
+from resnet_server.common.logs import current_protocol
 from resnet_server.common.work import ImageOutput
 
 if TYPE_CHECKING:
@@ -301,7 +302,8 @@ class Tracing:
         if not span.is_recording():  # not sampled: a span that records nothing, and needs no end
             return None
         service, _, name = method.rpartition("/")
-        span.set_attributes({**self._server, "rpc.service": service, "rpc.method": name})
+        span.set_attributes({**self._server, "rpc.service": service, "rpc.method": name,
+                             "resnet.protocol": current_protocol.get()})
         return CallTrace(span, self._tracer, self._batches)
 
     def shutdown(self) -> None:
