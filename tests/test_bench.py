@@ -812,3 +812,15 @@ def test_runtime_cost_serves_each_runtime_in_rounds_against_torch():
     for row in result.values():
         assert row["images_per_s"] > 0 and row["p50_ms"] > 0 and len(row["rounds"]) == 1
         assert row["ratio_to_torch"] == pytest.approx(row["images_per_s"] / result["torch fp32"]["images_per_s"])
+
+
+def test_http_cost_measures_each_protocol_against_grpc():
+    """scripts/benchmarks/http_cost.py end to end, briefly: gRPC, HTTP binary and HTTP JSON each measured once
+    against one server, each set against gRPC's."""
+    result = run_benchmark("http_cost", "--concurrency", "2", "--duration", "1", "--rounds", "1", "--runner", "free",
+                           "--json")
+    assert result["runner"] == "free" and result["grpc"]["rate_to_grpc"] == 1.0
+    for protocol in ("grpc", "http binary", "http json"):
+        row = result[protocol]
+        assert row["images_per_s"] > 0 and row["frontend_cpu_ms"] > 0 and len(row["rounds"]) == 1
+        assert row["cpu_to_grpc"] == pytest.approx(row["frontend_cpu_ms"] / result["grpc"]["frontend_cpu_ms"])
