@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import shutil
+import socket
 import ssl
 import subprocess
 import urllib.error
@@ -376,11 +377,12 @@ def test_a_full_queue_is_429_while_accepted_work_is_answered(make_server, faults
 def test_the_front_ends_share_the_http_port(weights_file):
     """resnet-server with two front-ends, as users run it: both bind the HTTP port the first one got, each
     answers some of the connections the kernel spreads over them, a model unloaded and loaded through one is so
-    for both, and SIGTERM ends the whole set."""
+    for both, as are trace settings, a file of weights sent over HTTP is served, and SIGTERM ends the whole set."""
     http_port = free_port()
-    workers = Workers(str(weights_file[0]), "--http-port", str(http_port), "--model-control", "explicit")
+    workers = Workers(str(weights_file[0]), "--http-port", str(http_port), "--model-control", "explicit",
+                      "--otlp-endpoint", "127.0.0.1:9")  # tracing on (spans to nowhere), so its settings change
     try:
-        _, pids = workers.serving()
+        port, pids = workers.serving()
         assert workers.count(f"HTTP on 127.0.0.1:{http_port}") == 2 and workers.http_port() == http_port
         series = 'resnet_requests_total{{code="OK",device="cpu",protocol="http",worker="{}"}}'
         for _ in range(40):  # a connection each: the kernel spreads them over the front-ends
@@ -392,6 +394,38 @@ def test_the_front_ends_share_the_http_port(weights_file):
             raise AssertionError("40 connections did not reach both front-ends")
         with tc.InferenceServerClient(f"127.0.0.1:{http_port}") as client:
             unload_and_load_again(client)
+            assert client.update_trace_settings(settings={"trace_level": ["OFF"]})["trace_level"] == ["OFF"]
+            with tc_grpc.InferenceServerClient(f"127.0.0.1:{port}") as over_grpc:
+                level = over_grpc.get_trace_settings(as_json=True)["settings"]["trace_level"]["value"]
+            assert level == ["OFF"]
+            served = int(client.get_model_metadata("resnet18")["versions"][0])
+            client.load_model("resnet18", files={"file:1/weights.pt": weights_file[0].read_bytes()})
+            wait_for(lambda: client.get_model_metadata("resnet18")["versions"] == [str(served + 1)], timeout=60)
+            assert client.infer("resnet18", [bytes_input(JPEGS[:1])]).get_response()["model_version"] == \
+                str(served + 1)
         workers.terminate(pids)
     finally:
         workers.close()
+
+
+def test_auth_health_closes_the_health_paths_too(make_server, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("health-secret\n")
+    running = make_server(http_port=free_port(), auth_token_file=str(tokens), auth_health=True)
+    status, headers, _ = request(running.http_target, "/v2/health/ready")
+    assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
+    assert request(running.http_target, "/v2/health/ready", headers={"Authorization": "Bearer health-secret"})[0] == 200
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408_and_the_server_serves_on(make_server, monkeypatch):
+    """A slow client's body: refused once the deadline passes (shortened here through the module's constant, the
+    front-end running in this process), its connection freed."""
+    from resnet_server.frontend import http_api
+
+    monkeypatch.setattr(http_api, "BODY_SECONDS", 0.5)
+    running = make_server(http_port=free_port())
+    with socket.create_connection(("127.0.0.1", running.app.http.port), timeout=30) as slow:
+        slow.sendall(b"POST /v2/models/resnet18/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        answer = slow.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5s" in answer
+    assert request(running.http_target, "/v2/health/ready")[0] == 200
