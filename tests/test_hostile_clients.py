@@ -83,7 +83,7 @@ def hostile_target(weights_file, tmp_path_factory):
 
 
 def test_every_fields_worst_value_is_refused_while_health_answers(hostile_target):
-    workers, target, pids, peaks = hostile_target
+    _, target, _, _ = hostile_target
     options = [("grpc.max_send_message_length", 64 * MIB), ("grpc.max_receive_message_length", 64 * MIB)]
     probe = HealthProbe(target)
     answered: dict[str, str] = {}
@@ -93,7 +93,15 @@ def test_every_fields_worst_value_is_refused_while_health_answers(hostile_target
                 answered[case.name] = hostile.outcome(channel, case)
     finally:
         probe.stop()
-    wrong = {name: code for name, code in answered.items() if code not in hostile.ALLOWED}
+    assert_all_refused_and_unharmed(answered, hostile.ALLOWED, probe, hostile_target)
+
+
+def assert_all_refused_and_unharmed(answered: dict[str, str], allowed: set[str], probe: HealthProbe,
+                                    hostile_target) -> None:
+    """Every case answered as ``allowed``, health within a second throughout, no process grown past the bound,
+    replaced or gone."""
+    workers, _, pids, peaks = hostile_target
+    wrong = {name: code for name, code in answered.items() if code not in allowed}
     assert not wrong, wrong
     assert probe.times and max(probe.times) < HEALTH_WITHIN, max(probe.times)
     grown = {pid: peak_rss_mb(pid) - peaks[pid] for pid in pids}
@@ -106,19 +114,14 @@ def test_every_http_routes_worst_values_are_refused_while_health_answers(hostile
     """The same over HTTP: each hostile body, path or header set is refused with a 4xx (or the connection closed
     before it was all sent), health on the gRPC port answers within a second throughout, and no process grows past
     the bound or is replaced."""
-    workers, target, pids, peaks = hostile_target
+    workers, target, _, _ = hostile_target
     probe = HealthProbe(target)
     try:
         answered = {case.name: hostile.http_outcome("127.0.0.1", workers.http_port(), case)
                     for case in hostile.http_cases()}
     finally:
         probe.stop()
-    wrong = {name: status for name, status in answered.items() if status not in hostile.HTTP_ALLOWED}
-    assert not wrong, wrong
-    assert probe.times and max(probe.times) < HEALTH_WITHIN, max(probe.times)
-    grown = {pid: peak_rss_mb(pid) - peaks[pid] for pid in pids}
-    assert max(grown.values()) < MOST_GROWTH_MB, grown
-    assert workers.count("started resnet-frontend") == 1 and not any(gone(pid) for pid in pids)
+    assert_all_refused_and_unharmed(answered, hostile.HTTP_ALLOWED, probe, hostile_target)
 
 
 @pytest.mark.parametrize("model_name, id_, raw_bytes", [

@@ -420,9 +420,9 @@ def test_auth_health_closes_the_health_paths_too(make_server, tmp_path):
 def test_a_body_that_does_not_arrive_in_time_is_408_and_the_server_serves_on(make_server, monkeypatch):
     """A slow client's body: refused once the deadline passes (shortened here through the module's constant, the
     front-end running in this process), its connection freed."""
-    from resnet_server.frontend import http_api
+    from resnet_server.frontend import http_answers
 
-    monkeypatch.setattr(http_api, "BODY_SECONDS", 0.5)
+    monkeypatch.setattr(http_answers, "BODY_SECONDS", 0.5)
     running = make_server(http_port=free_port())
     with socket.create_connection(("127.0.0.1", running.app.http.port), timeout=30) as slow:
         slow.sendall(b"POST /v2/models/resnet18/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")

@@ -32,14 +32,20 @@ class Refused(ServingError):
     """A request refused unread, in place of the request: why, and its kind."""
 
 
-def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and caller-safe message for ``exc``; one not raised on purpose is logged with the current
-    request id, which its message gives the caller."""
+def answered_error(exc: BaseException) -> tuple[ErrorKind, str]:
+    """The kind and caller-safe message for ``exc``, whichever protocol answers it; one not raised on purpose is
+    logged with the current request id, which its message gives the caller."""
     kind, message = caller_error(exc)
     if not isinstance(exc, ServingError):
         rid = current_request.get()
         log.error("request %s failed unexpectedly", rid, exc_info=exc)
         message = f"{message} (request id {rid})"
+    return kind, message
+
+
+def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and caller-safe message for ``exc`` (answered_error's)."""
+    kind, message = answered_error(exc)
     return grpc.StatusCode[kind.name], message
 
 

@@ -3,8 +3,8 @@ extensions) and the project's own API as JSON, on aiohttp, on the same event loo
 
 Each route translates its URL and body into the message the gRPC method takes, checks it against the same
 bounds, and calls the same servicer method (resnet_server.frontend.oip_service, .classifier_service): one set
-of rules, whichever protocol carries a call. What a method raises is answered here, once, as the HTTP status
-its kind maps to, with ``{"error": "..."}``.
+of rules, whichever protocol carries a call. What a method raises is answered as its HTTP status by
+resnet_server.frontend.http_answers.
 """
 
 from __future__ import annotations
@@ -12,115 +12,29 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import logging
 import typing
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 from google.protobuf import json_format
-from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 
 from resnet_client.api import classifier_pb2 as pb
 from resnet_client.api import grpc_predict_v2_pb2 as oip
-from resnet_server.common.errors import ErrorKind, InvalidImages, InvalidInput, ServingError, caller_error
-from resnet_server.common.logs import current_protocol, current_request
+from resnet_server.common.errors import InvalidInput
 from resnet_server.frontend.bounds import MOST_CONFIG_BYTES, OverBound, WireBounds, check
 from resnet_server.frontend.classifier_service import ClassifierService
 from resnet_server.frontend.classify_request import read_classify_request
+from resnet_server.frontend.http_answers import JSON, HttpContext, dumps, read_body
 from resnet_server.frontend.http_tensors import HEADER_LENGTH, check_counts, infer_answer, read_infer_body
 from resnet_server.frontend.oip_service import InferenceService, InferRequest
+from resnet_server.frontend.proto_json import as_json
 from resnet_server.frontend.repository_service import FILE_PREFIX, read_load_request
-from resnet_server.frontend.request_ids import call_id
-from resnet_server.frontend.security import token_is_valid
 
-log = logging.getLogger(__name__)
-
-# One mapping from a domain error's kind to the HTTP status a client expects (gRPC's is by name).
-HTTP_STATUS = {
-    ErrorKind.INVALID_ARGUMENT: 400, ErrorKind.FAILED_PRECONDITION: 400, ErrorKind.UNAUTHENTICATED: 401,
-    ErrorKind.PERMISSION_DENIED: 403, ErrorKind.NOT_FOUND: 404, ErrorKind.ALREADY_EXISTS: 409,
-    ErrorKind.RESOURCE_EXHAUSTED: 429, ErrorKind.INTERNAL: 500, ErrorKind.UNIMPLEMENTED: 501,
-    ErrorKind.UNAVAILABLE: 503, ErrorKind.DEADLINE_EXCEEDED: 504,
-}
-OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})  # orchestrators' probes carry no token
-BODY_SECONDS = 30.0  # a body still arriving after this is a slow client's: refused (408), its slot freed
 KEEPALIVE_SECONDS = 75.0  # an idle keep-alive connection is closed after this
-_JSON = "application/json"
-
-
-class HttpContext:
-    """What the servicer methods read of a gRPC call's context, from an HTTP request: its headers as metadata
-    (token, x-request-id, traceparent), no deadline, and the metadata they answer with, sent back as headers."""
-
-    def __init__(self, request: web.Request) -> None:
-        self._metadata = [(key.lower(), value) for key, value in request.headers.items()]
-        self.answered: list[tuple[str, str]] = []
-
-    def invocation_metadata(self) -> list[tuple[str, str]]:
-        return self._metadata
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    def set_trailing_metadata(self, pairs: Iterable[tuple[str, str]]) -> None:
-        self.answered = list(pairs)
-
-    def trailing_metadata(self) -> list[tuple[str, str]]:
-        return self.answered
-
-    def done(self) -> bool:
-        return False
-
-
-def error_response(exc: BaseException) -> web.Response:
-    """``exc`` answered with its kind's status; one not raised on purpose is logged with the request id, which its
-    message gives the caller."""
-    kind, message = caller_error(exc)
-    if not isinstance(exc, ServingError):
-        rid = current_request.get()
-        log.error("request %s failed unexpectedly", rid, exc_info=exc)
-        message = f"{message} (request id {rid})"
-    body: dict[str, Any] = {"error": message}
-    if isinstance(exc, InvalidImages):
-        body["invalid_images"] = list(exc.reasons)
-    return web.json_response(body, status=HTTP_STATUS[kind], dumps=_dumps)
-
-
-def _dumps(value: object) -> str:
-    return msgspec.json.encode(value).decode()
-
-
-def as_json(message: Message) -> dict[str, Any]:
-    """A message in protobuf's JSON mapping with its field names as declared, but 64-bit integers as numbers (as
-    Triton's REST API writes them, where the mapping writes strings)."""
-    return _numbers(message, json_format.MessageToDict(message, preserving_proto_field_name=True))
-
-
-_INT64 = {FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64}
-
-
-def _numbers(message: Message, shown: dict[str, Any]) -> dict[str, Any]:
-    for field, value in message.ListFields():
-        name = field.name
-        if name not in shown:
-            continue
-        if field.cpp_type in _INT64:
-            shown[name] = [int(v) for v in shown[name]] if field.is_repeated else int(shown[name])
-        elif field.message_type is not None and field.message_type.GetOptions().map_entry:
-            value_field = field.message_type.fields_by_name["value"]
-            if value_field.message_type is not None:
-                shown[name] = {key: _numbers(value[key], shown[name][key]) for key in shown[name]}
-            elif value_field.cpp_type in _INT64:
-                shown[name] = {key: int(item) for key, item in shown[name].items()}
-        elif field.message_type is not None:
-            if field.is_repeated:
-                shown[name] = [_numbers(item, entry) for item, entry in zip(value, shown[name], strict=True)]
-            else:
-                shown[name] = _numbers(value, shown[name])
-    return shown
 
 
 class HttpApi:
@@ -193,7 +107,7 @@ class HttpApi:
         name, version = _model(request)
         asked = self._read(oip.ModelConfigRequest(name=name, version=version))
         return web.json_response(as_json((await self.inference.ModelConfig(asked, HttpContext(request))).config),
-                                 dumps=_dumps)
+                                 dumps=dumps)
 
     async def model_statistics(self, request: web.Request) -> web.Response:
         name, version = request.match_info.get("model", ""), request.match_info.get("version", "")
@@ -211,7 +125,7 @@ class HttpApi:
         answer, json_length = infer_answer(response, read.binary_outputs, read.all_binary)
         headers = dict(context.answered)
         if json_length is None:
-            return web.Response(body=answer, content_type=_JSON, headers=headers)
+            return web.Response(body=answer, content_type=JSON, headers=headers)
         headers[HEADER_LENGTH] = str(json_length)
         return web.Response(body=answer, content_type="application/octet-stream", headers=headers)
 
@@ -219,7 +133,7 @@ class HttpApi:
         body = await _json_body(request)
         asked = self._read(oip.RepositoryIndexRequest(ready=body.get("ready") is True))
         index = await self.inference.RepositoryIndex(asked, HttpContext(request))
-        return web.json_response([as_json(model) for model in index.models], dumps=_dumps)
+        return web.json_response([as_json(model) for model in index.models], dumps=dumps)
 
     async def load(self, request: web.Request) -> web.Response:
         body = await read_body(request, self.most_load_bytes)
@@ -242,7 +156,7 @@ class HttpApi:
     async def shm_status(self, request: web.Request) -> web.Response:
         asked = self._read(oip.SystemSharedMemoryStatusRequest(name=request.match_info.get("region", "")))
         status = await self.inference.SystemSharedMemoryStatus(asked, HttpContext(request))
-        return web.json_response([as_json(region) for region in status.regions.values()], dumps=_dumps)
+        return web.json_response([as_json(region) for region in status.regions.values()], dumps=dumps)
 
     async def shm_register(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -267,7 +181,7 @@ class HttpApi:
                 values = value if isinstance(value, list) else [value]
                 asked.settings[key].value.extend(str(item) for item in values)
         answer = await self.inference.TraceSetting(self._read(asked), HttpContext(request))
-        return web.json_response({key: list(value.value) for key, value in answer.settings.items()}, dumps=_dumps)
+        return web.json_response({key: list(value.value) for key, value in answer.settings.items()}, dumps=dumps)
 
     async def classify(self, request: web.Request) -> web.Response:
         """The project's own API: a ClassifyRequest in protobuf's JSON mapping (images' bytes in base64)."""
@@ -275,7 +189,7 @@ class HttpApi:
         asked = await _off_the_loop_if_large(body, self._read_classify, body)
         context = HttpContext(request)
         answer = await self.classifier.Classify(asked, context)
-        return web.json_response(json_format.MessageToDict(answer), dumps=_dumps, headers=dict(context.answered))
+        return web.json_response(json_format.MessageToDict(answer), dumps=dumps, headers=dict(context.answered))
 
     def _read_classify(self, body: bytes) -> Any:
         check_counts(body, values=True)
@@ -289,7 +203,7 @@ class HttpApi:
 
     async def model_info(self, request: web.Request) -> web.Response:
         info = await self.classifier.GetModelInfo(pb.GetModelInfoRequest(), HttpContext(request))
-        return web.json_response(json_format.MessageToDict(info), dumps=_dumps)
+        return web.json_response(json_format.MessageToDict(info), dumps=dumps)
 
 
 MOST_BYTES_ON_THE_LOOP = 64 << 10  # a body larger than this is read off the event loop (JSON numbers, base64)
@@ -304,7 +218,7 @@ async def _off_the_loop_if_large(body: bytes, read: Callable[..., Any], *args: A
 
 
 def _json(message: Message) -> web.Response:
-    return web.json_response(as_json(message), dumps=_dumps)
+    return web.json_response(as_json(message), dumps=dumps)
 
 
 def _model(request: web.Request) -> tuple[str, str]:
@@ -321,26 +235,6 @@ def _load_parameter(message: oip.RepositoryModelLoadRequest, key: str, value: st
         message.parameters[key].bytes_param = base64.b64decode(value, validate=True)
     except binascii.Error:
         raise InvalidInput(f"parameter {key[:64]!r} is not base64") from None
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The body, refused (413) from its Content-Length before it is read when it is over ``limit``, and read with a
-    deadline (408), so that a slow client holds a connection no longer."""
-    if request.content_length is not None and request.content_length > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length,
-                                            text=_dumps({"error": f"the body holds {request.content_length} bytes, "
-                                                                  f"over the limit of {limit} (--max-message-mb)"}),
-                                            content_type=_JSON)
-    try:
-        body = await asyncio.wait_for(request.read(), BODY_SECONDS)  # at most the application's client_max_size
-    except asyncio.TimeoutError:
-        raise web.HTTPRequestTimeout(text=_dumps({"error": f"the body did not arrive within {BODY_SECONDS:g}s"}),
-                                     content_type=_JSON) from None
-    if len(body) > limit:  # chunked, with no Content-Length to say so first
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body),
-                                            text=_dumps({"error": f"the body is over the limit of {limit} bytes "
-                                                                  "(--max-message-mb)"}), content_type=_JSON)
-    return body
 
 
 class _LoadBody(msgspec.Struct):
@@ -363,27 +257,3 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return value
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def middlewares(tokens: list[bytes], protect_health: bool) -> list:
-    @web.middleware
-    async def answered(request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Every route's call: the protocol and request id made current, its token checked, what it raises
-        answered as its status."""
-        current_protocol.set("http")
-        call_id(HttpContext(request))  # type: ignore[arg-type]  # reads its metadata as gRPC's context
-        if tokens and (protect_health or request.path not in OPEN_PATHS) and \
-                not token_is_valid([("authorization", request.headers.get("Authorization", ""))], tokens):
-            return web.json_response({"error": "missing or invalid bearer token"}, status=401,
-                                     headers={"WWW-Authenticate": "Bearer"}, dumps=_dumps)
-        try:
-            return await handler(request)
-        except web.HTTPException as exc:  # aiohttp's own (no route, wrong method) answered as JSON too
-            if exc.content_type == _JSON:
-                raise
-            return web.json_response({"error": exc.reason}, status=exc.status, headers={
-                key: value for key, value in exc.headers.items() if key.lower() == "allow"}, dumps=_dumps)
-        except Exception as exc:  # noqa: BLE001 - answered as its status
-            return error_response(exc)
-    return [answered]

@@ -11,7 +11,8 @@ from aiohttp import web
 from resnet_server.common.config import host_port
 from resnet_server.common.errors import StartupError
 from resnet_server.common.sections import Network
-from resnet_server.frontend.http_api import KEEPALIVE_SECONDS, HttpApi, middlewares
+from resnet_server.frontend.http_answers import middlewares
+from resnet_server.frontend.http_api import KEEPALIVE_SECONDS, HttpApi
 
 MOST_HEADER_BYTES = 8190  # a request line's and a header's (aiohttp's own defaults, said here)
 MOST_HEADERS = 128
