@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.certs import Authority
 from tests.helpers import (
+    IN_CI,
     ROOT,
     encode,
     free_port,
@@ -429,3 +430,23 @@ def test_a_body_that_does_not_arrive_in_time_is_408_and_the_server_serves_on(mak
         answer = slow.recv(65536)
     assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5s" in answer
     assert request(running.http_target, "/v2/health/ready")[0] == 200
+
+
+KSERVE_PYTHON = ROOT / ".venv-kserve" / "bin" / "python"  # .ci/run makes it: pip install kserve
+
+
+@pytest.mark.skipif(not KSERVE_PYTHON.exists() and not IN_CI, reason="no .venv-kserve (python -m venv .venv-kserve "
+                    "&& .venv-kserve/bin/pip install kserve): the SDK pins protobuf < 7")
+def test_the_kserve_sdks_rest_client_answers_as_grpc_does(server, triton_grpc, tmp_path):
+    images = np.stack([image[:224, :224] for image in IMAGES[:2]])
+    np.save(tmp_path / "images.npy", images)
+    done = subprocess.run([str(KSERVE_PYTHON), str(ROOT / "tests" / "kserve_rest_client.py"),
+                           f"http://{server.http_target}", str(tmp_path / "images.npy")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    read = json.loads(done.stdout)
+    assert read["live"] and read["ready"] and read["model_ready"]
+    assert read["id"] == "kserve-1" and read["model_name"] == "resnet18_uint8"
+    assert set(read["outputs"]) == {"probabilities", "top_k_indices", "top_k_probabilities", "top_k_labels"}
+    np.testing.assert_allclose(read["outputs"]["probabilities"], grpc_probabilities(
+        triton_grpc, "resnet18_uint8", images, "UINT8"), atol=1e-6, rtol=0)

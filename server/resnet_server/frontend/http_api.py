@@ -83,17 +83,19 @@ class HttpApi:
             raise InvalidInput(str(exc)) from None
         return reader(data) if reader is not None else message
 
+    # Health says itself twice, as KServe's own server answers it: in the status (200 true, 503 false: what probes,
+    # balancers and tritonclient read) and in the body (what the KServe SDK reads).
     async def live(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return web.json_response({"live": True}, dumps=dumps)
 
     async def server_ready(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.ready() else 400)  # KServe: 200 is true, a 4xx false
+        return _readiness({}, self.ready())
 
     async def model_ready(self, request: web.Request) -> web.Response:
         name, version = _model(request)
         asked = self._read(oip.ModelReadyRequest(name=name, version=version))
         answer = await self.inference.ModelReady(asked, HttpContext(request))
-        return web.Response(status=200 if answer.ready and self.ready() else 400)
+        return _readiness({"name": name}, answer.ready and self.ready())
 
     async def server_metadata(self, request: web.Request) -> web.Response:
         return _json(await self.inference.ServerMetadata(oip.ServerMetadataRequest(), HttpContext(request)))
@@ -215,6 +217,10 @@ async def _off_the_loop_if_large(body: bytes, read: Callable[..., Any], *args: A
     if len(body) <= MOST_BYTES_ON_THE_LOOP:
         return read(*args)
     return await asyncio.to_thread(read, *args)
+
+
+def _readiness(about: dict[str, Any], ready: bool) -> web.Response:
+    return web.json_response({**about, "ready": ready}, status=200 if ready else 503, dumps=dumps)
 
 
 def _json(message: Message) -> web.Response:
