@@ -41,16 +41,18 @@ def render(folder: Path) -> str:
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, Path]:
-    """Each overlay (and the cpu overlay with the TLS component) rendered to a file."""
+    """Each overlay, and the cpu overlay with each component, rendered to a file."""
     folder = tmp_path_factory.mktemp("kubernetes")
-    with_tls = folder / "tls-overlay"
-    with_tls.mkdir()
-    relative = Path(os.path.relpath(KUBERNETES, with_tls))  # kustomize takes no absolute paths
-    (with_tls / "kustomization.yaml").write_text(
-        f"resources: [{relative / 'overlays/cpu'}]\ncomponents: [{relative / 'components/tls'}]\n")
+    with_components = {}
+    for component in ("tls", "http-readiness"):
+        overlay = with_components[component] = folder / f"{component}-overlay"
+        overlay.mkdir()
+        relative = Path(os.path.relpath(KUBERNETES, overlay))  # kustomize takes no absolute paths
+        (overlay / "kustomization.yaml").write_text(
+            f"resources: [{relative / 'overlays/cpu'}]\ncomponents: [{relative / 'components' / component}]\n")
     files = {}
     for name, source in (("cpu", KUBERNETES / "overlays/cpu"), ("gpu", KUBERNETES / "overlays/gpu"),
-                         ("tls", with_tls)):
+                         *with_components.items()):
         files[name] = folder / f"{name}.yaml"
         files[name].write_text(render(source))
     return files
@@ -66,7 +68,7 @@ def server_container(docs: dict[str, dict]) -> dict:
 
 
 @needs_tools
-@pytest.mark.parametrize("overlay", ["cpu", "gpu", "tls"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "tls", "http-readiness"])
 def test_every_manifest_validates_against_the_kubernetes_schema(rendered, overlay):
     done = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", str(rendered[overlay])],
                           capture_output=True, text=True, timeout=120)
@@ -78,7 +80,7 @@ def test_every_manifest_validates_against_the_kubernetes_schema(rendered, overla
 
 
 @needs_tools
-@pytest.mark.parametrize("overlay", ["cpu", "gpu", "tls"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "tls", "http-readiness"])
 def test_checkov_fails_no_check_and_every_skipped_one_says_why(rendered, overlay, tmp_path):
     done = subprocess.run(
         [tool("checkov"), "-f", str(rendered[overlay]), "--framework", "kubernetes", "--skip-download", "--compact",
@@ -122,6 +124,8 @@ def test_ports_probes_and_services_match_the_servers_defaults(rendered):
             if name == "tls":  # plaintext gRPC probes cannot reach a TLS port: the client's health command
                 command = spec["exec"]["command"]
                 assert command[:4] == ["resnet-client", "health", "--server", f"localhost:{defaults.port}"]
+            elif name == "http-readiness" and probe == "readinessProbe":
+                assert spec["httpGet"] == {"path": "/v2/health/ready", "port": "http"} and "grpc" not in spec
             else:
                 assert spec["grpc"]["port"] == defaults.port
                 assert spec["grpc"].get("service", "") in ("", *SERVICE_NAMES)

@@ -6,6 +6,7 @@ Bounded: every wait gives up after a few minutes. Exit code 0 only when every ch
 from __future__ import annotations
 
 import argparse
+import base64
 import io
 import json
 import sys
@@ -43,9 +44,20 @@ def wait_until(check, what: str, timeout: float = 180.0):
     raise SystemExit(f"FAILED: {what} (waited {timeout:.0f}s)")
 
 
+def classify_over_http(gateway: str, jpeg: bytes) -> None:
+    """The gateway's HTTP port: /v1/classify in JSON, as the README's curl line sends it."""
+    body = json.dumps({"images": [{"encoded": base64.b64encode(jpeg).decode()}], "top_k": 3}).encode()
+    for _ in range(4):
+        with urllib.request.urlopen(f"http://{gateway}/v1/classify", body, timeout=60) as answer:
+            (result,) = json.loads(answer.read())["results"]
+            assert len(result["topK"]) == 3
+    print("ok: classified 4 images over HTTP through the gateway")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gateway", required=True)
+    parser.add_argument("--http-gateway", required=True, help="the gateway's HTTP HOST:PORT")
     parser.add_argument("--prometheus", required=True)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--grafana")
@@ -60,6 +72,7 @@ def main() -> int:
             devices.add(result.device)
             assert len(result.top_k) == 3
     print(f"ok: classified 40 images through the gateway (devices: {sorted(devices)})")
+    classify_over_http(args.http_gateway, buffer.getvalue())
 
     def instances() -> list[str]:
         answer = query(args.prometheus, "sum by (instance) (resnet_request_duration_seconds_count)")

@@ -27,6 +27,7 @@ for stage in $stages; do
 done
 export COMPOSE_PROJECT_NAME=resnet-proof
 export RESNET_SERVER_WEIGHTS=random GATEWAY_PORT=${GATEWAY_PORT:-50050} PROMETHEUS_PORT=${PROMETHEUS_PORT:-9090}
+export GATEWAY_HTTP_PORT=${GATEWAY_HTTP_PORT:-58080}  # not compose's 8080: a CI host may hold that one
 PY_IMAGE=python:3.11-slim
 PROM_IMAGE=${PROMETHEUS_IMAGE:-prom/prometheus:v2.53.0}
 NGINX_IMAGE=${NGINX_IMAGE:-nginx:1.27}
@@ -202,6 +203,7 @@ fi
 # The checker is a client of the stack: run it with the project installed (pip install -e ".[test]").
 started_checks=$SECONDS
 "${PYTHON:-python3}" tests/container/check_stack.py --gateway "127.0.0.1:$GATEWAY_PORT" \
+  --http-gateway "127.0.0.1:$GATEWAY_HTTP_PORT" \
   --prometheus "http://127.0.0.1:$PROMETHEUS_PORT" --replicas 2 \
   $([[ " ${services[*]} " == *" grafana "* ]] && echo --grafana http://127.0.0.1:${GRAFANA_PORT:-3000})
 step "the tracing profile: a traced call's spans at the OTLP receiver"
