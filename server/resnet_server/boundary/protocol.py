@@ -104,6 +104,8 @@ class Ready(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.READY)):
 class Submit(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.SUBMIT)):
     entries: list[SlotEntry]
     request_ids: list[str]  # one a call, for the engine's log lines about its batch
+    clients: list[str]  # one a call: whose share of the device it takes (resnet_server.engine.fair_queue)
+    priorities: list[int]  # one a call: its rank among its client's calls (0: none asked)
 
 
 class Cancel(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.CANCEL)):

@@ -113,6 +113,7 @@ class ServerConfig:
     event_loop: str = "auto"  # the front-ends' (resnet_server.common.event_loop)
     runner: str = "model"  # what runs the engines' batches (resnet_server.engine.runners)
     runtime: str = "torch"  # what runs the forward pass: PyTorch, or ONNX Runtime (resnet_server.engine.onnx_runtime)
+    fair_share: str = "auto"  # who shares a device fairly: callers by token, by peer address, or off
 
     def __post_init__(self) -> None:
         """Each field of the type it is declared with, and each choice one of its values: a configuration built in
@@ -176,16 +177,19 @@ PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 RUNTIMES = ("torch", "onnxruntime")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MODEL_CONTROL_MODES = ("none", "explicit")
+FAIR_SHARE_MODES = ("auto", "token", "peer", "off")
 # The fields that take one of a few values, and those values (what the flags below accept, and what a
 # configuration built in code is checked against).
 _CHOICES = {"precision": PRECISIONS, "compile_mode": COMPILE_MODES, "log_format": LOG_FORMATS,
             "event_loop": EVENT_LOOPS, "log_level": LOG_LEVELS, "cuda_graphs": AUTO_BOOLEAN,
-            "decode_on_device": AUTO_BOOLEAN, "model_control": MODEL_CONTROL_MODES, "runtime": RUNTIMES}
+            "decode_on_device": AUTO_BOOLEAN, "model_control": MODEL_CONTROL_MODES, "runtime": RUNTIMES,
+            "fair_share": FAIR_SHARE_MODES}
 _precision = _one_of(*PRECISIONS)
 _runtime = _one_of(*RUNTIMES)
 _compile_mode = _one_of(*COMPILE_MODES)
 _log_format = _one_of(*LOG_FORMATS)
 _model_control = _one_of(*MODEL_CONTROL_MODES)
+_fair_share = _one_of(*FAIR_SHARE_MODES)
 
 
 def _endpoint(text: str) -> str | None:
@@ -396,6 +400,10 @@ FLAGS: list[tuple[str, FlagType, str]] = [
                                       "may hold registered"),
     ("max-shm-mb", positive_int, "most bytes, in MiB, one client token's shared-memory regions may span together "
                                  "(they are read and written in place, not mapped or copied into the server)"),
+    ("fair-share", _fair_share, "how a device is shared when callers want more than it computes: token (each bearer "
+                                "token's calls take their turn), peer (each client address's), off (first come, "
+                                "first served), or auto: token with --auth-token-file, else peer. Within a "
+                                "caller, Triton's priority parameter orders its calls (docs/operations.md)"),
     ("max-concurrent-streams", positive_int, "most concurrent RPCs per HTTP/2 connection"),
     ("max-connection-age", non_negative_float, "seconds after which a connection is asked to reconnect (HTTP/2 "
                                                 "GOAWAY, +-10% jitter; calls in flight get --grace-period), so "
@@ -568,6 +576,9 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         raise ConfigError(problem)
     if problem := port_clash(config):
         raise ConfigError(problem)
+    if config.fair_share == "token" and not config.auth_token_file:
+        raise ConfigError("--fair-share token tells callers apart by their bearer tokens: it needs --auth-token-file "
+                          "(or choose peer)")
     if config.max_batch_size > config.max_queue:
         raise ConfigError(f"--max-batch-size {config.max_batch_size} is over --max-queue {config.max_queue}, the "
                           "images a device holds at once: no batch could fill; raise --max-queue or lower the batch")

@@ -97,6 +97,7 @@ class FrontendConfig:
     allow_client_shm: bool = False
     max_shm_regions: int = 64
     max_shm_mb: int = 4096
+    fair_share: str = "auto"
 
 
 def _section(kind: type, config: ServerConfig, **given: object):

@@ -57,6 +57,8 @@ class WorkItem(Generic[CallerT]):
     deadline: float | None  # time.monotonic() value, or None for no deadline
     caller: CallerT
     request_id: str = ""
+    client: str = ""  # whose share of the device it takes (resnet_server.engine.fair_queue); "": everyone's
+    priority: int = 0  # within its client's: 1 first, then 2, ...; 0 after every numbered level
     enqueued: float = field(default_factory=time.monotonic)
 
     def is_dead(self, now: float) -> str | None:

@@ -39,6 +39,7 @@ from resnet_server.common.preprocess import FLOAT_SHAPE
 from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.common.work import WorkItem
+from resnet_server.engine.fair_queue import FairQueue
 from resnet_server.engine.runner import PendingScores
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class Batcher:
         self._answered_at = 0.0  # time.monotonic() just before they were handed back
         self._waits_to_skip = 0
         self._skip_after_ran_out = 1  # waits to skip once the next wait runs out (see MOST_WAITS_SKIPPED)
-        self._queue: collections.deque[WorkItem] = collections.deque()
+        self._queue: FairQueue[WorkItem] = FairQueue()
         self._swaps: list[_Swap] = []  # guarded by _cond
         self.weights_version = 1  # of the weights the next batch runs with: set only on the worker's thread
         self._launches = 0  # batches launched (on the worker's thread)
@@ -275,8 +276,7 @@ class Batcher:
                     self._wait_for_answered_callers()
                 if self._queue:  # else every image waited for was withdrawn meanwhile: wait for work again
                     break
-            size = min(len(self._queue), self.max_batch_size)
-            batch = [self._queue.popleft() for _ in range(size)]
+            batch = self._queue.take(self.max_batch_size)
             self._queue_depth.set(len(self._queue))
             return batch
 
@@ -356,7 +356,7 @@ class Batcher:
         return False
 
     def _wait_for_fuller_batch(self) -> None:
-        self._wait_while(lambda: True, self._queue[0].enqueued + self._max_delay)
+        self._wait_while(lambda: True, self._queue.oldest_arrival() + self._max_delay)
 
     def _wait_for_answered_callers(self) -> None:
         """Until as many images have come since the last answer as it held, the batch is full, or
@@ -379,15 +379,7 @@ class Batcher:
 
     def _callers_missing(self) -> bool:
         """Fewer images have come since the last answer than it held, and the batch is not full."""
-        return len(self._queue) < self.max_batch_size and self._arrived_since_answer() < self._answered
-
-    def _arrived_since_answer(self) -> int:
-        count = 0
-        for item in reversed(self._queue):  # newest first: items queue in the order they were made
-            if item.enqueued < self._answered_at:
-                break
-            count += 1
-        return count
+        return len(self._queue) < self.max_batch_size and self._queue.arrived_since(self._answered_at) < self._answered
 
     def _drop_dead(self, batch: list[WorkItem]) -> list[WorkItem]:
         now = time.monotonic()

@@ -290,7 +290,7 @@ class Engine:
                           frontend.owner)
 
     def _submit(self, frontend: _FrontEnd, message: Submit) -> None:
-        items = [self._item(frontend, entry, message.request_ids[entry.call]) for entry in message.entries]
+        items = [self._item(frontend, entry, message) for entry in message.entries]
         with self._lock:
             frontend.items.update((item.caller.slot, item) for item in items)
         try:
@@ -298,7 +298,7 @@ class Engine:
         except ServingError as exc:
             self._fail(items, exc)
 
-    def _item(self, frontend: _FrontEnd, entry: SlotEntry, request_id: str) -> Item:
+    def _item(self, frontend: _FrontEnd, entry: SlotEntry, message: Submit) -> Item:
         slot, nbytes = entry.slot, entry.nbytes
         model_input: ModelInput
         if entry.kind is ImageKind.RAW:
@@ -311,7 +311,8 @@ class Engine:
             model_input = DeferredJpeg(torch.frombuffer(self.slab.input(slot, nbytes), dtype=torch.uint8),
                                        self.config.max_pixels)
         return WorkItem(model_input, entry.temperature, entry.top_k, entry.deadline, Ticket(frontend, slot),
-                        request_id)
+                        message.request_ids[entry.call], client=message.clients[entry.call],
+                        priority=message.priorities[entry.call])
 
     def _cancel(self, frontend: _FrontEnd, message: Cancel) -> None:
         with self._lock:

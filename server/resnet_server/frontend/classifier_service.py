@@ -26,8 +26,8 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["Classifier"].full_name
 CLASSIFY, CLASSIFY_STREAM = f"{_SERVICE}/Classify", f"{_SERVICE}/ClassifyStream"  # the spans' names
 
 
-def to_call(request: ReadRequest, context: grpc.aio.ServicerContext, trace: CallTrace | None = None
-            ) -> ClassifyCall:
+def to_call(request: ReadRequest, context: grpc.aio.ServicerContext, trace: CallTrace | None = None,
+            client: str = "") -> ClassifyCall:
     if request.unreadable is not None:
         raise InvalidInput(request.unreadable)
     fields = request.fields
@@ -38,6 +38,7 @@ def to_call(request: ReadRequest, context: grpc.aio.ServicerContext, trace: Call
         timeout=context.time_remaining(),
         request_id=current_request.get(),
         trace=trace,
+        client=client,
     )
 
 
@@ -78,7 +79,8 @@ class ClassifierService(pb_grpc.ClassifierServicer):
 
     async def _classify(self, request: ReadRequest, context, trace: CallTrace | None = None
                         ) -> pb.ClassifyResponse:
-        outputs = await self._ready_core().classify(to_call(request, context, trace))
+        core = self._ready_core()
+        outputs = await core.classify(to_call(request, context, trace, core.client_of(context)))
         return pb.ClassifyResponse(results=[to_result(output, self._labels, request.fields) for output in outputs],
                                    weights_version=max(output.weights_version for output in outputs))
 

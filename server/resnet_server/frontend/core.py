@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from resnet_server.common.device_decode import defer_or_preprocess
 from resnet_server.common.errors import (
@@ -48,6 +49,8 @@ class ClassifyCall:
     timeout: float | None = None  # seconds left before the caller's deadline
     request_id: str = ""
     trace: CallTrace | None = None  # its span, with tracing on (resnet_server.frontend.tracing)
+    client: str = ""  # whose share of the device it takes (resnet_server.frontend.fair_share)
+    priority: int = 0  # its rank among its client's calls: 1 first, then 2, ...; 0 after them
 
 
 def cheap_problems(images: Sequence[ImageInput], max_pixels: int) -> dict[int, str]:
@@ -78,8 +81,10 @@ def decoder_for(image: ImageInput, replica: EngineHandle) -> Callable | None:
 
 class InferenceCore:
     def __init__(self, router: Router, metrics: Metrics, limits: Limits, default_temperature: float,
-                 preprocess_threads: int, on_no_replica_left: Callable[[], None] = lambda: None) -> None:
+                 preprocess_threads: int, on_no_replica_left: Callable[[], None] = lambda: None,
+                 client_of: Callable[[Any], str] = lambda context: "") -> None:
         self.router = router
+        self.client_of = client_of  # a call's caller, from its context (resnet_server.frontend.fair_share)
         # Called (on the event loop) whenever a call finds every replica out of rotation.
         self._on_no_replica_left = on_no_replica_left
         self.limits = limits
@@ -139,8 +144,8 @@ class InferenceCore:
             call.trace.admitted()
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExpired("deadline passed while the images were decoded")
-        items = [WorkItem(model_input, temperature, k, deadline, self._loop.create_future(), call.request_id)
-                 for model_input in model_inputs]
+        items = [WorkItem(model_input, temperature, k, deadline, self._loop.create_future(), call.request_id,
+                          client=call.client, priority=call.priority) for model_input in model_inputs]
         replica.submit(items)
         try:
             if len(items) == 1:  # most calls: no gathering future and its callbacks

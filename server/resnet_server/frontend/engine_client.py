@@ -136,7 +136,7 @@ class EngineClient:
         self._in_rotation = False
         self._waiting: dict[int, WorkItem] = {}  # by slot: items sent and not yet answered
         self._unsent: list[SlotEntry] = []  # submitted in this turn of the event loop; sent together at its end
-        self._unsent_ids: list[str] = []  # their calls' request ids (SlotEntry.call)
+        self._unsent_calls: list[WorkItem] = []  # their calls, by each one's first item (SlotEntry.call)
         self._slot_of: dict[WorkItem, int] = {}
         self._reconnecting: asyncio.Task | None = None
         self._closed = False
@@ -246,18 +246,19 @@ class EngineClient:
         if not self._unsent:  # the first submit of this turn of the loop
             session.loop.call_soon(self._send_unsent)
         self._unsent += entries
-        self._unsent_ids.append(items[0].request_id)  # a call's items share its id
+        self._unsent_calls.append(items[0])  # a call's items share its id, client and priority
         for slot, item in zip(slots, items, strict=True):
             self._waiting[slot], self._slot_of[item] = item, slot
 
     def _send_unsent(self) -> None:
         """One message for every call submitted since the last: a message and its wake-up of the engine cost
         about as much as the rest of a call's hand-off, and under load many calls start in one turn of the loop."""
-        entries, ids, self._unsent, self._unsent_ids = self._unsent, self._unsent_ids, [], []
+        entries, calls, self._unsent, self._unsent_calls = self._unsent, self._unsent_calls, [], []
         if not entries or self._session is None:  # lost meanwhile: _lost has failed these calls already
             return
         try:
-            self._session.outgoing.write(Submit(entries, ids))
+            self._session.outgoing.write(Submit(entries, [call.request_id for call in calls],
+                                                [call.client for call in calls], [call.priority for call in calls]))
         except OSError:
             self._lost()  # fails these items too: UNAVAILABLE, and the client retries
 
@@ -282,7 +283,7 @@ class EngineClient:
         nbytes = data.nbytes if isinstance(data, memoryview) else len(data)
         copy_into(self.slab.input(slot, nbytes), data)  # a client's region's pixels: read straight into the slot
         return SlotEntry(slot=slot, kind=kind, dtype=dtype, shape=shape, nbytes=nbytes, temperature=item.temperature,
-                         top_k=item.top_k, deadline=item.deadline, call=len(self._unsent_ids))
+                         top_k=item.top_k, deadline=item.deadline, call=len(self._unsent_calls))
 
     def withdraw(self, items: Sequence[WorkItem]) -> None:
         """The caller has gone: ask the engine to drop what it has not computed (it answers 'released')."""
@@ -371,7 +372,7 @@ class EngineClient:
         if session is None:
             return
         session.close()
-        waiting, self._waiting, self._slot_of, self._unsent, self._unsent_ids = self._waiting, {}, {}, [], []
+        waiting, self._waiting, self._slot_of, self._unsent, self._unsent_calls = self._waiting, {}, {}, [], []
         self.slab.give_back(list(waiting), self._slab_owner)
         error = Unavailable(f"the engine of {self.name} ended with this call in flight; retry")
         for item in waiting.values():

@@ -35,6 +35,7 @@ class HttpContext:
 
     def __init__(self, request: web.Request) -> None:
         self._metadata = [(key.lower(), value) for key, value in request.headers.items()]
+        self._peer = request.transport.get_extra_info("peername") if request.transport is not None else ""
         self.answered: list[tuple[str, str]] = []
 
     def invocation_metadata(self) -> list[tuple[str, str]]:
@@ -51,6 +52,14 @@ class HttpContext:
 
     def done(self) -> bool:
         return False
+
+    def peer(self) -> str:
+        """The client's address as gRPC writes a peer (``ipv4:HOST:PORT``, ``ipv6:[HOST]:PORT``)."""
+        address = self._peer
+        if not isinstance(address, tuple):
+            return f"unix:{address}"
+        host, port = address[0], address[1]
+        return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
 
 def error_response(exc: BaseException) -> web.Response:

@@ -43,6 +43,20 @@ def top_k_parameter(parameters) -> int | None:
         raise InvalidInput(f"parameter top_k must be an integer, got {value!r}") from None
 
 
+MOST_PRIORITY = 1 << 31
+
+
+def priority_parameter(parameters) -> int:
+    """Triton's ``priority``: 1 is served first among a caller's calls, then 2, ...; 0 (or none) after them."""
+    value = parameter(parameters, "priority")
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MOST_PRIORITY:
+        raise InvalidInput(f"parameter priority must be a whole number from 0 to {MOST_PRIORITY}, got "
+                           f"{str(value)[:32]!r}")
+    return value
+
+
 class RegionReference(NamedTuple):
     """Where a tensor's bytes are in a client's shared-memory region (Triton's tensor parameters)."""
 

@@ -28,6 +28,7 @@ from resnet_server.frontend.infer_parameters import (
     SHM_BYTE_SIZE,
     SHM_OFFSET,
     SHM_REGION,
+    priority_parameter,
     region_reference,
     temperature_parameter,
     top_k_parameter,
@@ -180,8 +181,9 @@ class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
             into_regions = self._output_regions(request, owner, regions)
             images = input_images(input_tensors(request, raw), self._core.limits.max_images_per_request)
             check_rooms_before_compute(into_regions, len(images), top_k)
-            call = ClassifyCall(images, temperature_parameter(request.parameters),
-                                top_k, context.time_remaining(), current_request.get(), trace)
+            call = ClassifyCall(images, temperature_parameter(request.parameters), top_k, context.time_remaining(),
+                                current_request.get(), trace, client=self._core.client_of(context),
+                                priority=priority_parameter(request.parameters))
             outputs = await self._core.classify(call)
             tensors = output_tensors(outputs, names, self._labels)
             write_to_regions(tensors, into_regions)

@@ -41,6 +41,7 @@ from resnet_server.frontend.classifier_service import ClassifierService
 from resnet_server.frontend.classify_request import read_classify_request
 from resnet_server.frontend.core import InferenceCore, Limits
 from resnet_server.frontend.engine_client import EngineClient
+from resnet_server.frontend.fair_share import caller_keys, resolved_mode
 from resnet_server.frontend.handlers import registered
 from resnet_server.frontend.http_api import HttpApi
 from resnet_server.frontend.http_server import HttpListener
@@ -207,7 +208,8 @@ class App:
         self.control.connected_source = self.control.served.source
         limits = Limits(config.max_images_per_request, config.max_pixels)
         self.core = InferenceCore(Router(replicas), self.metrics, limits, self.temperature,
-                                  config.preprocess_threads, self._no_replica_left)
+                                  config.preprocess_threads, self._no_replica_left,
+                                  caller_keys(resolved_mode(config.fair_share, bool(self.tokens))))
         info = model_info(config, replicas, self.temperature, self.temperature_source)
         self._record_model_info(replicas)
         self.classifier.attach(self.core, info)
