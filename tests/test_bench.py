@@ -824,3 +824,14 @@ def test_http_cost_measures_each_protocol_against_grpc():
         row = result[protocol]
         assert row["images_per_s"] > 0 and row["frontend_cpu_ms"] > 0 and len(row["rounds"]) == 1
         assert row["cpu_to_grpc"] == pytest.approx(row["frontend_cpu_ms"] / result["grpc"]["frontend_cpu_ms"])
+
+
+def test_fair_share_sets_a_greedy_caller_beside_a_polite_one_in_each_mode():
+    """scripts/benchmarks/fair_share.py end to end, briefly: both modes measured once, each caller's figures."""
+    result = run_benchmark("fair_share", "--greedy", "4", "--duration", "1", "--rounds", "1", "--json")
+    for mode in ("token", "off"):
+        row = result[mode]
+        assert row["greedy_alone"] > 0 and row["greedy_images_per_s"] > 0 and row["polite_images_per_s"] > 0
+        assert row["polite_p50_to_greedy"] == pytest.approx(row["polite_p50_ms"] / row["greedy_p50_ms"])
+    assert result["polite_images_per_s_to_off"] == pytest.approx(
+        result["token"]["polite_images_per_s"] / result["off"]["polite_images_per_s"])

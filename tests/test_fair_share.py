@@ -170,3 +170,26 @@ def test_tritons_priority_orders_one_callers_requests(make_server, faults):
 
     answered = asyncio.run(race())
     assert answered.index("urgent") == 1, answered
+
+
+def test_the_own_apis_priority_field_orders_one_callers_requests(make_server, faults):
+    running = make_server(fair_share="peer", max_batch_size=1, runner=faults.runner)
+    faults.set("hold")
+
+    async def race() -> list[str]:
+        answered: list[str] = []
+        async with AsyncClient(running.target, timeout=60) as client:
+            async def call(name: str, priority: int) -> None:
+                await client.classify([IMAGE], priority=priority)
+                answered.append(name)
+
+            calls = [asyncio.ensure_future(call(f"plain-{i}", 0)) for i in range(4)]
+            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 3)
+            calls += [asyncio.ensure_future(call("second", 2)), asyncio.ensure_future(call("first", 1))]
+            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 5)
+            faults.clear()
+            await asyncio.gather(*calls)
+        return answered
+
+    answered = asyncio.run(race())
+    assert answered[1:3] == ["first", "second"], answered

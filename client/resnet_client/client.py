@@ -67,8 +67,11 @@ class Client:
             raise ClassifierError.from_rpc_error(error) from None
 
     def classify(self, images: Iterable[ImageLike], *, top_k: int | None = None, temperature: float | None = None,
-                 full: bool = False, logits: bool = False, timeout: float | None = None) -> list[Classification]:
-        request = build_request(images, top_k=top_k, temperature=temperature, full=full, logits=logits)
+                 full: bool = False, logits: bool = False, timeout: float | None = None,
+                 priority: int = 0) -> list[Classification]:
+        """``priority``: its rank among this caller's own requests waiting for the device (1 first; 0 after)."""
+        request = build_request(images, top_k=top_k, temperature=temperature, full=full, logits=logits,
+                                priority=priority)
         response, call = self._call(self._stub.Classify.with_call, request, timeout)
         return parse_response(response, trace_id(call.trailing_metadata()))
 
@@ -143,8 +146,9 @@ class AsyncClient:
 
     async def classify(self, images: Iterable[ImageLike], *, top_k: int | None = None,
                        temperature: float | None = None, full: bool = False, logits: bool = False,
-                       timeout: float | None = None) -> list[Classification]:
-        request = build_request(images, top_k=top_k, temperature=temperature, full=full, logits=logits)
+                       timeout: float | None = None, priority: int = 0) -> list[Classification]:
+        request = build_request(images, top_k=top_k, temperature=temperature, full=full, logits=logits,
+                                priority=priority)
         traced: list[str] = []
         response = await self._call(self._stub.Classify, request, timeout, traced)
         return parse_response(response, *traced)

@@ -46,9 +46,9 @@ def to_image(image: ImageLike) -> pb.Image:
 
 
 def build_request(images: Iterable[ImageLike], *, top_k: int | None = None, temperature: float | None = None,
-                  full: bool = False, logits: bool = False) -> pb.ClassifyRequest:
+                  full: bool = False, logits: bool = False, priority: int = 0) -> pb.ClassifyRequest:
     request = pb.ClassifyRequest(images=[to_image(image) for image in images],
-                                 return_probabilities=full, return_logits=logits)
+                                 return_probabilities=full, return_logits=logits, priority=priority)
     if top_k is not None:
         request.top_k = top_k
     if temperature is not None:

@@ -35,18 +35,20 @@ class Image(_message.Message):
     def __init__(self, encoded: _Optional[bytes] = ..., raw: _Optional[_Union[RawTensor, _Mapping]] = ...) -> None: ...
 
 class ClassifyRequest(_message.Message):
-    __slots__ = ("images", "temperature", "top_k", "return_probabilities", "return_logits")
+    __slots__ = ("images", "temperature", "top_k", "return_probabilities", "return_logits", "priority")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedCompositeFieldContainer[Image]
     temperature: float
     top_k: int
     return_probabilities: bool
     return_logits: bool
-    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., return_probabilities: _Optional[bool] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+    priority: int
+    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., return_probabilities: _Optional[bool] = ..., return_logits: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ClassScore(_message.Message):
     __slots__ = ("index", "label", "probability")

@@ -39,6 +39,7 @@ def to_call(request: ReadRequest, context: grpc.aio.ServicerContext, trace: Call
         request_id=current_request.get(),
         trace=trace,
         client=client,
+        priority=fields.priority,
     )
 
 
