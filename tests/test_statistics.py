@@ -91,7 +91,9 @@ def test_perf_analyzer_measures_the_server_and_reads_its_statistics(make_server,
     # The server's counts over perf_analyzer's window are this run's requests, one image each.
     assert figures["requests"] >= 10 and abs(figures["inferences"] - figures["requests"]) <= 2
     assert figures["successes"] == figures["inferences"]
-    assert 1 <= figures["executions"] <= figures["inferences"]
+    # Batches and images counted over the same window, each at its own moment (a batch when it runs, an image when
+    # it is answered): one batch more at the window's edge was seen in CI beside the image build.
+    assert 1 <= figures["executions"] <= figures["inferences"] + 2
     assert figures["throughput"] > 0 and 0 < figures["p50_us"] <= figures["p99_us"]
     assert figures["compute_infer_us"] > 0 and figures["request_us"] >= figures["compute_infer_us"]
     name = perf_analyzer.INPUTS[input_kind][0]

@@ -34,10 +34,8 @@ from resnet_server.common.preprocess import RawImage, preprocess
 from resnet_server.engine.bench_model import MAX_PIXELS, Replicas, add_model_arguments, parse_model_arguments
 
 
-async def served_window(stub, request: pb.ClassifyRequest, concurrency: int, ramp: float, seconds: float) -> float:
-    """Images/s of a closed loop of ``concurrency`` one-image requests, after ``ramp`` seconds of filling."""
-    started = time.perf_counter()
-    count_from, stop_at = started + ramp, started + ramp + seconds
+async def closed_loop(stub, request: pb.ClassifyRequest, concurrency: int, stop_at: float) -> list[float]:
+    """When each answer of a closed loop of ``concurrency`` one-image requests came, until ``stop_at``, in order."""
     answered: list[float] = []
 
     async def caller() -> None:
@@ -46,7 +44,14 @@ async def served_window(stub, request: pb.ClassifyRequest, concurrency: int, ram
             answered.append(time.perf_counter())
 
     await asyncio.gather(*(caller() for _ in range(concurrency)))
-    answered.sort()
+    return sorted(answered)
+
+
+async def served_window(stub, request: pb.ClassifyRequest, concurrency: int, ramp: float, seconds: float) -> float:
+    """Images/s of a closed loop of ``concurrency`` one-image requests, after ``ramp`` seconds of filling."""
+    started = time.perf_counter()
+    count_from, stop_at = started + ramp, started + ramp + seconds
+    answered = await closed_loop(stub, request, concurrency, stop_at)
     # The last answer before counting starts, or the first answer when the ramp ended before any came (a slow
     # first batch): either way the count starts on a burst.
     first = max(bisect.bisect_left(answered, count_from) - 1, 0)
@@ -65,7 +70,8 @@ async def measure(args: argparse.Namespace) -> dict:
         pairs = []
         async with AsyncClient(args.server) as client:
             stub = client._stub  # the prepared message as is, as resnet-client bench sends it
-            await served_window(stub, request, args.concurrency, args.ramp, 1.0)  # warm-up
+            # A warm-up, however few it answers (on a busy machine, a batch or two).
+            await closed_loop(stub, request, args.concurrency, time.perf_counter() + args.ramp + 1.0)
             for _ in range(args.windows):
                 local, _ = replicas.rate(model_input, args.batch_size, args.window)
                 served = await served_window(stub, request, args.concurrency, args.ramp, args.window)
