@@ -36,13 +36,26 @@ export JAEGER_IMAGE=${JAEGER_IMAGE:-jaegertracing/all-in-one:1.60}
 compose=(docker compose -f docker-compose.yml -f docker-compose.cpu.yml)
 step() { printf '\n== %s (%ss)\n' "$*" "$SECONDS"; }
 
+# overlay2 first: with vfs (no copy-on-write) every layer and every container is a whole copy of torch, which once
+# filled the CI machine's disk; vfs only where the kernel or the filesystem under /var/lib/docker refuses overlay.
 start_docker() {
   docker info >/dev/null 2>&1 && return
   command -v dockerd >/dev/null || { apt-get update -q && apt-get install -y -q docker.io; }
-  step "starting dockerd (vfs storage)"
   pgrep -x dockerd >/dev/null || rm -f /var/run/docker.pid  # left behind by a dockerd that was killed
-  (dockerd --storage-driver=vfs >/tmp/resnet-proof-dockerd.log 2>&1 &)
-  for _ in $(seq 60); do docker info >/dev/null 2>&1 && return; sleep 1; done
+  local driver
+  for driver in overlay2 vfs; do
+    step "starting dockerd ($driver storage)"
+    dockerd --storage-driver=$driver >/tmp/resnet-proof-dockerd.log 2>&1 &
+    local pid=$!
+    for _ in $(seq 60); do
+      docker info >/dev/null 2>&1 && return
+      kill -0 $pid 2>/dev/null || break  # it refused this driver and exited
+      sleep 1
+    done
+    tail -3 /tmp/resnet-proof-dockerd.log >&2
+    kill $pid 2>/dev/null && wait $pid || true
+    rm -f /var/run/docker.pid
+  done
   echo "dockerd did not start" >&2; return 1
 }
 
@@ -169,7 +182,7 @@ if [[ $stages == *" build "* ]]; then
   DOCKER_BUILDKIT=0 docker build --network host -t resnet-grpc:latest --build-arg BASE_IMAGE="$PY_IMAGE" . \
     | grep -E '^(Step|Successfully)' || true
   docker image inspect resnet-grpc:latest >/dev/null || { echo "FAILED: docker build" >&2; exit 1; }
-  # Earlier builds' images are dangling now; with vfs each holds several full copies of torch, so drop them.
+  # Earlier builds' images are dangling now (with vfs each holds several full copies of torch): drop them.
   docker image prune -f >/dev/null
 else
   docker image inspect resnet-grpc:latest >/dev/null 2>&1 || { echo "FAILED: no resnet-grpc:latest to run" >&2; exit 1; }
@@ -199,6 +212,11 @@ if ! RESNET_SERVER_OTLP_ENDPOINT=jaeger:4317 RESNET_SERVER_TRACE_RATE=0 "${stack
   echo "FAILED: docker compose up" >&2
   exit 1
 fi
+# compose has answered 0 with a container that the daemon refused to create (its disk full): count them.
+running=$("${stack[@]}" --profile tracing ps --status running --format '{{.Service}}')
+for service in "${services[@]}"; do
+  grep -qx "$service" <<<"$running" || { echo "FAILED: $service is not running after compose up" >&2; exit 1; }
+done
 
 # The checker is a client of the stack: run it with the project installed (pip install -e ".[test]").
 started_checks=$SECONDS
