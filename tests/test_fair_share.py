@@ -8,11 +8,12 @@ import asyncio
 
 import pytest
 
-from resnet_client import AsyncClient
+from resnet_client import AsyncClient, ClassifierError
 from resnet_server.common.config import ConfigError, parse_config
+from resnet_server.common.flag_files import TokenEntry, read_token_entries
 from resnet_server.common.work import WorkItem
 from resnet_server.engine.fair_queue import FairQueue
-from resnet_server.frontend.fair_share import caller_keys, peer_host, resolved_mode
+from resnet_server.frontend.fair_share import EVERYONE, CallerId, callers_by, peer_host, resolved_mode
 from tests.helpers import encode, random_rgb, wait_for
 
 IMAGE = encode(random_rgb(31, 64, 48))
@@ -25,8 +26,8 @@ class Waiting:
         return False
 
 
-def item(client: str, name: str, priority: int = 0) -> WorkItem:
-    return WorkItem(None, 1.0, 5, None, Waiting(), name, client=client, priority=priority)
+def item(client: str, name: str, priority: int = 0, weight: int = 1) -> WorkItem:
+    return WorkItem(None, 1.0, 5, None, Waiting(), name, client=client, weight=weight, priority=priority)
 
 
 def names(items: list[WorkItem]) -> list[str]:
@@ -60,6 +61,16 @@ def test_priority_orders_a_callers_own_images_never_ahead_of_another_caller():
     assert names(queue.take(5)) == ["a-1", "b-none", "a-1b", "a-2", "a-none"]
 
 
+def test_weights_give_turns_of_as_many_images_and_a_cut_turn_goes_on_in_the_next_batch():
+    queue: FairQueue[WorkItem] = FairQueue()
+    queue.extend([item("heavy", f"h{i}", weight=3) for i in range(8)])
+    queue.extend([item("light", f"l{i}") for i in range(3)])
+    assert names(queue.take(5)) == ["h0", "h1", "h2", "l0", "h3"]
+    assert names(queue.take(4)) == ["h4", "h5", "l1", "h6"]  # heavy's turn, cut after h3, took two more
+    queue.remove(queue_item := next(queued for queued in queue if queued.request_id == "h7"))
+    assert queue_item not in queue and names(queue.take(4)) == ["l2"]
+
+
 def test_withdrawn_items_leave_and_the_queue_answers_about_what_is_left():
     queue: FairQueue[WorkItem] = FairQueue()
     first, second, other = item("a", "a0"), item("a", "a1"), item("b", "b0")
@@ -72,6 +83,32 @@ def test_withdrawn_items_leave_and_the_queue_answers_about_what_is_left():
     assert queue.oldest_arrival() == first.enqueued
     assert queue.arrived_since(second.enqueued) == 1 + (first.enqueued >= second.enqueued)
     assert names(queue.take(5)) == ["a0", "a1"]
+
+
+def test_a_token_file_names_and_weighs_its_tokens(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("# team tokens\nalpha-secret name=team-a weight=3\n\nbeta-secret\n  gamma-secret weight=2  \n")
+    assert read_token_entries(path) == [TokenEntry(b"alpha-secret", "team-a", 3), TokenEntry(b"beta-secret", "token-2"),
+                                        TokenEntry(b"gamma-secret", "token-3", 2)]
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("sekrit weight=0\n", "line 1: a token's weight is a whole number from 1 to 1000"),
+    ("sekrit weight=1001\n", "weight is a whole number"),
+    ("sekrit\nsekrit2 colour=red\n", "line 2: expected name=NAME or weight=N after the token, got 'colour=red'"),
+    ("sekrit name=a/b\n", "a token's name is 1-64 letters"),
+    ("sekrit name=x\nother name=x\n", "the name x is given to two tokens"),
+    ("# none\n", "holds no token"),
+])
+def test_a_bad_token_file_line_is_named_and_its_token_is_not(tmp_path, capsys, text, problem):
+    path = tmp_path / "tokens"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=problem) as caught:
+        read_token_entries(path)
+    assert "sekrit" not in str(caught.value)
+    with pytest.raises(SystemExit) as usage:  # the flag's check: a usage error before anything starts
+        parse_config(["--auth-token-file", str(path)], env={})
+    assert usage.value.code == 2 and problem.split(": ")[-1] in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("peer", "host"), [("ipv4:10.0.0.5:43122", "10.0.0.5"), ("ipv6:[::1]:50051", "::1"),
@@ -92,11 +129,13 @@ def test_the_modes_and_what_tells_callers_apart():
             return self._peer
 
     alice, bob = Context("alice", "ipv4:10.0.0.1:1000"), Context("bob", "ipv4:10.0.0.1:2000")
-    by_token, by_peer, off = caller_keys("token"), caller_keys("peer"), caller_keys("off")
-    assert by_token(alice) != by_token(bob) and by_token(alice) == by_token(Context("alice", "ipv4:10.9.9.9:1"))
-    assert "alice" not in by_token(alice)  # a digest, not the token
-    assert by_peer(alice) == by_peer(bob) == "10.0.0.1"
-    assert off(alice) == off(bob) == ""
+    tokens = [TokenEntry(b"alice", "team-a", 3), TokenEntry(b"bob", "token-2")]
+    by_token, by_peer, off = callers_by("token", tokens), callers_by("peer", tokens), callers_by("off", tokens)
+    assert by_token(alice) == CallerId("team-a", "team-a", 3) and by_token(bob) == CallerId("token-2", "token-2", 1)
+    assert by_token(Context("alice", "ipv4:10.9.9.9:1")) == by_token(alice)
+    assert by_token(Context("mallory", "ipv4:10.0.0.1:1")).label == "unknown"
+    assert by_peer(alice) == by_peer(bob) == CallerId("10.0.0.1", "peer")  # an address is never a label
+    assert off(alice) == off(bob) == EVERYONE
     assert resolved_mode("auto", tokens_on=True) == "token" and resolved_mode("auto", tokens_on=False) == "peer"
     assert parse_config([], env={}).fair_share == "auto"
     with pytest.raises(ConfigError, match="--fair-share token .* needs --auth-token-file"):
@@ -193,3 +232,77 @@ def test_the_own_apis_priority_field_orders_one_callers_requests(make_server, fa
 
     answered = asyncio.run(race())
     assert answered[1:3] == ["first", "second"], answered
+
+
+def test_token_weights_give_turns_of_as_many_images_and_metrics_count_by_token_name(make_server, faults, tmp_path):
+    """Real engine processes, batches of one: behind a held batch, a token of weight 3 queues seven requests and
+    one of weight 1 four; released, each turn of the heavy token answers three before the light one's one."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("heavy-token name=heavy weight=3\nlight-token name=light\n")
+    running = make_server(auth_token_file=str(tokens), max_batch_size=1, runner=faults.runner)
+    faults.set("hold")
+
+    async def race() -> list[str]:
+        answered: list[str] = []
+        async with AsyncClient(running.target, token="heavy-token", timeout=60) as heavy, \
+                AsyncClient(running.target, token="light-token", timeout=60) as light:
+            async def call(client: AsyncClient, name: str) -> None:
+                await client.classify([IMAGE])
+                answered.append(name)
+
+            calls = [asyncio.ensure_future(call(heavy, f"h{i}")) for i in range(8)]
+            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 7)
+            calls += [asyncio.ensure_future(call(light, f"l{i}")) for i in range(4)]
+            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 11)
+            assert running.sample("resnet_caller_images_in_flight", caller="heavy") == 8
+            faults.clear()
+            await asyncio.gather(*calls)
+        return answered
+
+    answered = asyncio.run(race())
+    assert [index for index, name in enumerate(answered) if name.startswith("l")] == [4, 8, 10, 11], answered
+    assert running.sample("resnet_caller_images_total", caller="heavy", code="OK") == 8
+    assert running.sample("resnet_caller_images_total", caller="light", code="OK") == 4
+    assert running.sample("resnet_caller_images_in_flight") == 0
+
+
+def test_a_caller_holding_its_share_of_a_full_queue_is_refused_and_the_others_are_not(make_server, faults,
+                                                                                       tmp_path, caplog):
+    """--max-queue 16 (a floor of one slot): a token alone fills 15 of them and its 16th call is refused; the
+    other token, holding nothing, takes the slot kept free, and the first token's next call is refused for its
+    share of two callers (8); every call accepted is answered, and the refusals are counted and logged."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("greedy-token name=greedy\npolite-token name=polite\n")
+    running = make_server(auth_token_file=str(tokens), max_batch_size=1, max_queue=16, runner=faults.runner)
+    faults.set("hold")
+
+    async def race() -> tuple[list[str], list[str]]:
+        refusals: list[str] = []
+        async with AsyncClient(running.target, token="greedy-token", timeout=60) as greedy, \
+                AsyncClient(running.target, token="polite-token", timeout=60) as polite:
+            async def call(client: AsyncClient) -> str:
+                try:
+                    await client.classify([IMAGE])
+                except ClassifierError as exc:
+                    refusals.append(f"{exc.code.name}: {exc.message}")
+                    return "refused"
+                return "answered"
+
+            calls = [asyncio.ensure_future(call(greedy)) for _ in range(15)]
+            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 14)
+            assert await call(greedy) == "refused"
+            polite_call = asyncio.ensure_future(call(polite))
+            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 15)
+            assert await call(greedy) == "refused"
+            faults.clear()
+            outcomes = await asyncio.gather(*calls, polite_call)
+        return outcomes, refusals
+
+    outcomes, refusals = asyncio.run(race())
+    assert outcomes == ["answered"] * 16
+    assert refusals[0].startswith("RESOURCE_EXHAUSTED: this caller holds 15 images, over its share of 15 with 1 "
+                                  "callers queued on cpu"), refusals
+    assert "over its share of 8 with 2 callers queued" in refusals[1], refusals
+    assert running.sample("resnet_caller_images_total", caller="greedy", code="RESOURCE_EXHAUSTED") == 2
+    assert running.sample("resnet_caller_images_total", caller="polite", code="OK") == 1
+    assert "refusing calls of caller greedy on cpu" in caplog.text

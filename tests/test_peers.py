@@ -100,7 +100,7 @@ def test_a_front_end_that_stops_reading_holds_up_no_one_else_and_is_cut_off(engi
         for slot in slots:
             slab.input(slot, PIXELS.nbytes)[:] = PIXELS.tobytes()
         # 16 batches of 8 answers of 1000 scores each
-        send(slow, Submit([raw_entry(slot, 1000) for slot in slots], ["slow-reader"], [""], [0]))
+        send(slow, Submit([raw_entry(slot, 1000) for slot in slots], ["slow-reader"], [""], [0], [1]))
         wait_for(lambda: scraped_value(engine_set.engine_metrics_port(),
                                        'resnet_batch_size_sum{device="cpu"}') >= 128, timeout=120)
         with Client(frontend.target, timeout=5, attempts=1) as client:  # answered while those lie unread

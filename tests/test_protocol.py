@@ -72,9 +72,9 @@ def test_a_message_that_comes_in_parts_is_read_once_whole(pipe):
 
 def test_a_closed_socket_ends_the_reader(pipe):
     ours, theirs = pipe
-    send(theirs, Submit([], [], [], []))
+    send(theirs, Submit([], [], [], [], []))
     theirs.close()
     reader = engine_messages(ours)
-    assert reader.read() == [Submit([], [], [], [])]
+    assert reader.read() == [Submit([], [], [], [], [])]
     with pytest.raises(EOFError):
         reader.read()

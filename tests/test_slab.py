@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from resnet_server.boundary.queue_share import ShareExceeded, caller_tag, share_limit
 from resnet_server.boundary.slab import FREE, Slab, SlabLayout, create_slab_memory
 from resnet_server.common.preprocess import RawImage, SlotBytes, copy_slots, gather_slots, raw_batch
 from resnet_server.engine.registered_slab import device_rows, register_slab
@@ -67,6 +68,40 @@ def test_a_take_larger_than_what_is_free_takes_nothing(views):
     assert b.take(4, B) is None  # three free: refused, none taken
     assert a.owners.tolist() == [A, A, A, A, A, FREE, FREE, FREE]
     assert b.take(3, B) == [5, 6, 7]
+
+
+def test_a_caller_over_its_share_of_the_queue_is_refused_and_one_holding_nothing_is_not():
+    """32 slots, floor 2: a caller alone fills all but 2 of them; with a second caller holding slots, the first
+    may hold at most 16 of them, and the second, holding nothing, is still admitted; both front-ends' views see
+    the same holdings."""
+    layout = SlabLayout(32, 4096)
+    fd = create_slab_memory(layout)
+    a, b = Slab(fd, layout), Slab(fd, layout)
+    greedy, polite = caller_tag("greedy"), caller_tag("polite")
+    try:
+        assert a.take(20, A, greedy) is not None and b.take(10, B, greedy) is not None  # alone: up to 30
+        with pytest.raises(ShareExceeded) as caught:
+            b.take(1, B, greedy)
+        assert (caught.value.held, caught.value.limit, caught.value.callers) == (30, 30, 1)
+        assert b.take(2, B, polite) is not None  # holding nothing: admitted while two slots are free
+        assert a.take(1, A) is None  # no share without a tag, and the queue is full
+        a.give_back(list(range(20)), A)  # the greedy caller's answers go back: it holds 10, the polite one 2
+        with pytest.raises(ShareExceeded, match="holds 10 images, over its share of 16 with 2 callers queued"):
+            a.take(7, A, greedy)
+        assert a.take(6, A, greedy) is not None and a.take(1, A, polite) is not None  # 16 and 3
+        with pytest.raises(ShareExceeded):
+            b.check_share(1, greedy)  # the same answer without the lock, before any decoding
+        b.check_share(1, polite)
+    finally:
+        a.close()
+        b.close()
+        os.close(fd)
+
+
+def test_share_limits_follow_the_callers_holding_slots():
+    assert [share_limit(256, callers) for callers in (1, 2, 3, 64)] == [240, 128, 85, 16]
+    assert [share_limit(8, callers) for callers in (1, 2, 9)] == [7, 4, 1]
+    assert caller_tag("") == 0 and 0 < caller_tag("10.0.0.1") < 1 << 31
 
 
 @pytest.mark.parametrize("dtype, shape", [("uint8", (32, 24, 3)), ("float32", (3, 224, 224))])

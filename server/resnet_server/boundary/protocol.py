@@ -106,6 +106,7 @@ class Submit(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.SUBMIT))
     request_ids: list[str]  # one a call, for the engine's log lines about its batch
     clients: list[str]  # one a call: whose share of the device it takes (resnet_server.engine.fair_queue)
     priorities: list[int]  # one a call: its rank among its client's calls (0: none asked)
+    weights: list[int]  # one a call: its client's share beside the others'
 
 
 class Cancel(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.CANCEL)):

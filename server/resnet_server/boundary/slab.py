@@ -13,7 +13,8 @@ behind, and Python's resource tracker (which unlinks segments other processes st
 Slots are taken under an ``fcntl`` record lock on the memfd, which the kernel drops when its holder dies,
 so a front-end killed while taking slots cannot stall the others. Each slot records its owner (a number
 the supervisor gives every front-end process it starts), so the slots of a front-end that died can be
-found and freed.
+found and freed. With ``--fair-share`` on, each slot also records its caller's tag, so that a take can refuse a
+caller holding more than its share of the queue (resnet_server.boundary.queue_share).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from resnet_server.boundary.queue_share import check_share
 from resnet_server.common.postprocess import NUM_CLASSES
 from resnet_server.common.preprocess import FLOAT_SHAPE
 
@@ -70,7 +72,7 @@ class SlabLayout:
 
     @property
     def header_bytes(self) -> int:
-        return _aligned(4 * self.slots, _PAGE)
+        return _aligned(8 * self.slots, _PAGE)  # an int32 owner and an int32 caller tag a slot
 
     @property
     def size(self) -> int:
@@ -97,9 +99,11 @@ class Slab:
         self._fd = fd
         self._memory = mmap.mmap(fd, layout.size)
         self.owners = np.frombuffer(self._memory, dtype=np.int32, count=layout.slots)
+        self.tags = np.frombuffer(self._memory, dtype=np.int32, count=layout.slots, offset=4 * layout.slots)
         self._view = memoryview(self._memory)
         self._owner_of = self._view[:4 * layout.slots].cast("i")  # the same owners, a slot at a time (NumPy's
         # scalar access costs four times as much, and a call's slot is read and written one at a time)
+        self._tag_of = self._view[4 * layout.slots:8 * layout.slots].cast("i")
         # Every slot's output area as one strided float32 [slots, 2, 1000] array: a batch's answers are written
         # with one NumPy assignment rather than two copies an image.
         self.outputs = np.ndarray((layout.slots, 2, NUM_CLASSES), dtype=np.float32, buffer=self._memory,
@@ -111,19 +115,30 @@ class Slab:
         # check rather than a scan of every slot, and the same few slots, warm in the caches, serve call after call.
         self._recent: collections.deque[int] = collections.deque(maxlen=RECENT_SLOTS)
 
-    def take(self, count: int, owner: int) -> list[int] | None:
-        """``count`` free slots, now ``owner``'s; None (and none taken) when fewer are free."""
+    def take(self, count: int, owner: int, tag: int = 0) -> list[int] | None:
+        """``count`` free slots, now ``owner``'s, for the caller tagged ``tag``; None (and none taken) when fewer
+        are free; ShareExceeded when that caller holds its share of the queue (``tag`` 0: no share checked)."""
         with self._taking:
             fcntl.lockf(self._fd, fcntl.LOCK_EX, 1)
             try:
+                self.check_share(count, tag)
                 free = self._recently_freed(count) or np.flatnonzero(self.owners == FREE)[:count].tolist()
                 if len(free) < count:
                     return None
                 for slot in free:
                     self._owner_of[slot] = owner
+                    self._tag_of[slot] = tag
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1)
         return free
+
+    def check_share(self, count: int, tag: int) -> None:
+        """ShareExceeded if the caller tagged ``tag`` may not take ``count`` more slots (read without the lock,
+        this is what take() would decide a moment ago)."""
+        if tag:
+            held = self.owners != FREE
+            check_share(int(np.count_nonzero(held & (self.tags == tag))), count, self.layout.slots,
+                        lambda: len(set(np.unique(self.tags[held]).tolist()) | {tag}))
 
     def free_count(self) -> int:
         """Slots free now, read without the lock: what take() would find a moment ago."""
@@ -189,8 +204,9 @@ class Slab:
         return rows
 
     def close(self) -> None:
-        del self.owners, self.outputs  # views of the memory, which closes only once none is left
+        del self.owners, self.tags, self.outputs  # views of the memory, which closes only once none is left
         self._owner_of.release()
+        self._tag_of.release()
         self._view.release()
         with contextlib.suppress(BufferError):  # a view of it is still held somewhere: it goes with the process
             self._memory.close()

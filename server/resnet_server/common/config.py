@@ -448,8 +448,10 @@ FLAGS: list[tuple[str, FlagType, str]] = [
                                 "refused)"),
     ("tls-key", readable_file, "server private key (PEM)"),
     ("tls-client-ca", readable_file, "mutual TLS: clients must present a certificate from this CA (PEM)"),
-    ("auth-token-file", _token_file, "accepted bearer tokens, one per line (# comments); calls without "
-                                     "'authorization: Bearer <token>' get UNAUTHENTICATED"),
+    ("auth-token-file", _token_file, "accepted bearer tokens, one per line (# comments), each optionally "
+                                     "followed by name=NAME (its label in metrics) and weight=N (its share with "
+                                     "--fair-share); calls without 'authorization: Bearer <token>' get "
+                                     "UNAUTHENTICATED"),
     ("auth-health", _boolean, "also require the token on grpc.health.v1.Health (kept open by default for "
                               "orchestrator probes)"),
     ("precision", _precision, "fp32, fp16 or bf16 weights and activations (the softmax in float64, then fp32); "

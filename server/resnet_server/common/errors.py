@@ -64,6 +64,10 @@ class Overloaded(ServingError):
     kind = ErrorKind.RESOURCE_EXHAUSTED
 
 
+class OverShare(Overloaded):
+    """The caller holds its share of a device's queue (--fair-share): others' calls are still taken."""
+
+
 class DeadlineExpired(ServingError):
     kind = ErrorKind.DEADLINE_EXCEEDED
 

@@ -67,6 +67,15 @@ class Metrics:
                                 "HTTP call's by the code its status maps from) and protocol (grpc, http)",
                                 labelnames=["device", "code", "protocol"], registry=self.registry)
         self.images = Counter(PREFIX + "images", "Images answered, by gRPC status code", **by_code)
+        # By caller class (--fair-share): a token's name from the token file, "peer" for every address, "all" with
+        # --fair-share off; never an address or anything else a client chooses.
+        self.caller_images = Counter(PREFIX + "caller_images", "Images answered by caller (a token's name with "
+                                     "--fair-share token; peer; all with off) and gRPC status code "
+                                     "(RESOURCE_EXHAUSTED: refused, the queue full or the caller over its share)",
+                                     labelnames=["caller", "code"], registry=self.registry)
+        self.caller_images_in_flight = Gauge(PREFIX + "caller_images_in_flight", "Images accepted and not yet "
+                                             "answered, by caller (as resnet_caller_images_total)",
+                                             labelnames=["caller"], registry=self.registry)
         self.dropped = Counter(
             PREFIX + "dropped_images", "Queued images dropped before compute, by reason (deadline, cancelled)",
             labelnames=["device", "reason"], registry=self.registry)

@@ -58,6 +58,7 @@ class WorkItem(Generic[CallerT]):
     caller: CallerT
     request_id: str = ""
     client: str = ""  # whose share of the device it takes (resnet_server.engine.fair_queue); "": everyone's
+    weight: int = 1  # its client's share beside other clients'
     priority: int = 0  # within its client's: 1 first, then 2, ...; 0 after every numbered level
     enqueued: float = field(default_factory=time.monotonic)
 

@@ -312,7 +312,7 @@ class Engine:
                                        self.config.max_pixels)
         return WorkItem(model_input, entry.temperature, entry.top_k, entry.deadline, Ticket(frontend, slot),
                         message.request_ids[entry.call], client=message.clients[entry.call],
-                        priority=message.priorities[entry.call])
+                        weight=message.weights[entry.call], priority=message.priorities[entry.call])
 
     def _cancel(self, frontend: _FrontEnd, message: Cancel) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ from resnet_server.common.logs import current_request
 from resnet_server.common.work import ImageOutput
 from resnet_server.frontend.classify_request import ReadRequest
 from resnet_server.frontend.core import ClassifyCall, InferenceCore
+from resnet_server.frontend.fair_share import EVERYONE, CallerId
 from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.streams import in_order
 from resnet_server.frontend.tracing import CallTrace, Tracing, traced
@@ -27,7 +28,7 @@ CLASSIFY, CLASSIFY_STREAM = f"{_SERVICE}/Classify", f"{_SERVICE}/ClassifyStream"
 
 
 def to_call(request: ReadRequest, context: grpc.aio.ServicerContext, trace: CallTrace | None = None,
-            client: str = "") -> ClassifyCall:
+            client: CallerId = EVERYONE) -> ClassifyCall:
     if request.unreadable is not None:
         raise InvalidInput(request.unreadable)
     fields = request.fields

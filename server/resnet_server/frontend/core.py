@@ -29,6 +29,7 @@ from resnet_server.common.postprocess import NUM_CLASSES
 from resnet_server.common.preprocess import ImageInput, RawImage, check_header, check_raw, preprocess
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.common.work import ImageOutput, ModelInput, WorkItem
+from resnet_server.frontend.fair_share import EVERYONE, CallerId
 from resnet_server.frontend.router import EngineHandle, Router
 from resnet_server.frontend.tracing import CallTrace
 
@@ -49,7 +50,7 @@ class ClassifyCall:
     timeout: float | None = None  # seconds left before the caller's deadline
     request_id: str = ""
     trace: CallTrace | None = None  # its span, with tracing on (resnet_server.frontend.tracing)
-    client: str = ""  # whose share of the device it takes (resnet_server.frontend.fair_share)
+    client: CallerId = EVERYONE  # whose share of the device it takes (resnet_server.frontend.fair_share)
     priority: int = 0  # its rank among its client's calls: 1 first, then 2, ...; 0 after them
 
 
@@ -82,7 +83,7 @@ def decoder_for(image: ImageInput, replica: EngineHandle) -> Callable | None:
 class InferenceCore:
     def __init__(self, router: Router, metrics: Metrics, limits: Limits, default_temperature: float,
                  preprocess_threads: int, on_no_replica_left: Callable[[], None] = lambda: None,
-                 client_of: Callable[[Any], str] = lambda context: "") -> None:
+                 client_of: Callable[[Any], CallerId] = lambda context: EVERYONE) -> None:
         self.router = router
         self.client_of = client_of  # a call's caller, from its context (resnet_server.frontend.fair_share)
         # Called (on the event loop) whenever a call finds every replica out of rotation.
@@ -112,6 +113,8 @@ class InferenceCore:
             raise
         in_flight = self._series(self._metrics.in_flight, replica.name)
         in_flight.inc()
+        caller_images = self._series(self._metrics.caller_images_in_flight, call.client.label)
+        caller_images.inc(len(call.images))
         replica.pending += len(call.images)
         code, outputs, counted = "OK", None, len(call.images)
         try:
@@ -128,6 +131,8 @@ class InferenceCore:
         finally:
             replica.pending -= len(call.images)
             in_flight.dec()
+            caller_images.dec(len(call.images))
+            self._series(self._metrics.caller_images, call.client.label, code).inc(counted)
             protocol = current_protocol.get()
             self._series(self._metrics.requests, replica.name, code, protocol).inc()
             self._series(self._metrics.images, replica.name, code).inc(counted)
@@ -139,13 +144,14 @@ class InferenceCore:
     async def _classify_on(self, replica: EngineHandle, call: ClassifyCall, started: float) -> list[ImageOutput]:
         temperature, k = self._validate(call)
         deadline = None if call.timeout is None else started + call.timeout
-        model_inputs = await self._admit(call.images, replica)
+        model_inputs = await self._admit(call.images, replica, call.client.key)
         if call.trace is not None:
             call.trace.admitted()
         if deadline is not None and time.monotonic() >= deadline:
             raise DeadlineExpired("deadline passed while the images were decoded")
         items = [WorkItem(model_input, temperature, k, deadline, self._loop.create_future(), call.request_id,
-                          client=call.client, priority=call.priority) for model_input in model_inputs]
+                          client=call.client.key, weight=call.client.weight, priority=call.priority)
+                 for model_input in model_inputs]
         replica.submit(items)
         try:
             if len(items) == 1:  # most calls: no gathering future and its callbacks
@@ -180,7 +186,7 @@ class InferenceCore:
             raise InvalidInput(f"top_k must be between 1 and {NUM_CLASSES}, got {k}")
         return temperature, k
 
-    async def _admit(self, images: Sequence[ImageInput], replica: EngineHandle) -> list[ModelInput]:
+    async def _admit(self, images: Sequence[ImageInput], replica: EngineHandle, client: str) -> list[ModelInput]:
         """Raw tensors are checked here and converted later, with their batch, on the replica; encoded
         images are decoded (or, to be decoded on the device, header-checked) in the preprocessing threads. An
         image too large to hand an engine process as it came (its slab's ``inline_bytes``) is preprocessed
@@ -197,7 +203,7 @@ class InferenceCore:
         if not work:  # nothing to decode (most calls)
             return [admitted[index] for index in range(len(images))]
         # A call that would be refused is refused before it is decoded (submit() decides for the rest).
-        with replica.room_for(len(images)):
+        with replica.room_for(len(images), client):
             decoded = await self._decode(images, work, replica.takes_crops)
         for (index, _), model_input in zip(work, decoded, strict=True):
             if isinstance(model_input, InvalidInput):

@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
@@ -42,10 +43,11 @@ from resnet_server.boundary.protocol import (
     frame,
     frontend_messages,
 )
+from resnet_server.boundary.queue_share import ShareExceeded, caller_tag
 from resnet_server.boundary.slab import Slab, connection_owner
 from resnet_server.common import errors
 from resnet_server.common.device_decode import DeferredJpeg
-from resnet_server.common.errors import Overloaded, ServingError, StartupError, Unavailable
+from resnet_server.common.errors import Overloaded, OverShare, ServingError, StartupError, Unavailable
 from resnet_server.common.preprocess import CROP_SHAPE, FLOAT_SHAPE, ImageBytes, RawImage, SlotBytes, copy_into
 from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.work import ImageOutput, WorkItem
@@ -53,6 +55,8 @@ from resnet_server.common.work import ImageOutput, WorkItem
 log = logging.getLogger(__name__)
 RECONNECT_INTERVAL = 0.1  # seconds between tries to reach an engine that is starting or restarting
 OUTGOING_BYTES = 16 << 20  # messages the engine has not read yet: more, and it has stopped reading
+SHARE_LOG_INTERVAL = 10.0  # seconds between two log lines about one caller refused for its share
+SHARE_LOG_CALLERS = 1024  # callers remembered for that: past it, the memory starts again
 
 
 class _Outgoing:
@@ -130,6 +134,7 @@ class EngineClient:
         self.inline_bytes = link.layout.inline_bytes  # larger images are preprocessed here, not sent as they came
         self.pending = 0  # images routed here and not yet answered (InferenceCore keeps it)
         self._decoding = 0  # images of calls routed here being decoded (room_for)
+        self._share_logged: dict[str, float] = {}  # a caller refused for its share -> when that was last logged
         self._info: EngineInfo | None = None  # the last connection's: kept while it reconnects
         self._on_lost, self._on_back = on_lost, on_back
         self._session: _Session | None = None  # while connected
@@ -212,11 +217,15 @@ class EngineClient:
         loop.add_reader(connection.fileno(), self._read)
 
     @contextlib.contextmanager
-    def room_for(self, count: int) -> Iterator[None]:
+    def room_for(self, count: int, client: str = "") -> Iterator[None]:
         """Room for ``count`` images held while they are decoded: Overloaded now if the engine's slab has fewer
-        free slots than those and the images this front-end is decoding for it already, so that a call that
-        would be refused is refused before its images are decoded, and calls waiting for the decoding threads
-        are bounded as the queue is (submit() then takes the slots)."""
+        free slots than those and the images this front-end is decoding for it already, or ``client`` holds its
+        share of the queue, so that a call that would be refused is refused before its images are decoded, and
+        calls waiting for the decoding threads are bounded as the queue is (submit() then takes the slots)."""
+        try:
+            self.slab.check_share(count, caller_tag(client))
+        except ShareExceeded as exc:
+            raise self._over_share(exc, client) from None
         if self.slab.free_count() - self._decoding < count:
             raise self._full()
         self._decoding += count
@@ -230,12 +239,30 @@ class EngineClient:
         return Overloaded(f"{self.name} has its --max-queue of {self.link.layout.slots} images accepted and not "
                           "yet answered; retry later")
 
+    def _over_share(self, exceeded: ShareExceeded, client: str) -> OverShare:
+        """The refusal of a caller that holds its share of the queue; logged at most every SHARE_LOG_INTERVAL
+        seconds a caller."""
+        now = time.monotonic()
+        if now - self._share_logged.get(client, -SHARE_LOG_INTERVAL) >= SHARE_LOG_INTERVAL:
+            if len(self._share_logged) >= SHARE_LOG_CALLERS:
+                self._share_logged.clear()
+            self._share_logged[client] = now
+            log.warning("refusing calls of caller %s on %s: it %s (fair share; RESOURCE_EXHAUSTED)", client[:64],
+                        self.name, exceeded)
+        return OverShare(f"this caller {exceeded} on {self.name} (--max-queue {self.link.layout.slots}); retry "
+                         "later")
+
     def submit(self, items: Sequence[WorkItem]) -> None:
-        """Send all items or none; Overloaded when the engine's slab has too few free slots."""
+        """Send all items or none; Overloaded when the engine's slab has too few free slots, OverShare when their
+        caller holds its share of them."""
         session = self._session
         if session is None:
             raise Unavailable(f"the engine of {self.name} is restarting; retry")
-        slots = self.slab.take(len(items), self._slab_owner)
+        client = items[0].client  # a call's items share it
+        try:
+            slots = self.slab.take(len(items), self._slab_owner, caller_tag(client))
+        except ShareExceeded as exc:
+            raise self._over_share(exc, client) from None
         if slots is None:
             raise self._full()
         try:
@@ -246,7 +273,7 @@ class EngineClient:
         if not self._unsent:  # the first submit of this turn of the loop
             session.loop.call_soon(self._send_unsent)
         self._unsent += entries
-        self._unsent_calls.append(items[0])  # a call's items share its id, client and priority
+        self._unsent_calls.append(items[0])  # a call's items share its id, client, weight and priority
         for slot, item in zip(slots, items, strict=True):
             self._waiting[slot], self._slot_of[item] = item, slot
 
@@ -258,7 +285,8 @@ class EngineClient:
             return
         try:
             self._session.outgoing.write(Submit(entries, [call.request_id for call in calls],
-                                                [call.client for call in calls], [call.priority for call in calls]))
+                                                [call.client for call in calls], [call.priority for call in calls],
+                                                [call.weight for call in calls]))
         except OSError:
             self._lost()  # fails these items too: UNAVAILABLE, and the client retries
 

@@ -22,7 +22,7 @@ class EngineHandle(Protocol):
     pending: int  # images routed here and not yet answered; kept by the core, on the event loop
     inline_bytes: int  # the most bytes an image goes as it came; larger ones are preprocessed first
 
-    def room_for(self, count: int) -> AbstractContextManager[None]:
+    def room_for(self, count: int, client: str = "") -> AbstractContextManager[None]:
         """Room held for ``count`` images while they are decoded; Overloaded if the engine has none (its
         --max-queue, less what is being decoded for it)."""
 

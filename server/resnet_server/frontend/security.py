@@ -15,7 +15,7 @@ import grpc
 
 from resnet_server.common.config import tls_problem
 from resnet_server.common.errors import StartupError
-from resnet_server.common.flag_files import read_tokens
+from resnet_server.common.flag_files import TokenEntry, read_token_entries
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -35,12 +35,12 @@ def server_credentials(cert: str | None, key: str | None, client_ca: str | None)
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
-def load_tokens(path: str | None) -> list[bytes]:
-    """One token per line; blank lines and # comments are ignored."""
+def load_tokens(path: str | None) -> list[TokenEntry]:
+    """The token file's entries (resnet_server.common.flag_files.read_token_entries); none without a file."""
     if not path:
         return []
     try:
-        return read_tokens(path)
+        return read_token_entries(path)
     except ValueError as exc:
         raise StartupError(f"--auth-token-file: {exc}") from None
 

@@ -41,7 +41,7 @@ from resnet_server.frontend.classifier_service import ClassifierService
 from resnet_server.frontend.classify_request import read_classify_request
 from resnet_server.frontend.core import InferenceCore, Limits
 from resnet_server.frontend.engine_client import EngineClient
-from resnet_server.frontend.fair_share import caller_keys, resolved_mode
+from resnet_server.frontend.fair_share import callers_by, resolved_mode
 from resnet_server.frontend.handlers import registered
 from resnet_server.frontend.http_api import HttpApi
 from resnet_server.frontend.http_server import HttpListener
@@ -80,7 +80,8 @@ class App:
         # Checked before binding, so a bad --temperature-file or TLS file fails at once.
         network = config.network
         self.credentials = server_credentials(network.tls_cert, network.tls_key, network.tls_client_ca)
-        self.tokens = load_tokens(network.auth_token_file)
+        self.token_entries = load_tokens(network.auth_token_file)
+        self.tokens = [entry.token for entry in self.token_entries]
         self.temperature, self.temperature_source = default_temperature(config)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # grpc-stubs predates grpc.aio
         self.port = 0
@@ -209,7 +210,7 @@ class App:
         limits = Limits(config.max_images_per_request, config.max_pixels)
         self.core = InferenceCore(Router(replicas), self.metrics, limits, self.temperature,
                                   config.preprocess_threads, self._no_replica_left,
-                                  caller_keys(resolved_mode(config.fair_share, bool(self.tokens))))
+                                  callers_by(resolved_mode(config.fair_share, bool(self.tokens)), self.token_entries))
         info = model_info(config, replicas, self.temperature, self.temperature_source)
         self._record_model_info(replicas)
         self.classifier.attach(self.core, info)
