@@ -827,12 +827,21 @@ def test_http_cost_measures_each_protocol_against_grpc():
         assert row["cpu_to_grpc"] == pytest.approx(row["frontend_cpu_ms"] / result["grpc"]["frontend_cpu_ms"])
 
 
-def test_fair_share_sets_a_greedy_caller_beside_a_polite_one_in_each_mode():
-    """scripts/benchmarks/fair_share.py end to end, briefly: both modes measured once, each caller's figures."""
-    result = run_benchmark("fair_share", "--greedy", "4", "--duration", "1", "--rounds", "1", "--json")
-    for mode in ("token", "off"):
-        row = result[mode]
-        assert row["greedy_alone"] > 0 and row["greedy_images_per_s"] > 0 and row["polite_images_per_s"] > 0
-        assert row["polite_p50_to_greedy"] == pytest.approx(row["polite_p50_ms"] / row["greedy_p50_ms"])
-    assert result["polite_images_per_s_to_off"] == pytest.approx(
-        result["token"]["polite_images_per_s"] / result["off"]["polite_images_per_s"])
+def test_fair_share_sets_callers_side_by_side_in_each_scenario():
+    """scripts/benchmarks/fair_share.py end to end, briefly: each scenario measured once, each caller's figures
+    (the peer scenario, which makes a network namespace, where this runs as root with iproute2)."""
+    scenarios = ["polite", "weights", "alone"]
+    if os.geteuid() == 0 and shutil.which("ip"):
+        scenarios.append("peer")
+    result = run_benchmark("fair_share", "--scenario", *scenarios, "--greedy", "4", "--duration", "1", "--rounds",
+                           "1", "--json")
+    for scenario, fair in (("polite", "token"), ("peer", "peer"))[:1 + ("peer" in scenarios)]:
+        for mode in (fair, "off"):
+            row = result[scenario][mode]
+            assert row["greedy_alone"] > 0 and row["greedy_images_per_s"] > 0 and row["polite_images_per_s"] > 0
+            assert row["polite_p50_to_greedy"] == pytest.approx(row["polite_p50_ms"] / row["greedy_p50_ms"])
+        assert result[scenario]["polite_images_per_s_to_off"] == pytest.approx(
+            result[scenario][fair]["polite_images_per_s"] / result[scenario]["off"]["polite_images_per_s"])
+    weights = result["weights"]
+    assert weights["heavy_to_light"] == pytest.approx(weights["heavy_images_per_s"] / weights["light_images_per_s"])
+    assert all(result["alone"][mode]["images_per_s"] > 0 for mode in ("token", "off"))

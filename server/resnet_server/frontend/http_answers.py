@@ -62,6 +62,9 @@ class HttpContext:
         return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
 
+CONTEXT = web.RequestKey("context", HttpContext)  # where the middleware keeps a request's HttpContext
+
+
 def error_response(exc: BaseException) -> web.Response:
     """``exc`` answered with its kind's status; one not raised on purpose is logged with the request id, which its
     message gives the caller."""
@@ -80,20 +83,26 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     """The body, refused (413) from its Content-Length before it is read when it is over ``limit``, and read with a
     deadline (408), so that a slow client holds a connection no longer."""
     if request.content_length is not None and request.content_length > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length,
-                                            text=dumps({"error": f"the body holds {request.content_length} bytes, "
-                                                                  f"over the limit of {limit} (--max-message-mb)"}),
-                                            content_type=JSON)
+        raise _too_large(limit, request.content_length)
     try:
         body = await asyncio.wait_for(request.read(), BODY_SECONDS)  # at most the application's client_max_size
     except asyncio.TimeoutError:
         raise web.HTTPRequestTimeout(text=dumps({"error": f"the body did not arrive within {BODY_SECONDS:g}s"}),
                                      content_type=JSON) from None
     if len(body) > limit:  # chunked, with no Content-Length to say so first
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body),
-                                            text=dumps({"error": f"the body is over the limit of {limit} bytes "
-                                                                  "(--max-message-mb)"}), content_type=JSON)
+        raise _too_large(limit, len(body))
     return body
+
+
+def _too_large(limit: int, size: int) -> web.HTTPRequestEntityTooLarge:
+    return web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size, content_type=JSON, text=dumps(
+        {"error": f"the body holds {size} bytes, over the limit of {limit} (--max-message-mb)"}))
+
+
+def context_of(request: web.Request) -> HttpContext:
+    """The request's HttpContext, made once by the middleware for every route."""
+    context: HttpContext = request[CONTEXT]
+    return context
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -105,7 +114,8 @@ def middlewares(tokens: list[bytes], protect_health: bool) -> list:
         """Every route's call: the protocol and request id made current, its token checked, what it raises
         answered as its status."""
         current_protocol.set("http")
-        call_id(HttpContext(request))  # type: ignore[arg-type]  # reads its metadata as gRPC's context
+        context = request[CONTEXT] = HttpContext(request)
+        call_id(context)  # type: ignore[arg-type]  # reads its metadata as gRPC's context
         if tokens and (protect_health or request.path not in OPEN_PATHS) and \
                 not token_is_valid([("authorization", request.headers.get("Authorization", ""))], tokens):
             return web.json_response({"error": "missing or invalid bearer token"}, status=401,

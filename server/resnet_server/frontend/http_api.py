@@ -28,7 +28,7 @@ from resnet_server.common.errors import InvalidInput
 from resnet_server.frontend.bounds import MOST_CONFIG_BYTES, OverBound, WireBounds, check
 from resnet_server.frontend.classifier_service import ClassifierService
 from resnet_server.frontend.classify_request import read_classify_request
-from resnet_server.frontend.http_answers import JSON, HttpContext, dumps, read_body
+from resnet_server.frontend.http_answers import JSON, context_of, dumps, read_body
 from resnet_server.frontend.http_tensors import HEADER_LENGTH, check_counts, infer_answer, read_infer_body
 from resnet_server.frontend.oip_service import InferenceService, InferRequest
 from resnet_server.frontend.proto_json import as_json
@@ -94,27 +94,27 @@ class HttpApi:
     async def model_ready(self, request: web.Request) -> web.Response:
         name, version = _model(request)
         asked = self._read(oip.ModelReadyRequest(name=name, version=version))
-        answer = await self.inference.ModelReady(asked, HttpContext(request))
+        answer = await self.inference.ModelReady(asked, context_of(request))
         return _readiness({"name": name}, answer.ready and self.ready())
 
     async def server_metadata(self, request: web.Request) -> web.Response:
-        return _json(await self.inference.ServerMetadata(oip.ServerMetadataRequest(), HttpContext(request)))
+        return _json(await self.inference.ServerMetadata(oip.ServerMetadataRequest(), context_of(request)))
 
     async def model_metadata(self, request: web.Request) -> web.Response:
         name, version = _model(request)
         asked = self._read(oip.ModelMetadataRequest(name=name, version=version))
-        return _json(await self.inference.ModelMetadata(asked, HttpContext(request)))
+        return _json(await self.inference.ModelMetadata(asked, context_of(request)))
 
     async def model_config(self, request: web.Request) -> web.Response:
         name, version = _model(request)
         asked = self._read(oip.ModelConfigRequest(name=name, version=version))
-        return web.json_response(as_json((await self.inference.ModelConfig(asked, HttpContext(request))).config),
+        return web.json_response(as_json((await self.inference.ModelConfig(asked, context_of(request))).config),
                                  dumps=dumps)
 
     async def model_statistics(self, request: web.Request) -> web.Response:
         name, version = request.match_info.get("model", ""), request.match_info.get("version", "")
         asked = self._read(oip.ModelStatisticsRequest(name=name, version=version))
-        return _json(await self.inference.ModelStatistics(asked, HttpContext(request)))
+        return _json(await self.inference.ModelStatistics(asked, context_of(request)))
 
     async def infer(self, request: web.Request) -> web.Response:
         name, version = _model(request)
@@ -122,7 +122,7 @@ class HttpApi:
         read = await _off_the_loop_if_large(body, read_infer_body, body, request.headers.get(HEADER_LENGTH), name,
                                             version)
         message = self._read(read.message)
-        context = HttpContext(request)
+        context = context_of(request)
         response = await self.inference.ModelInfer(InferRequest(message, read.raw_input_contents), context)
         answer, json_length = infer_answer(response, read.binary_outputs, read.all_binary)
         headers = dict(context.answered)
@@ -134,7 +134,7 @@ class HttpApi:
     async def repository_index(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         asked = self._read(oip.RepositoryIndexRequest(ready=body.get("ready") is True))
-        index = await self.inference.RepositoryIndex(asked, HttpContext(request))
+        index = await self.inference.RepositoryIndex(asked, context_of(request))
         return web.json_response([as_json(model) for model in index.models], dumps=dumps)
 
     async def load(self, request: web.Request) -> web.Response:
@@ -147,17 +147,17 @@ class HttpApi:
         message = oip.RepositoryModelLoadRequest(model_name=request.match_info["model"])
         for key, value in parameters.items():
             _load_parameter(message, key, value)
-        await self.inference.RepositoryModelLoad(self._read(message, read_load_request), HttpContext(request))
+        await self.inference.RepositoryModelLoad(self._read(message, read_load_request), context_of(request))
         return web.Response(status=200)
 
     async def unload(self, request: web.Request) -> web.Response:
         asked = self._read(oip.RepositoryModelUnloadRequest(model_name=request.match_info["model"]))
-        await self.inference.RepositoryModelUnload(asked, HttpContext(request))
+        await self.inference.RepositoryModelUnload(asked, context_of(request))
         return web.Response(status=200)
 
     async def shm_status(self, request: web.Request) -> web.Response:
         asked = self._read(oip.SystemSharedMemoryStatusRequest(name=request.match_info.get("region", "")))
-        status = await self.inference.SystemSharedMemoryStatus(asked, HttpContext(request))
+        status = await self.inference.SystemSharedMemoryStatus(asked, context_of(request))
         return web.json_response([as_json(region) for region in status.regions.values()], dumps=dumps)
 
     async def shm_register(self, request: web.Request) -> web.Response:
@@ -168,12 +168,12 @@ class HttpApi:
                                                          byte_size=body.get("byte_size", 0))
         except (TypeError, ValueError):
             raise InvalidInput("a region is {\"key\": string, \"offset\": bytes, \"byte_size\": bytes}") from None
-        await self.inference.SystemSharedMemoryRegister(self._read(asked), HttpContext(request))
+        await self.inference.SystemSharedMemoryRegister(self._read(asked), context_of(request))
         return web.Response(status=200)
 
     async def shm_unregister(self, request: web.Request) -> web.Response:
         asked = self._read(oip.SystemSharedMemoryUnregisterRequest(name=request.match_info.get("region", "")))
-        await self.inference.SystemSharedMemoryUnregister(asked, HttpContext(request))
+        await self.inference.SystemSharedMemoryUnregister(asked, context_of(request))
         return web.Response(status=200)
 
     async def trace_setting(self, request: web.Request) -> web.Response:
@@ -182,14 +182,14 @@ class HttpApi:
             for key, value in (await _json_body(request)).items():
                 values = value if isinstance(value, list) else [value]
                 asked.settings[key].value.extend(str(item) for item in values)
-        answer = await self.inference.TraceSetting(self._read(asked), HttpContext(request))
+        answer = await self.inference.TraceSetting(self._read(asked), context_of(request))
         return web.json_response({key: list(value.value) for key, value in answer.settings.items()}, dumps=dumps)
 
     async def classify(self, request: web.Request) -> web.Response:
         """The project's own API: a ClassifyRequest in protobuf's JSON mapping (images' bytes in base64)."""
         body = await read_body(request, self.most_body_bytes)
         asked = await _off_the_loop_if_large(body, self._read_classify, body)
-        context = HttpContext(request)
+        context = context_of(request)
         answer = await self.classifier.Classify(asked, context)
         return web.json_response(json_format.MessageToDict(answer), dumps=dumps, headers=dict(context.answered))
 
@@ -204,7 +204,7 @@ class HttpApi:
         return self._read(message, lambda data: read_classify_request(data, self.max_images))
 
     async def model_info(self, request: web.Request) -> web.Response:
-        info = await self.classifier.GetModelInfo(pb.GetModelInfoRequest(), HttpContext(request))
+        info = await self.classifier.GetModelInfo(pb.GetModelInfoRequest(), context_of(request))
         return web.json_response(json_format.MessageToDict(info), dumps=dumps)
 
 
