@@ -235,8 +235,9 @@ def test_the_own_apis_priority_field_orders_one_callers_requests(make_server, fa
 
 
 def test_token_weights_give_turns_of_as_many_images_and_metrics_count_by_token_name(make_server, faults, tmp_path):
-    """Real engine processes, batches of one: behind a held batch, a token of weight 3 queues seven requests and
-    one of weight 1 four; released, each turn of the heavy token answers three before the light one's one."""
+    """Real engine processes, batches of one: behind a held batch (the heavy token's first request), a token of
+    weight 3 queues seven requests and one of weight 1 four; released, each turn of the heavy token answers three
+    before the light one's one."""
     tokens = tmp_path / "tokens"
     tokens.write_text("heavy-token name=heavy weight=3\nlight-token name=light\n")
     running = make_server(auth_token_file=str(tokens), max_batch_size=1, runner=faults.runner)
@@ -250,7 +251,10 @@ def test_token_weights_give_turns_of_as_many_images_and_metrics_count_by_token_n
                 await client.classify([IMAGE])
                 answered.append(name)
 
-            calls = [asyncio.ensure_future(call(heavy, f"h{i}")) for i in range(8)]
+            calls = [asyncio.ensure_future(call(heavy, "h0"))]  # held alone: the next turn starts afresh
+            await asyncio.get_running_loop().run_in_executor(
+                None, wait_for, lambda: running.sample("resnet_batches_in_flight", device="cpu") == 1)
+            calls += [asyncio.ensure_future(call(heavy, f"h{i}")) for i in range(1, 8)]
             await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 7)
             calls += [asyncio.ensure_future(call(light, f"l{i}")) for i in range(4)]
             await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 11)
