@@ -45,8 +45,11 @@ needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None and not IN_
 
 
 def load_script(name: str):
-    """A module from scripts/, which is not a package."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    """A module from scripts/ or scripts/benchmarks/, which are not packages."""
+    path = ROOT / "scripts" / f"{name}.py"
+    if not path.exists():
+        path = ROOT / "scripts" / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # where dataclasses look a module's classes up
     spec.loader.exec_module(module)

@@ -2,7 +2,7 @@
 
 For each method of each service the server answers (both APIs, every Triton extension, health, reflection), and
 for each field its request can reach (nested messages and maps included), one request carries that field's
-worst value within the message limit (scripts/hostile_cases.py: a repeated field, packed field or map of
+worst value within the message limit (scripts/benchmarks/hostile_cases.py: a repeated field, packed field or map of
 millions of entries, or a string or bytes of 8 MiB). While they run, a health check on the same front-end is
 timed. Each must be refused with an error code (not OK, INTERNAL or UNKNOWN); health must answer within a second
 throughout; no process of the server may grow past a bound or be replaced. Streams are also tried with a client

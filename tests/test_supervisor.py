@@ -118,7 +118,7 @@ def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, 
         assert all(count > 0 for count in served), served
         assert [scraped_value(workers.metrics_port, f'resnet_worker_up{{worker="{worker}"}}')
                 for worker in ("0", "1", "engine-cpu")] == [1, 1, 1]
-        # The soak's memory reading (scripts/soak.py) finds every process of the server on its one /metrics.
+        # The soak's memory reading (scripts/benchmarks/soak.py) finds every process of the server on its one /metrics.
         memory = load_script("soak").rss(workers.metrics_port)
         assert set(memory) == {"0", "1", "engine-cpu", "supervisor"} and all(value > 2**20 for value in memory.values())
         # The engine formed the batches of both front-ends' calls: every batch is in its series alone.

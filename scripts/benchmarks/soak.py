@@ -11,10 +11,10 @@ wrong answers among good requests (must be 0), the reloads by outcome (all OK), 
 (supervisor, engines, front-ends: its ``worker`` label on the one /metrics) and of all of them together at 1
 minute and at the end (the total's growth must stay under 5%), the largest p99 latency of accepted requests
 over 10-second windows, and what the run left in /dev/shm (nothing). With ``--hostile``, a hostile client sends
-every field's worst value (scripts/hostile_cases.py) in a loop meanwhile, each of which must be refused, and no
-normal call may fail for it. Starts its own server and stops it (by PID) at the end.
+every field's worst value (scripts/benchmarks/hostile_cases.py) in a loop meanwhile, each of which must be
+refused, and no normal call may fail for it. Starts its own server and stops it (by PID) at the end.
 
-Usage: python scripts/soak.py [--duration 600] [--rate 200] [--reload-every 30] [--hostile] [--json FILE]
+Usage: python scripts/benchmarks/soak.py [--duration 600] [--rate 200] [--reload-every 30] [--hostile] [--json FILE]
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ async def soak(args, shared: SharedImages) -> dict:
 
 
 class HostileLoop:
-    """scripts/hostile_cases.py's requests, one after another on a thread of their own, until stopped."""
+    """scripts/benchmarks/hostile_cases.py's requests, one after another on a thread of their own, until stopped."""
 
     def __init__(self, target: str) -> None:
         import hostile_cases  # beside this script
@@ -350,7 +350,7 @@ def main() -> int:
                         help="requests/s, past the server's capacity (a 2-core CPU computes about 60 of these)")
     parser.add_argument("--reload-every", type=float, default=30.0, help="seconds between reloads of the weights")
     parser.add_argument("--hostile", action="store_true",
-                        help="send every field's worst value in a loop meanwhile (scripts/hostile_cases.py)")
+                        help="send every field's worst value in a loop meanwhile (scripts/benchmarks/hostile_cases.py)")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
     if not args.reload_every > 0:

@@ -10,7 +10,7 @@ it to a second after) against the steady p99 (target: at most 2x), the RSS of al
 reloads against their steady RSS (target: at most two copies of the weights file more) and each process's rise,
 and each load call's time. Stops the server (SIGTERM, by its PID) at the end; exit 1 if a target is missed.
 
-Usage: python scripts/reload_bench.py [--duration 60] [--callers 16] [--reloads 5] [--compile] [--device cpu]
+Usage: python scripts/benchmarks/reload_bench.py [--duration 60] [--callers 16] [--reloads 5] [--compile] [--device cpu]
        [--from-path] [--json FILE]
 """
 

@@ -4,7 +4,7 @@ Made from the service descriptors (both APIs, Triton's extensions, health, refle
 added later is tried without anyone remembering to. For each field a request can reach (nested messages and maps
 included, MOST_DEPTH deep): a repeated field, packed field or map of millions of entries, or a string or bytes
 of LONG bytes. Used by tests/test_hostile_clients.py (each must be refused while health answers) and by
-``scripts/soak.py --hostile`` (in a loop, beside normal traffic).
+``scripts/benchmarks/soak.py --hostile`` (in a loop, beside normal traffic).
 """
 
 from __future__ import annotations
