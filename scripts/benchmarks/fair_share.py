@@ -10,15 +10,16 @@ one run. Scenarios (``--scenario``, one or more):
 - ``peer``: ``polite`` without tokens, by address, on a ``peer`` server and an ``off`` one, both listening on a
   veth pair into a network namespace this script makes: the greedy caller on the host side with four
   connections, the polite one inside the namespace (another address). Needs root and iproute2.
-- ``alone``: one caller (16 calls in flight) on the ``token`` and ``off`` servers: images/s and p99 of each, to
-  see that fair share costs a lone caller nothing.
+- ``alone``: one caller (16 calls in flight) on the ``token`` and ``off`` servers, and with ``--before TREE`` on
+  a server run from TREE (a checkout of the code before fair share, no flags of its own): images/s and p99 of
+  each, to see that fair share costs a lone caller nothing.
 
 Each server: ``resnet-server --frontends 1 --device cpu``, seeded random weights, uint8 224x224 images,
 ``--duration`` seconds a window, rounds rotating the servers' order, medians of the rounds. Servers are stopped
 (SIGTERM, by PID) and the namespace deleted when done.
 
 Usage: python scripts/benchmarks/fair_share.py [--scenario polite weights peer alone] [--greedy 48]
-       [--duration 10] [--rounds 2] [--json]
+       [--duration 10] [--rounds 2] [--before TREE] [--json]
 """
 
 from __future__ import annotations
@@ -110,8 +111,9 @@ def compared(measured: dict[str, list[dict]], fair: str) -> dict:
 def by_token(servers: dict[str, ServedProcess], args: argparse.Namespace) -> dict:
     """The scenarios run on the token and off servers (127.0.0.1)."""
     results: dict = {}
+    pair = {mode: servers[mode] for mode in ("token", "off")}
     if "polite" in args.scenario:
-        results["polite"] = compared(in_rotating_rounds(servers, args.rounds, greedy_and_polite(
+        results["polite"] = compared(in_rotating_rounds(pair, args.rounds, greedy_and_polite(
             Caller("greedy-token"), Caller("polite-token"), "127.0.0.1", args.greedy, args.duration)), "token")
     if "weights" in args.scenario:
         callers = {"heavy": (Caller("heavy-token"), args.greedy), "light": (Caller("light-token"), args.greedy)}
@@ -166,8 +168,11 @@ def run(args: argparse.Namespace) -> dict:
         if set(args.scenario) - {"peer"}:
             flags_by_port = {BASE_PORT: [*flags, "--auth-token-file", str(tokens), "--fair-share", "token"],
                              BASE_PORT + 1: [*flags, "--auth-token-file", str(tokens), "--fair-share", "off"]}
-            with serving(flags_by_port) as by_port:
-                results.update(by_token(dict(zip(("token", "off"), by_port.values(), strict=True)), args))
+            if args.before:
+                flags_by_port[BASE_PORT + 2] = flags  # the old code's defaults, without tokens
+            with serving(flags_by_port, {BASE_PORT + 2: args.before}) as by_port:
+                modes = ("token", "off", "before")[:len(by_port)]
+                results.update(by_token(dict(zip(modes, by_port.values(), strict=True)), args))
     if "peer" in args.scenario:
         results["peer"] = by_peer(args, flags)
     return results
@@ -200,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--greedy", type=int, default=48, help="the greedy callers' calls in flight (default 48)")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds a window (default 10)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, each server once a round (default 2)")
+    parser.add_argument("--before", default="", metavar="TREE",
+                        help="alone: also a server run from this checkout (the code before fair share)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
     if "peer" in args.scenario and os.geteuid() != 0:

@@ -18,11 +18,15 @@ from pathlib import Path
 
 
 class ServedProcess:
-    def __init__(self, port: int, flags: list[str]) -> None:
+    def __init__(self, port: int, flags: list[str], tree: str = "") -> None:
+        """``tree``: a checkout of another version whose server runs instead (its packages put first on the path)."""
         self.port = port
+        env = dict(os.environ)
+        if tree:
+            env["PYTHONPATH"] = os.pathsep.join(str(Path(tree) / part) for part in ("server", "client"))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-             "--weights", "random", "--frontends", "1", *flags], stderr=subprocess.PIPE, text=True)
+             "--weights", "random", "--frontends", "1", *flags], stderr=subprocess.PIPE, text=True, env=env)
         self.flags = flags
         self.frontend = 0
 
@@ -59,13 +63,14 @@ def stop_all(servers: Iterable[ServedProcess]) -> None:
 
 
 @contextmanager
-def serving(flags_by_port: dict[int, list[str]]) -> Iterator[dict[int, ServedProcess]]:
-    """A server on each port with its flags, all started before any is waited for; all stopped at the end, those
-    that served and those that did not."""
+def serving(flags_by_port: dict[int, list[str]], trees: dict[int, str] | None = None
+            ) -> Iterator[dict[int, ServedProcess]]:
+    """A server on each port with its flags (from the checkout ``trees`` gives the port, if any), all started
+    before any is waited for; all stopped at the end, those that served and those that did not."""
     servers: dict[int, ServedProcess] = {}
     try:
         for port, flags in flags_by_port.items():
-            servers[port] = ServedProcess(port, flags)
+            servers[port] = ServedProcess(port, flags, (trees or {}).get(port, ""))
         for server in servers.values():
             server.wait_serving()
         yield servers
