@@ -13,7 +13,8 @@ round trip outside the server, and the server's forward pass less the in-process
 the pass itself.
 
 Usage: python scripts/benchmarks/perf_analyzer_pairs.py --server 127.0.0.1:50151 [--pairs 8] [--batch-size 8]
-       [--window-ms 1500] [--device cpu] [--torch-threads 0] [--compile] (the server's own model flags)
+       [--window-ms 1500] [--window-requests 0] [--device cpu] [--torch-threads 0] [--compile] (the server's own
+       model flags)
 """
 
 from __future__ import annotations
@@ -36,18 +37,20 @@ from resnet_server.engine.bench_model import Replicas, add_model_arguments, pars
 def measure(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     window_s = 3 * args.window_ms / 1000  # as long as perf_analyzer's three windows
+    # Windows of a count of requests, where asked: on a loaded machine a time window can hold none.
+    windows = {"window_requests": args.window_requests} if args.window_requests else {"window_ms": args.window_ms}
     latency, means, throughput, splits = [], [], [], []
     with Replicas(args, [1, args.batch_size]) as replicas:
         model_input = torch.zeros(FLOAT_SHAPE)
-        perf_analyzer.run(args.server, 1, window_ms=args.window_ms, first_windows=True)  # warm-up
+        perf_analyzer.run(args.server, 1, first_windows=True, **windows)  # warm-up
         for _ in range(args.pairs):
             _, calls = replicas.rate(model_input, 1, window_s)
-            served = perf_analyzer.run(args.server, 1, window_ms=args.window_ms, first_windows=True)
+            served = perf_analyzer.run(args.server, 1, first_windows=True, **windows)
             latency.append((1000 * statistics.median(calls), served["p50_us"] / 1000))
             means.append((1000 * statistics.fmean(calls), served["avg_us"] / 1000))
             splits.append(served)
             local, _ = replicas.rate(model_input, args.batch_size, window_s)
-            served = perf_analyzer.run(args.server, args.concurrency, window_ms=args.window_ms, first_windows=True)
+            served = perf_analyzer.run(args.server, args.concurrency, first_windows=True, **windows)
             throughput.append((local, served["throughput"]))
     differences = [served - local for local, served in latency]
     ratios = [served / local for local, served in throughput]
@@ -78,6 +81,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=8, help="in-process batch for the c=16 pairs")
     parser.add_argument("--window-ms", type=int, default=1500, help="perf_analyzer's measurement window")
+    parser.add_argument("--window-requests", type=int, default=0,
+                        help="perf_analyzer's windows a count of requests each instead (the in-process side's stay "
+                             "three --window-ms long)")
     args = parse_model_arguments(parser)
     print(json.dumps(measure(args)))
 
