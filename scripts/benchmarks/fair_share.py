@@ -19,7 +19,7 @@ Each server: ``resnet-server --frontends 1 --device cpu``, seeded random weights
 (SIGTERM, by PID) and the namespace deleted when done.
 
 Usage: python scripts/benchmarks/fair_share.py [--scenario polite weights peer alone] [--greedy 48]
-       [--duration 10] [--rounds 2] [--before TREE] [--json]
+       [--duration 10] [--rounds 2] [--server-flags "..."] [--before TREE] [--json]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -160,7 +161,7 @@ def by_peer(args: argparse.Namespace, flags: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    flags = ["--metrics-port", "0", "--http-port", "0"]
+    flags = ["--metrics-port", "0", "--http-port", "0", *shlex.split(args.server_flags)]
     results: dict = {}
     with tempfile.TemporaryDirectory() as folder:
         tokens = Path(folder) / "tokens"
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--greedy", type=int, default=48, help="the greedy callers' calls in flight (default 48)")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds a window (default 10)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, each server once a round (default 2)")
+    parser.add_argument("--server-flags", default="", help="more flags for every server (--before's too)")
     parser.add_argument("--before", default="", metavar="TREE",
                         help="alone: also a server run from this checkout (the code before fair share)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
