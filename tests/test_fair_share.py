@@ -147,24 +147,17 @@ def test_a_polite_callers_request_is_not_queued_behind_a_greedy_callers(make_ser
     """Real engine processes, batches of one: while the engine holds a batch, a greedy caller queues six
     requests and a polite one its one; once released, by token the polite one is answered second, where first
     come, first served (off) answers it last."""
-    tokens = tmp_path / "tokens"
-    tokens.write_text("greedy-token\npolite-token\n")
-    running = make_server(auth_token_file=str(tokens), fair_share=fair_share, max_batch_size=1,
-                          runner=faults.runner)
-    faults.set("hold")
+    running = held_server(make_server, faults, tmp_path, "greedy-token\npolite-token\n", fair_share=fair_share)
 
     async def race() -> list[str]:
         answered: list[str] = []
         async with AsyncClient(running.target, token="greedy-token", timeout=60) as greedy, \
                 AsyncClient(running.target, token="polite-token", timeout=60) as polite:
-            async def call(client: AsyncClient, name: str) -> None:
-                await client.classify([IMAGE])
-                answered.append(name)
-
+            call = recording(answered)
             calls = [asyncio.ensure_future(call(greedy, f"greedy-{i}")) for i in range(7)]
-            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 6)
+            await until(lambda: queued(running) == 6)
             calls.append(asyncio.ensure_future(call(polite, "polite")))
-            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 7)
+            await until(lambda: queued(running) == 7)
             faults.clear()
             await asyncio.gather(*calls)
         return answered
@@ -172,6 +165,28 @@ def test_a_polite_callers_request_is_not_queued_behind_a_greedy_callers(make_ser
     answered = asyncio.run(race())
     # One greedy request was held when the others came; by token the polite one goes after one more of them.
     assert answered.index("polite") == (2 if fair_share == "token" else 7), answered
+
+
+def held_server(make_server, faults, tmp_path, tokens: str, **flags):
+    """A server with these bearer tokens and batches of one, its batch held (by ``faults``) until cleared."""
+    path = tmp_path / "tokens"
+    path.write_text(tokens)
+    running = make_server(auth_token_file=str(path), max_batch_size=1, runner=faults.runner, **flags)
+    faults.set("hold")
+    return running
+
+
+def recording(answered: list[str]):
+    """A call of one image that adds its name to ``answered`` once answered."""
+    async def call(client: AsyncClient, name: str) -> None:
+        await client.classify([IMAGE])
+        answered.append(name)
+    return call
+
+
+async def until(predicate) -> None:
+    """wait_for, off the event loop the test's clients run on."""
+    await asyncio.get_running_loop().run_in_executor(None, wait_for, predicate)
 
 
 def queued(running) -> float:
@@ -199,9 +214,9 @@ def test_tritons_priority_orders_one_callers_requests(make_server, faults):
             answered.append(name)
 
         calls = [asyncio.ensure_future(call(f"plain-{i}", 0)) for i in range(4)]
-        await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 3)
+        await until(lambda: queued(running) == 3)
         calls.append(asyncio.ensure_future(call("urgent", 1)))
-        await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 4)
+        await until(lambda: queued(running) == 4)
         faults.clear()
         await asyncio.gather(*calls)
         await client.close()
@@ -223,9 +238,9 @@ def test_the_own_apis_priority_field_orders_one_callers_requests(make_server, fa
                 answered.append(name)
 
             calls = [asyncio.ensure_future(call(f"plain-{i}", 0)) for i in range(4)]
-            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 3)
+            await until(lambda: queued(running) == 3)
             calls += [asyncio.ensure_future(call("second", 2)), asyncio.ensure_future(call("first", 1))]
-            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 5)
+            await until(lambda: queued(running) == 5)
             faults.clear()
             await asyncio.gather(*calls)
         return answered
@@ -238,26 +253,19 @@ def test_token_weights_give_turns_of_as_many_images_and_metrics_count_by_token_n
     """Real engine processes, batches of one: behind a held batch (the heavy token's first request), a token of
     weight 3 queues seven requests and one of weight 1 four; released, each turn of the heavy token answers three
     before the light one's one."""
-    tokens = tmp_path / "tokens"
-    tokens.write_text("heavy-token name=heavy weight=3\nlight-token name=light\n")
-    running = make_server(auth_token_file=str(tokens), max_batch_size=1, runner=faults.runner)
-    faults.set("hold")
+    running = held_server(make_server, faults, tmp_path, "heavy-token name=heavy weight=3\nlight-token name=light\n")
 
     async def race() -> list[str]:
         answered: list[str] = []
         async with AsyncClient(running.target, token="heavy-token", timeout=60) as heavy, \
                 AsyncClient(running.target, token="light-token", timeout=60) as light:
-            async def call(client: AsyncClient, name: str) -> None:
-                await client.classify([IMAGE])
-                answered.append(name)
-
+            call = recording(answered)
             calls = [asyncio.ensure_future(call(heavy, "h0"))]  # held alone: the next turn starts afresh
-            await asyncio.get_running_loop().run_in_executor(
-                None, wait_for, lambda: running.sample("resnet_batches_in_flight", device="cpu") == 1)
+            await until(lambda: running.sample("resnet_batches_in_flight", device="cpu") == 1)
             calls += [asyncio.ensure_future(call(heavy, f"h{i}")) for i in range(1, 8)]
-            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 7)
+            await until(lambda: queued(running) == 7)
             calls += [asyncio.ensure_future(call(light, f"l{i}")) for i in range(4)]
-            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 11)
+            await until(lambda: queued(running) == 11)
             assert running.sample("resnet_caller_images_in_flight", caller="heavy") == 8
             faults.clear()
             await asyncio.gather(*calls)
@@ -275,10 +283,8 @@ def test_a_caller_holding_its_share_of_a_full_queue_is_refused_and_the_others_ar
     """--max-queue 16 (a floor of one slot): a token alone fills 15 of them and its 16th call is refused; the
     other token, holding nothing, takes the slot kept free, and the first token's next call is refused for its
     share of two callers (8); every call accepted is answered, and the refusals are counted and logged."""
-    tokens = tmp_path / "tokens"
-    tokens.write_text("greedy-token name=greedy\npolite-token name=polite\n")
-    running = make_server(auth_token_file=str(tokens), max_batch_size=1, max_queue=16, runner=faults.runner)
-    faults.set("hold")
+    running = held_server(make_server, faults, tmp_path, "greedy-token name=greedy\npolite-token name=polite\n",
+                          max_queue=16)
 
     async def race() -> tuple[list[str], list[str]]:
         refusals: list[str] = []
@@ -293,10 +299,10 @@ def test_a_caller_holding_its_share_of_a_full_queue_is_refused_and_the_others_ar
                 return "answered"
 
             calls = [asyncio.ensure_future(call(greedy)) for _ in range(15)]
-            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 14)
+            await until(lambda: queued(running) == 14)
             assert await call(greedy) == "refused"
             polite_call = asyncio.ensure_future(call(polite))
-            await asyncio.get_running_loop().run_in_executor(None, wait_for, lambda: queued(running) == 15)
+            await until(lambda: queued(running) == 15)
             assert await call(greedy) == "refused"
             faults.clear()
             outcomes = await asyncio.gather(*calls, polite_call)
