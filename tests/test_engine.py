@@ -98,8 +98,9 @@ def test_one_batch_holds_calls_from_two_front_ends(engines):
 
 
 def test_overload_from_two_front_ends_is_bounded_by_the_one_queue(engines):
-    # A queue of four images for the whole server; batches wait up to 3 s for eight, so images stay queued.
-    engine_set = engines(max_queue=4, max_batch_size=8, max_batch_delay_ms=3000)
+    # A queue of four images for the whole server; batches wait up to 3 s for eight, so images stay queued. The
+    # queue's own bound, without fair share (one caller: its last slot would be kept for another).
+    engine_set = engines(max_queue=4, max_batch_size=8, max_batch_delay_ms=3000, fair_share="off")
     first, second = engine_set.frontend(), engine_set.frontend()
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(Client(first.target, timeout=60).classify, [PIXELS] * 3)

@@ -310,8 +310,8 @@ def test_a_caller_holding_its_share_of_a_full_queue_is_refused_and_the_others_ar
 
     outcomes, refusals = asyncio.run(race())
     assert outcomes == ["answered"] * 16
-    assert refusals[0].startswith("RESOURCE_EXHAUSTED: this caller holds 15 images, over its share of 15 with 1 "
-                                  "callers queued on cpu"), refusals
+    assert refusals[0].startswith("RESOURCE_EXHAUSTED: this caller holds 15 images, all one caller may: the "
+                                  "queue's last 1 kept for other callers on cpu (--max-queue 16)"), refusals
     assert "over its share of 8 with 2 callers queued" in refusals[1], refusals
     assert running.sample("resnet_caller_images_total", caller="greedy", code="RESOURCE_EXHAUSTED") == 2
     assert running.sample("resnet_caller_images_total", caller="polite", code="OK") == 1

@@ -355,7 +355,7 @@ def unload_and_load_again(client: tc.InferenceServerClient) -> None:
 
 
 def test_a_full_queue_is_429_while_accepted_work_is_answered(make_server, faults):
-    busy = make_server(http_port=free_port(), max_queue=2, runner=faults.runner)
+    busy = make_server(http_port=free_port(), max_queue=2, runner=faults.runner, fair_share="off")
     faults.set("hold")  # the engine holds its batches' scores: the accepted pair keeps both slots of the queue
 
     async def overload():

@@ -20,8 +20,12 @@ FLOOR_PART = 16  # the floor is this part of the queue
 class ShareExceeded(Exception):
     """A caller asked for more of the queue than its share; the slots it holds, its share, the callers holding."""
 
-    def __init__(self, held: int, limit: int, callers: int) -> None:
-        super().__init__(f"holds {held} images, over its share of {limit} with {callers} callers queued")
+    def __init__(self, held: int, limit: int, callers: int, slots: int) -> None:
+        if callers == 1:
+            why = f"all one caller may: the queue's last {slots - limit} kept for other callers"
+        else:
+            why = f"over its share of {limit} with {callers} callers queued"
+        super().__init__(f"holds {held} images, {why}")
         self.held, self.limit, self.callers = held, limit, callers
 
 
@@ -44,7 +48,7 @@ def check_share(held: int, count: int, slots: int, callers: Callable[[], int]) -
     holding = callers()
     limit = share_limit(slots, holding)
     if held + count > limit:
-        raise ShareExceeded(held, limit, holding)
+        raise ShareExceeded(held, limit, holding, slots)
 
 
 @functools.lru_cache(maxsize=4096)
