@@ -109,11 +109,14 @@ def test_bench_open_loop_counts_errors_by_code(make_server, capsys):
     """Calls refused under load are counted by their code, and the ones answered are still measured: a queue of
     one and batches of one cannot take 200 requests a second. A metrics URL that does not answer: a note says
     the server view is missing, and the run goes on. Three seconds, not one: in CI, with the image building
-    beside the tests, the queue's one image once took the whole of a one-second window to be answered."""
+    beside the tests, the queue's one image once took the whole of a one-second window to be answered. Eight
+    connections: on a loaded machine one connection's calls outnumbered the 128 streams the server allows a
+    connection (--max-concurrent-streams), and those past it were refused as streams (UNAVAILABLE)."""
     running = make_server(max_queue=1, max_batch_size=1)
     silent = f"http://127.0.0.1:{free_port()}/metrics"
     code = client_main(["bench", "--server", running.target, "--rate", "200", "--duration", "3", "--warmup", "0",
-                        "--input", "uint8", "--image-size", "64x48", "--json", "--quiet", "--metrics", silent])
+                        "--connections", "8", "--input", "uint8", "--image-size", "64x48", "--json", "--quiet",
+                        "--metrics", silent])
     assert code == 0
     captured = capsys.readouterr()
     assert captured.err == (f"resnet-client bench: note: no server view (batch size, queue, compute) from {silent}: "
