@@ -27,7 +27,7 @@ from resnet_client.flags import (
     positive_int,
 )
 from resnet_server.common.event_loop import EVENT_LOOPS, uvloop_installed
-from resnet_server.common.flag_files import read_temperature, read_tokens
+from resnet_server.common.flag_files import read_temperature, read_token_entries
 from resnet_server.common.logs import LOG_FORMATS
 
 # torch.compile's own mode names; reduce-overhead replays CUDA graphs, and max-autotune also tries kernel choices.
@@ -334,7 +334,7 @@ def _file_that(read: Callable[[str], object]) -> Callable[[str], str]:
 
 
 _temperature_file = _file_that(read_temperature)
-_token_file = _file_that(read_tokens)
+_token_file = _file_that(read_token_entries)
 
 
 def tls_problem(cert: str | None, key: str | None, client_ca: str | None) -> str | None:

@@ -78,8 +78,3 @@ def _entry(fields: list[str], position: int) -> TokenEntry:
     if not weight.isdigit() or not 1 <= int(weight) <= MAX_WEIGHT:
         raise ValueError(f"a token's weight is a whole number from 1 to {MAX_WEIGHT}")
     return TokenEntry(fields[0].encode(), name, int(weight))
-
-
-def read_tokens(path: str | Path) -> list[bytes]:
-    """The bearer tokens of a token file (read_token_entries)."""
-    return [entry.token for entry in read_token_entries(path)]
