@@ -167,6 +167,42 @@ def test_a_polite_callers_request_is_not_queued_behind_a_greedy_callers(make_ser
     assert answered.index("polite") == (2 if fair_share == "token" else 7), answered
 
 
+@pytest.mark.parametrize("fair_share", ["token", "off"])
+def test_a_batch_waits_a_moment_for_the_turn_of_a_caller_just_answered(make_server, faults, tmp_path, fair_share):
+    """Batches of two, each forward pass two seconds long: the polite caller's first call computes alone while the
+    greedy one queues four. The polite caller sends again as soon as it is answered; by token the next batch waits
+    for it (a twentieth of the last forward pass at most) and takes it beside greedy-0, where off takes greedy-0
+    and greedy-1 at once and the polite call waits for the batch after."""
+    (tmp_path / "tokens").write_text("greedy-token\npolite-token\n")
+    running = make_server(auth_token_file=str(tmp_path / "tokens"), fair_share=fair_share, max_batch_size=2,
+                          runner=faults.runner)
+    faults.set("slow 2")
+
+    async def race() -> list[str]:
+        answered: list[str] = []
+        async with AsyncClient(running.target, token="greedy-token", timeout=60) as greedy, \
+                AsyncClient(running.target, token="polite-token", timeout=60) as polite:
+            call = recording(answered)
+
+            async def polite_twice() -> None:
+                await call(polite, "polite-0")
+                await call(polite, "polite-1")
+
+            calls = [asyncio.ensure_future(polite_twice())]
+            await until(lambda: running.sample("resnet_batches_in_flight", device="cpu") == 1)
+            calls += [asyncio.ensure_future(call(greedy, f"greedy-{i}")) for i in range(4)]
+            await until(lambda: queued(running) == 4)
+            await asyncio.gather(*calls)
+        return answered
+
+    answered = asyncio.run(race())
+    waited = running.sample("resnet_caller_waits_total", device="cpu", outcome="came_back")
+    if fair_share == "token":
+        assert answered.index("polite-1") < answered.index("greedy-1") and waited == 1, (answered, waited)
+    else:
+        assert answered.index("polite-1") > answered.index("greedy-1") and waited == 0, (answered, waited)
+
+
 def held_server(make_server, faults, tmp_path, tokens: str, **flags):
     """A server with these bearer tokens and batches of one, its batch held (by ``faults``) until cleared."""
     path = tmp_path / "tokens"

@@ -80,8 +80,9 @@ class Metrics:
             PREFIX + "dropped_images", "Queued images dropped before compute, by reason (deadline, cancelled)",
             labelnames=["device", "reason"], registry=self.registry)
         self.caller_waits = Counter(
-            PREFIX + "caller_waits", "With --wait-for-callers-ms: waits for the callers of the batch just answered, "
-            "by outcome (came_back: as many images came as it held, or a full batch; ran_out: the wait held a "
+            PREFIX + "caller_waits", "Waits for the callers of the batch just answered (--wait-for-callers-ms, or "
+            "under fair share for a caller whose turn the others would take), by outcome (came_back: as many images "
+            "came as it held, a full batch, or the caller waited for; ran_out: the wait held a "
             f"batch back until its limit, and the next 1 to {MOST_WAITS_SKIPPED} waits are skipped)",
             labelnames=["device", "outcome"], registry=self.registry)
         self.queue_depth = Gauge(PREFIX + "queue_depth", "Images waiting in the device queue", **by_device)

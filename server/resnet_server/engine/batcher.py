@@ -7,7 +7,9 @@ for a fuller batch, but never past that long after the oldest waiting image arri
 wait, after answering a batch, for as many new images as that batch held: a closed loop's callers send again one
 round trip after their answers, and without the wait they split into two batches that take turns (sixteen callers:
 two batches of eight, each computing while the other's callers are away). A wait that runs out says the callers are
-not such a loop, and the next batches start at once. Cancelled and expired images are dropped before compute.
+not such a loop, and the next batches start at once. With callers told apart (resnet_server.engine.fair_queue), a
+batch the others already fill waits as briefly for a caller just answered, so that its next call takes its turn in
+it. Cancelled and expired images are dropped before compute.
 Results go where its ``Answers`` say: in an engine process (``resnet_server.engine.core``), to shared memory and the
 front-end that sent each image.
 
@@ -31,7 +33,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from resnet_server.common.config import MOST_WAITS_SKIPPED
 from resnet_server.common.errors import ComputeFailed, DeadlineExpired, Overloaded, ServingError, Unavailable
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.postprocess import top_k
@@ -39,6 +40,7 @@ from resnet_server.common.preprocess import FLOAT_SHAPE
 from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.common.work import WorkItem
+from resnet_server.engine.caller_waits import WaitBackoff
 from resnet_server.engine.fair_queue import FairQueue
 from resnet_server.engine.runner import PendingScores
 
@@ -46,6 +48,11 @@ if TYPE_CHECKING:
     from resnet_server.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
+# The longest a batch waits for a caller whose turn would be lost, as a share of the last batch's forward pass: a
+# caller with one call in flight sends again one round trip after its answer, and the others lose at most this share
+# of the device's time to the wait.
+TURN_WAIT_SHARE = 0.05
 
 @dataclass(frozen=True)
 class BatchOutput:
@@ -130,8 +137,8 @@ class Batcher:
         self._wait_for_callers = wait_for_callers_ms / 1000.0
         self._answered = 0  # images in the last batch answered
         self._answered_at = 0.0  # time.monotonic() just before they were handed back
-        self._waits_to_skip = 0
-        self._skip_after_ran_out = 1  # waits to skip once the next wait runs out (see MOST_WAITS_SKIPPED)
+        self._answered_callers: frozenset[str] = frozenset()  # their callers (WorkItem.client)
+        self._last_forward = 0.0  # seconds the last batch answered took to compute
         self._queue: FairQueue[WorkItem] = FairQueue()
         self._swaps: list[_Swap] = []  # guarded by _cond
         self.weights_version = 1  # of the weights the next batch runs with: set only on the worker's thread
@@ -159,8 +166,9 @@ class Batcher:
         self._batch_size = metrics.batch_size.labels(name)
         self._padded = metrics.padded.labels(name)
         self._dropped = metrics.dropped
-        self._callers_came_back = metrics.caller_waits.labels(name, "came_back")
-        self._caller_wait_ran_out = metrics.caller_waits.labels(name, "ran_out")
+        came_back, ran_out = (metrics.caller_waits.labels(name, outcome) for outcome in ("came_back", "ran_out"))
+        self._loop_waits = WaitBackoff(came_back, ran_out)  # --wait-for-callers-ms
+        self._turn_waits = WaitBackoff(came_back, ran_out)  # for a caller's turn (see _wait_for_a_turn_taker)
         self._statistics = metrics.statistics
 
     @property
@@ -274,6 +282,7 @@ class Batcher:
                     self._wait_for_fuller_batch()
                 if self._wait_for_callers > 0:
                     self._wait_for_answered_callers()
+                self._wait_for_a_turn_taker()
                 if self._queue:  # else every image waited for was withdrawn meanwhile: wait for work again
                     break
             batch = self._queue.take(self.max_batch_size)
@@ -346,17 +355,20 @@ class Batcher:
                       f"; probing it every {self._probe_interval:g}s" if self._probe_interval else "")
 
     def _wait_while(self, short: Callable[[], bool], until: float) -> bool:
-        """Wait for more work while ``short()`` and the batch is not full, not past ``until`` (a
-        time.monotonic() value) nor past stopping; True if the wait ran out."""
-        while len(self._queue) < self.max_batch_size and short() and not self._stopping:
+        """Wait for more work while ``short()``, not past ``until`` (a time.monotonic() value) nor past stopping;
+        True if the wait ran out."""
+        while short() and not self._stopping:
             remaining = until - time.monotonic()
             if remaining <= 0:
                 return True
             self._cond.wait(remaining)
         return False
 
+    def _batch_short(self) -> bool:
+        return len(self._queue) < self.max_batch_size
+
     def _wait_for_fuller_batch(self) -> None:
-        self._wait_while(lambda: True, self._queue.oldest_arrival() + self._max_delay)
+        self._wait_while(self._batch_short, self._queue.oldest_arrival() + self._max_delay)
 
     def _wait_for_answered_callers(self) -> None:
         """Until as many images have come since the last answer as it held, the batch is full, or
@@ -364,22 +376,34 @@ class Batcher:
         callers do not come back about once in MOST_WAITS_SKIPPED + 1 batches."""
         wait_until = self._answered_at + self._wait_for_callers
         # Only a wait that holds a batch back counts: work arriving after an idle spell finds it over already.
-        if not self._callers_missing() or time.monotonic() >= wait_until:
+        if not self._callers_missing() or time.monotonic() >= wait_until or self._loop_waits.skip():
             return
-        if self._waits_to_skip > 0:
-            self._waits_to_skip -= 1
-            return
-        if self._wait_while(self._callers_missing, wait_until):
-            self._caller_wait_ran_out.inc()
-            self._waits_to_skip = self._skip_after_ran_out
-            self._skip_after_ran_out = min(2 * self._skip_after_ran_out, MOST_WAITS_SKIPPED)
+        self._wait_and_count(self._loop_waits, self._callers_missing, wait_until)
+
+    def _wait_and_count(self, backoff: WaitBackoff, short: Callable[[], bool], until: float) -> None:
+        if self._wait_while(short, until):
+            backoff.ran_out()
         elif not self._stopping:  # a wait cut short by shutdown says nothing about the callers
-            self._callers_came_back.inc()
-            self._skip_after_ran_out = max(1, self._skip_after_ran_out // 2)
+            backoff.came_back()
 
     def _callers_missing(self) -> bool:
         """Fewer images have come since the last answer than it held, and the batch is not full."""
-        return len(self._queue) < self.max_batch_size and self._queue.arrived_since(self._answered_at) < self._answered
+        return self._batch_short() and self._queue.arrived_since(self._answered_at) < self._answered
+
+    def _wait_for_a_turn_taker(self) -> None:
+        """With callers told apart (``--fair-share``): when the queue already fills a batch, by fewer callers than
+        it has places, wait a little for a caller just answered that has nothing queued. Its next call comes one
+        round trip after its answer; taken now, the batch would go to the others and that caller would wait for
+        it to compute and then for its own (a caller with one call in flight: two batches, not one)."""
+        wait_until = self._answered_at + TURN_WAIT_SHARE * self._last_forward
+        if not self._turn_taker_missing() or time.monotonic() >= wait_until or self._turn_waits.skip():
+            return
+        self._wait_and_count(self._turn_waits, self._turn_taker_missing, wait_until)
+
+    def _turn_taker_missing(self) -> bool:
+        queue = self._queue
+        return (len(queue) >= self.max_batch_size and queue.callers() < self.max_batch_size
+                and any(not queue.holds(caller) for caller in self._answered_callers))
 
     def _drop_dead(self, batch: list[WorkItem]) -> list[WorkItem]:
         now = time.monotonic()
@@ -458,6 +482,8 @@ class Batcher:
         self._record(batch, launched.started, output.timing)
         with self._cond:
             self._answered, self._answered_at = len(batch), time.monotonic()
+            self._answered_callers = frozenset(item.client for item in batch)
+            self._last_forward = output.timing.infer
         self._deliver(batch, output)
 
     def _output(self, launched: _Launched) -> BatchOutput:

@@ -104,3 +104,7 @@ class FairQueue(Generic[Item]):
     def callers(self) -> int:
         """How many callers have items queued."""
         return len(self._turns)
+
+    def holds(self, client: str) -> bool:
+        """Whether ``client`` has items queued."""
+        return client in self._waiting

@@ -8,7 +8,8 @@
   one replica's batches only (``@cpu#1 fail ...``), then one of:
   ``fail MESSAGE`` (the launch raises RuntimeError), ``fail-late MESSAGE`` (the forward pass runs, then
   waiting for its scores raises), ``oom`` or ``oom-above N`` (out of memory, for every batch or for batches
-  of more than N images), ``hold`` (the batch's scores land only once the file no longer says so),
+  of more than N images), ``hold`` (the batch's scores land only once the file no longer says so), ``slow
+  SECONDS`` (each forward pass takes at least that long, as on a slower device),
   ``broken MESSAGE`` (this engine process's device is broken for good, as a CUDA context an illegal address has
   poisoned: every batch and probe fails as ``fail`` does, in an engine that was running when the line was
   written; one started after it is healthy, as a fresh process's context is); empty or missing: no fault. A
@@ -100,6 +101,18 @@ class _Held(PendingScores):
         return super().wait()
 
 
+class _Slow(PendingScores):
+    """Scores that land no sooner than ``landing`` (a time.monotonic() value)."""
+
+    def __init__(self, scores: PendingScores, landing: float) -> None:
+        super().__init__(*scores.wait())
+        self._landing = landing
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(max(0.0, self._landing - time.monotonic()))
+        return super().wait()
+
+
 class FaultyRunner(ModelRunner):
     """The model, failing as the file at ``path`` says when a batch is launched (see the module's docstring)."""
 
@@ -148,4 +161,6 @@ class FaultyRunner(ModelRunner):
             return _FailingLate(argument or "injected fault after the forward pass")
         if kind == "hold":
             return _Held(super().launch(inputs, temperatures), lambda: self._fault()[0] == "hold")
+        if kind == "slow":
+            return _Slow(super().launch(inputs, temperatures), time.monotonic() + float(argument))
         return super().launch(inputs, temperatures)
