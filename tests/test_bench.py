@@ -810,13 +810,17 @@ def test_runtime_cost_serves_each_runtime_in_rounds_against_torch():
     """scripts/benchmarks/runtime_cost.py end to end, briefly: an int8 model made, each runtime served and measured
     once, each rate set against PyTorch's."""
     pytest.importorskip("onnxruntime")
-    result = run_benchmark("runtime_cost", "--concurrency", "2", "--duration", "1", "--rounds", "1",
-                           "--calibration-images", "6", "--json")
-    assert list(result) == ["torch fp32", "onnxruntime fp32", "onnxruntime int8"]
-    assert result["torch fp32"]["ratio_to_torch"] == 1.0
+    result = run_benchmark("runtime_cost", "--concurrency", "2", "--duration", "1", "--rounds", "1", "--batch", "2",
+                           "--settings", "torch fp32", "onnxruntime int8", "--calibration-images", "6", "--json")
+    assert list(result) == ["torch fp32", "onnxruntime int8"]
+    torch_row = result["torch fp32"]
+    assert torch_row["ratio_to_torch"] == 1.0 and torch_row["in_process_ratio"] == 1.0
     for row in result.values():
         assert row["images_per_s"] > 0 and row["p50_ms"] > 0 and len(row["rounds"]) == 1
-        assert row["ratio_to_torch"] == pytest.approx(row["images_per_s"] / result["torch fp32"]["images_per_s"])
+        assert row["ratio_to_torch"] == pytest.approx(row["images_per_s"] / torch_row["images_per_s"])
+        assert row["in_process_ratio"] == pytest.approx(row["in_process_images_per_s"] /
+                                                        torch_row["in_process_images_per_s"])
+        assert row["served_of_in_process"] == pytest.approx(row["images_per_s"] / row["in_process_images_per_s"])
 
 
 def test_http_cost_measures_each_protocol_against_grpc():

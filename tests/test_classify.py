@@ -212,6 +212,8 @@ def test_model_info(client, weights_file):
     assert info.weights == str(weights_file[0]) and info.warning == ""
     assert info.input.crop_size == 224 and info.input.resize_size == 256
     assert info.input.max_pixels == 40_000_000
+    (runs,) = info.runs
+    assert info.runtime == "torch" and runs == "cpu runs fp32 eagerly at batch sizes 1, 2, 3, 4, 5, 6, 7, 8"
 
 
 class MethodsSeen(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):

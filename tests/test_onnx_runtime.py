@@ -26,6 +26,8 @@ def test_onnxruntime_answers_as_the_torchvision_reference_and_names_itself(make_
     (export,) = cache.glob("resnet18-*.onnx")
     with Client(running.target) as client:
         results = client.classify(PIXELS, full=True, logits=True)
+        model_info = client.model_info()
+    assert model_info.runtime == "onnxruntime" and list(model_info.runs) == [info.runs]
     for result, pixels in zip(results, PIXELS, strict=True):
         model_input = reference.input_from_array(pixels)
         want = reference.logits(model_input.unsqueeze(0))[0].numpy()

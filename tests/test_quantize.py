@@ -16,6 +16,7 @@ import torch
 from resnet_client import Client
 from resnet_server.common.config import HOW_TO_QUANTIZE, ConfigError, parse_config
 from tests.helpers import encode, random_rgb
+from tests.server_process import Workers
 
 onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")
@@ -75,6 +76,29 @@ def test_a_model_under_the_least_agreement_is_not_written(weights_file, quantize
     assert json.loads((tmp_path / "refused.onnx.report.json").read_text()) == report
 
 
+def test_a_blank_calibration_makes_a_model_that_disagrees_and_quantize_refuses_to_write_it(weights_file, quantized,
+                                                                                            tmp_path):
+    """Ranges calibrated on one black image fit no real image: at the default --min-agreement (0.99) the command
+    exits 1 naming the agreement it found, writes the report and not the model."""
+    from PIL import Image
+
+    _, _, held_out = quantized
+    folder = tmp_path / "calibration"
+    folder.mkdir()
+    Image.new("RGB", (224, 224)).save(folder / "blank.png")
+    for path in held_out:
+        (folder / f"zz-{path.name}").write_bytes(path.read_bytes())  # sorted last: the held-out images
+    out = tmp_path / "blank.int8.onnx"
+    done = subprocess.run([sys.executable, "-m", "resnet_server", "quantize", "--weights", str(weights_file[0]),
+                           "--calibration", str(folder), "--out", str(out), "--held-out", str(len(held_out))],
+                          capture_output=True, text=True, timeout=600)
+    report = json.loads(out.with_name(out.name + ".report.json").read_text())
+    assert done.returncode == 1 and not out.exists(), done.stderr
+    assert report["calibration_images"] == 1 and report["written"] is False and report["top1_agreement"] < 0.99
+    assert f"top-1 agreement {report['top1_agreement']:.4f} on 4 held-out images is under --min-agreement 0.99" \
+        in done.stderr
+
+
 def test_the_int8_model_is_served_with_its_answers_and_names_what_it_is(make_server, quantized, reference):
     out, _, _ = quantized
     running = make_server(runtime="onnxruntime", precision="int8", weights=str(out), max_batch_size=2)
@@ -87,6 +111,48 @@ def test_the_int8_model_is_served_with_its_answers_and_names_what_it_is(make_ser
         np.testing.assert_allclose(result.probabilities, expected, atol=1e-5, rtol=0)
 
 
+def test_a_client_sends_an_int8_model_with_repository_model_load_and_a_wrong_one_is_refused(quantized, tmp_path):
+    """Serving an int8 ONNX model with --model-control explicit: the same model sent as a file is served as version
+    2; an ONNX file whose input is not ResNet18's, an fp32 model, and a state_dict are each refused
+    INVALID_ARGUMENT naming the file as sent and what differs, and version 2 serves on."""
+    out, _, _ = quantized
+    workers = Workers(str(out), "--model-control", "explicit", "--runtime", "onnxruntime", "--precision", "int8",
+                      "--frontends", "1")
+    try:
+        port, _ = workers.serving(1)
+        sent_and_refused(f"127.0.0.1:{port}", out, tmp_path)
+    finally:
+        workers.close()
+
+
+def sent_and_refused(target: str, out: Path, tmp_path: Path) -> None:
+    import tritonclient.grpc as tc
+    from tritonclient.utils import InferenceServerException
+
+    triton = tc.InferenceServerClient(target)
+    triton.load_model("resnet18", files={"file:1/model.onnx": out.read_bytes()})
+    foreign = tmp_path / "linear.onnx"
+    torch.onnx.export(torch.nn.Linear(10, 1000), (torch.zeros(1, 10),), str(foreign), dynamo=False,
+                      input_names=["input"], output_names=["logits"], dynamic_axes={"input": {0: "n"}})
+    fp32 = onnx.load(str(out))
+    next(entry for entry in fp32.metadata_props if entry.key == "resnet_precision").value = "fp32"
+    refusals = {}
+    for name, data in (("linear.onnx", foreign.read_bytes()), ("fp32.onnx", fp32.SerializeToString()),
+                       ("weights.pt", b"PK\x03\x04 not a model")):
+        with pytest.raises(InferenceServerException) as caught:
+            triton.load_model("resnet18", files={f"file:1/{name}": data})
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+        refusals[name] = caught.value.message()
+    assert "1/linear.onnx: not a ResNet18 model: its input is float ['n', 10], not float [N, 3, 224, 224]" in \
+        refusals["linear.onnx"]
+    assert "1/fp32.onnx: an fp32 model, served as --precision int8" in refusals["fp32.onnx"]
+    assert "1/weights.pt: not an ONNX model" in refusals["weights.pt"]
+    with Client(target) as client:
+        info = client.model_info()
+        assert info.weights_version == 2 and info.weights_sha256 == hashlib.sha256(out.read_bytes()).hexdigest()
+        assert len(client.classify([encode(PIXELS[0])])) == 1
+
+
 def test_int8_without_a_quantized_model_is_a_usage_error_saying_how_to_make_one(quantized, weights_file):
     with pytest.raises(ConfigError) as caught:
         parse_config(["--precision", "int8", "--runtime", "onnxruntime", "--weights", str(weights_file[0])], env={})
@@ -94,6 +160,21 @@ def test_int8_without_a_quantized_model_is_a_usage_error_saying_how_to_make_one(
         f"--precision int8 serves an int8 ONNX model with --runtime onnxruntime: {HOW_TO_QUANTIZE}"
     with pytest.raises(ConfigError, match="an ONNX file is served with --runtime onnxruntime"):
         parse_config(["--weights", str(quantized[0])], env={})
+
+
+def test_bench_model_times_the_int8_model_in_process_and_refuses_int8_without_one(quantized, capsys):
+    from resnet_server.cli import main
+
+    out, _, _ = quantized
+    assert main(["bench-model", "--runtime", "onnxruntime", "--precision", "int8", "--weights", str(out),
+                 "--batch-sizes", "1,2", "--duration", "0.3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["runtime"], result["precision"]) == ("onnxruntime", "int8")
+    assert set(result["forward_images_per_s"]) == {"1", "2"} and min(result["forward_images_per_s"].values()) > 0
+    with pytest.raises(SystemExit) as exited:
+        main(["bench-model", "--precision", "int8"])
+    assert exited.value.code == 2 and f"--precision int8 serves an int8 ONNX model with --runtime onnxruntime: " \
+        f"{HOW_TO_QUANTIZE}" in capsys.readouterr().err
 
 
 def test_quantize_refuses_a_bad_least_agreement_and_a_folder_without_enough_images(tmp_path, capsys):
@@ -118,5 +199,5 @@ def test_an_onnx_file_that_is_not_resnet18_is_refused_naming_what_differs(tmp_pa
                            str(foreign), "--device", "cpu", "--host", "127.0.0.1", "--port", "0", "--metrics-port",
                            "0"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
-    assert f"resnet-server: error: engine cpu: weights {foreign}: not a ResNet18 model: its input is tensor(float) " \
+    assert f"resnet-server: error: engine cpu: weights {foreign}: not a ResNet18 model: its input is float " \
         "['n', 10], not float [N, 3, 224, 224]" in done.stderr

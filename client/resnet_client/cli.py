@@ -130,7 +130,8 @@ def run_info(args: argparse.Namespace) -> int:
         info = client.model_info()
     summary = {
         "name": info.name, "version": info.version, "devices": list(info.devices), "weights": info.weights,
-        "warning": info.warning, "precision": info.precision, "default_temperature": info.default_temperature,
+        "warning": info.warning, "precision": info.precision, "runtime": info.runtime, "runs": list(info.runs),
+        "default_temperature": info.default_temperature,
         "temperature_source": info.temperature_source, "max_batch_size": info.batching.max_batch_size,
         "max_batch_delay_ms": info.batching.max_batch_delay_ms,
         "wait_for_callers_ms": info.batching.wait_for_callers_ms, "max_queue": info.batching.max_queue,

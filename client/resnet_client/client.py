@@ -95,7 +95,8 @@ class Client:
 
     def reload(self, weights: bytes | None = None, *, timeout: float | None = None) -> None:
         """New weights while the server serves (it runs with ``--model-control explicit``): ``weights`` (a
-        ResNet18 state_dict saved by torch.save, or a safetensors file), or, with none, its ``--weights`` read
+        ResNet18 state_dict saved by torch.save, a safetensors file, or an ONNX model where the server serves one),
+        or, with none, its ``--weights`` read
         again. Returns once every device serves them; ClassifierError says why none does."""
         self._call(self._oip.RepositoryModelLoad, reload_request(weights), timeout)
 

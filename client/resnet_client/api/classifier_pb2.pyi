@@ -123,7 +123,7 @@ class BatchingSpec(_message.Message):
     def __init__(self, max_batch_size: _Optional[int] = ..., max_batch_delay_ms: _Optional[float] = ..., max_queue: _Optional[int] = ..., wait_for_callers_ms: _Optional[float] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "labels", "input", "devices", "default_temperature", "temperature_source", "batching", "weights", "warning", "precision", "weights_version", "weights_sha256")
+    __slots__ = ("name", "version", "labels", "input", "devices", "default_temperature", "temperature_source", "batching", "weights", "warning", "precision", "weights_version", "weights_sha256", "runtime", "runs")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,8 @@ class ModelInfo(_message.Message):
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     labels: _containers.RepeatedScalarFieldContainer[str]
@@ -150,4 +152,6 @@ class ModelInfo(_message.Message):
     precision: str
     weights_version: int
     weights_sha256: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., input: _Optional[_Union[InputSpec, _Mapping]] = ..., devices: _Optional[_Iterable[str]] = ..., default_temperature: _Optional[float] = ..., temperature_source: _Optional[str] = ..., batching: _Optional[_Union[BatchingSpec, _Mapping]] = ..., weights: _Optional[str] = ..., warning: _Optional[str] = ..., precision: _Optional[str] = ..., weights_version: _Optional[int] = ..., weights_sha256: _Optional[str] = ...) -> None: ...
+    runtime: str
+    runs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., input: _Optional[_Union[InputSpec, _Mapping]] = ..., devices: _Optional[_Iterable[str]] = ..., default_temperature: _Optional[float] = ..., temperature_source: _Optional[str] = ..., batching: _Optional[_Union[BatchingSpec, _Mapping]] = ..., weights: _Optional[str] = ..., warning: _Optional[str] = ..., precision: _Optional[str] = ..., weights_version: _Optional[int] = ..., weights_sha256: _Optional[str] = ..., runtime: _Optional[str] = ..., runs: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,17 +36,21 @@ from resnet_client.flags import (
 )
 from resnet_server.common.config import (
     MAX_BATCH_SIZE_LIMIT,
+    ConfigError,
     _boolean,
     _compile_mode,
     _device_list,
     _precision,
+    _runtime,
     graph_problem,
+    parse_config,
     weights_source,
 )
 from resnet_server.common.devices import resolve_devices
 from resnet_server.common.model import build_model, load_weights
 from resnet_server.common.preprocess import EncodedImage, RawImage, preprocess
 from resnet_server.common.threads import use_torch_threads
+from resnet_server.engine.onnx_runtime import OnnxNetwork
 from resnet_server.engine.runner import ModelRunner
 
 MAX_PIXELS = 40_000_000
@@ -99,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
     best = max(forward, key=lambda size: forward[size])
     serial = 1.0 / (1.0 / forward[best] + 1.0 / preprocess_rate)
     return {"device": ",".join(str(runner.device) for runner in replicas.runners), "replicas": len(replicas.runners),
-            "precision": args.precision, "compiled": args.compile,
+            "precision": args.precision, "runtime": replicas.runners[0].runtime, "compiled": args.compile,
             "compile_mode": args.compile_mode if args.compile else None, "torchscript": args.torchscript,
             "cuda_graphs": all(runner.cuda_graphs for runner in replicas.runners),  # what ran: eager on a CPU
             "fold_batch_norms": args.fold_batch_norms, "input": args.input,
@@ -127,7 +132,7 @@ class Replicas:
                                             initializer=use_torch_threads, initargs=(self.threads,))
                          for device in devices]
         # One at a time: compilations do not overlap, and a failure stops the rest.
-        self.runners = [worker.submit(_warmed_runner, args, device, batch_sizes).result()
+        self.runners = [worker.submit(_warmed_runner, args, device, batch_sizes, self.threads).result()
                         for worker, device in zip(self._workers, devices, strict=True)]
 
     def rate(self, model_input: torch.Tensor, size: int, duration: float) -> tuple[float, list[float]]:
@@ -150,11 +155,17 @@ class Replicas:
             worker.shutdown()
 
 
-def _warmed_runner(args: argparse.Namespace, device: torch.device, batch_sizes: list[int]) -> ModelRunner:
-    runner = ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
-                         channels_last=args.channels_last, compiled=args.compile, compile_mode=args.compile_mode,
-                         fold_batch_norms=args.fold_batch_norms, torchscript=args.torchscript,
-                         cuda_graphs=args.cuda_graphs)
+def _warmed_runner(args: argparse.Namespace, device: torch.device, batch_sizes: list[int], threads: int
+                   ) -> ModelRunner:
+    if args.weights.endswith(".onnx"):  # a model served as it is (resnet-server quantize's int8)
+        runner = ModelRunner(None, device, args.precision, runtime="onnxruntime", threads=threads,
+                             network=OnnxNetwork(Path(args.weights), threads))
+    else:
+        runner = ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
+                             channels_last=args.channels_last, compiled=args.compile, compile_mode=args.compile_mode,
+                             fold_batch_norms=args.fold_batch_norms, torchscript=args.torchscript,
+                             cuda_graphs=args.cuda_graphs, runtime=args.runtime, threads=threads,
+                             compile_cache=args.compile_cache)
     runner.warm_up(batch_sizes)
     return runner
 
@@ -185,9 +196,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--torch-threads", type=non_negative_int, default=0,
                         help="torch threads per replica, as resnet-server --torch-threads (0: every core)")
     parser.add_argument("--precision", type=_precision, default="fp32",
-                        help="fp32, fp16 or bf16, as resnet-server --precision (default %(default)s)")
+                        help="fp32, fp16, bf16 or int8, as resnet-server --precision (default %(default)s)")
     parser.add_argument("--weights", type=weights_source, default="random",
-                        help="as resnet-server --weights (default %(default)s: speed does not depend on them)")
+                        help="as resnet-server --weights (default %(default)s: speed does not depend on them); an "
+                             ".onnx file with --runtime onnxruntime")
+    parser.add_argument("--runtime", type=_runtime, default="torch",
+                        help="torch or onnxruntime, as resnet-server --runtime (default %(default)s)")
+    parser.add_argument("--compile-cache", default=None,
+                        help="as resnet-server --compile-cache: where --runtime onnxruntime keeps its export")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model, as resnet-server --compile")
     parser.add_argument("--compile-mode", type=_compile_mode, default="default",
                         help="as resnet-server --compile-mode (needs --compile)")
@@ -207,9 +223,11 @@ def parse_model_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] |
     args = parser.parse_args(argv)
     if problem := graph_problem(args.compile, args.compile_mode, args.torchscript, args.cuda_graphs):
         parser.error(problem)
-    if args.precision == "int8":  # an ONNX Runtime model, which this PyTorch timing does not run
-        parser.error("--precision int8 is an ONNX model served with --runtime onnxruntime; bench-model times "
-                     "PyTorch's fp32, fp16 or bf16")
+    try:  # the server's own checks of the runtime, precision and weights together
+        parse_config(["--runtime", args.runtime, "--precision", args.precision, "--weights", args.weights,
+                      "--device", ",".join(args.device)], env={})
+    except ConfigError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -235,7 +253,8 @@ def main(argv: Sequence[str]) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"device {result['device']}  precision {result['precision']}  compile {result['compile_mode'] or 'off'}  "
+    print(f"device {result['device']}  runtime {result['runtime']}  precision {result['precision']}  "
+          f"compile {result['compile_mode'] or 'off'}  "
           f"torchscript {'on' if result['torchscript'] else 'off'}  "
           f"cuda graphs {'on' if result['cuda_graphs'] else 'off'}  torch threads {result['torch_threads']}")
     for size, rate in result["forward_images_per_s"].items():

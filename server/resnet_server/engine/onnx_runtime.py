@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from resnet_server.common import onnx_file
 from resnet_server.common.preprocess import FLOAT_SHAPE
 
 log = logging.getLogger(__name__)
@@ -30,10 +31,6 @@ INPUT, OUTPUT = "input", "logits"
 
 def default_cache() -> str:
     return os.path.join(tempfile.gettempdir(), "resnet-onnx-cache")
-
-
-# What a quantized model records of where it came from (its metadata_props), which the server logs when it serves it.
-SOURCE_SHA256, CALIBRATION_SHA256, PRECISION = "resnet_source_sha256", "resnet_calibration_sha256", "resnet_precision"
 
 
 def versions() -> str:
@@ -94,18 +91,11 @@ class OnnxNetwork:
         return f"on ONNX Runtime {self.version} ({PROVIDER}, {self.threads} threads)"
 
     def unlike_resnet18(self) -> str | None:
-        """What in the model's inputs or outputs differs from ResNet18's (one float [N, 3, 224, 224] in, one float
-        [N, 1000] out), or None."""
-        for kind, tensors, shape in (("input", self.session.get_inputs(), FLOAT_SHAPE),
-                                     ("output", self.session.get_outputs(), (1000,))):
-            if len(tensors) != 1:
-                return f"{len(tensors)} {kind}s, not one"
-            tensor = tensors[0]
-            if tensor.type != "tensor(float)" or len(tensor.shape) != 1 + len(shape) or \
-                    tuple(tensor.shape[1:]) != tuple(shape):
-                wanted = ", ".join(map(str, shape))
-                return f"its {kind} is {tensor.type} {list(tensor.shape)[:8]}, not float [N, {wanted}]"
-        return None
+        """What in the model's inputs or outputs differs from ResNet18's, or None."""
+        def described(tensors) -> list[onnx_file.Tensor]:  # ONNX Runtime's types read "tensor(float)"
+            return [(tensor.type.removeprefix("tensor(").removesuffix(")"), tensor.shape) for tensor in tensors]
+
+        return onnx_file.unlike_resnet18(described(self.session.get_inputs()), described(self.session.get_outputs()))
 
     def recorded(self) -> dict[str, str]:
         """What the model file records of itself (a quantized one: its source's and calibration's SHA-256)."""

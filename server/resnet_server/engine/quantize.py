@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from resnet_client.flags import non_negative_float, positive_int
+from resnet_server.common import onnx_file
 from resnet_server.common.errors import InvalidInput, StartupError
 from resnet_server.common.model import build_model, load_weights
 from resnet_server.common.preprocess import EncodedImage, preprocess
@@ -158,8 +159,8 @@ def _record(model: Path, out: Path, source_sha256: str, calibration_sha256: str)
     import onnx
 
     proto = onnx.load(str(model))
-    for key, value in ((onnx_runtime.SOURCE_SHA256, source_sha256),
-                       (onnx_runtime.CALIBRATION_SHA256, calibration_sha256), (onnx_runtime.PRECISION, "int8")):
+    for key, value in ((onnx_file.SOURCE_SHA256, source_sha256),
+                       (onnx_file.CALIBRATION_SHA256, calibration_sha256), (onnx_file.PRECISION, "int8")):
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, value
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from resnet_server.common import onnx_file
 from resnet_server.common.config import DEFAULT_MAX_BATCH_SIZE
 from resnet_server.common.errors import StartupError
 from resnet_server.common.metrics import Metrics
@@ -172,16 +173,15 @@ class _ReplicaSetup:
         if (problem := network.unlike_resnet18()) is not None:
             raise WeightsError(f"weights {source}: not a ResNet18 model: {problem}")
         recorded = network.recorded()
-        made_as = recorded.get(onnx_runtime.PRECISION, "fp32")
-        if made_as != self.config.precision:
-            raise WeightsError(f"weights {source}: an {made_as} model, served as --precision {self.config.precision}")
+        if (problem := onnx_file.unlike_served(recorded, self.config.precision)) is not None:
+            raise WeightsError(f"weights {source}: {problem}")
         runner = ModelRunner(None, self.device, self.config.precision, runtime="onnxruntime",
                              threads=self.torch_threads, network=network)
         runner.warm_up(bucket_sizes(self.batch_limit, False))
         sha256 = file_sha256(path)
-        made = f"; quantized from weights of SHA-256 {recorded[onnx_runtime.SOURCE_SHA256]}, calibrated on images " \
-            f"of SHA-256 {recorded.get(onnx_runtime.CALIBRATION_SHA256, '')}" \
-            if onnx_runtime.SOURCE_SHA256 in recorded else ""
+        made = f"; quantized from weights of SHA-256 {recorded[onnx_file.SOURCE_SHA256]}, calibrated on images " \
+            f"of SHA-256 {recorded.get(onnx_file.CALIBRATION_SHA256, '')}" \
+            if onnx_file.SOURCE_SHA256 in recorded else ""
         log.info("replica %s serves the ONNX model %s (SHA-256 %s)%s", self.name, source, sha256, made)
         return runner, LoadedWeights({}, source, sha256=sha256)
 

@@ -5,7 +5,8 @@ Off unless the server runs with ``--model-control explicit``: then each answers 
 flag. Weights a client sends are bounded (``--max-weights-mb``), written to the supervisor's private folder and
 read there as the engines will read them (``torch.load(weights_only=True)`` or safetensors: no pickled code
 runs) before any engine is asked: a file that is not a ResNet18 state_dict is refused naming its first wrong key,
-and nothing changes on any device.
+and nothing changes on any device. A server started on an ONNX model (``--weights FILE.onnx``) takes an ONNX model
+instead, checked for ResNet18's input and output and for the precision served.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from resnet_client.api import model_config_pb2 as mc
 from resnet_server.common.errors import InvalidInput, NotFound, PermissionDenied
 from resnet_server.common.memory import give_back_freed_memory
 from resnet_server.common.model import WeightsError, check_weights_file
+from resnet_server.common.onnx_file import check_onnx_file
 from resnet_server.common.threads import in_the_background
 from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.wire import (
@@ -108,8 +110,10 @@ def _file(entry_view: memoryview) -> tuple[str, memoryview] | None:
 class RepositoryService:
     """The three RPCs' work; InferenceService answers them with it."""
 
-    def __init__(self, control: ModelControl, explicit: bool, max_weights_bytes: int, names: list[str]) -> None:
+    def __init__(self, control: ModelControl, explicit: bool, max_weights_bytes: int, names: list[str],
+                 precision: str = "fp32") -> None:
         self.control = control
+        self.precision = precision  # an ONNX model sent must have been made in it (--precision)
         self.explicit = explicit
         self.max_weights_bytes = max_weights_bytes
         self.names = names
@@ -170,11 +174,16 @@ class RepositoryService:
                                f"{self.max_weights_bytes // 2**20}")
         if self.control.uploads is None:
             raise InvalidInput("this front-end has no folder for weights a client sends")
-        path = self.control.uploads / f"{uuid.uuid4().hex}.weights"
+        # The engines serve a file of the kind they started with: an ONNX model (--weights FILE.onnx), or weights.
+        serves_onnx = self.control.served.source.endswith(".onnx")
+        path = self.control.uploads / f"{uuid.uuid4().hex}.{'onnx' if serves_onnx else 'weights'}"
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(self._executor, _write_private, path, data)
-            await loop.run_in_executor(self._executor, check_weights_file, path)
+            if serves_onnx:
+                await loop.run_in_executor(self._executor, check_onnx_file, path, name, self.precision)
+            else:
+                await loop.run_in_executor(self._executor, check_weights_file, path)
         except WeightsError as exc:  # said of the file as the client named it, not of the server's copy
             path.unlink(missing_ok=True)
             raise InvalidInput(str(exc).replace(str(path), name).replace(path.name, name)) from None

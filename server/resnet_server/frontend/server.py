@@ -91,7 +91,7 @@ class App:
         self.control.on_change(self._weights_changed)
         self.classifier = ClassifierService(self.control)
         repository = RepositoryService(self.control, config.model_control == "explicit", config.max_weights_mb << 20,
-                                       list(DECLARED_INPUTS))
+                                       list(DECLARED_INPUTS), config.precision)
         self.shared_memory = SharedMemoryService(self.control, config, tokens_on=bool(self.tokens))
         self.inference = InferenceService(self.metrics.statistics, self.control, repository, self.shared_memory,
                                           config.runtime)
@@ -451,6 +451,8 @@ def model_info(config: FrontendConfig, replicas: Sequence[EngineHandle], tempera
         weights=weights.source,
         warning=weights.warning,
         precision=config.precision,
+        runtime=config.runtime,
+        runs=[replica.runs for replica in replicas],
     )
 
 
