@@ -28,6 +28,7 @@ from resnet_client.cli import main as client_main
 from resnet_server.cli import main as server_main
 from resnet_server.engine.bench_model import Replicas, add_model_arguments
 from tests.helpers import (
+    IN_CI,
     ROOT,
     async_methods_seen,
     free_port,
@@ -821,6 +822,29 @@ def test_runtime_cost_serves_each_runtime_in_rounds_against_torch():
         assert row["in_process_ratio"] == pytest.approx(row["in_process_images_per_s"] /
                                                         torch_row["in_process_images_per_s"])
         assert row["served_of_in_process"] == pytest.approx(row["images_per_s"] / row["in_process_images_per_s"])
+
+
+LITSERVE_PYTHON = ROOT / ".venv-litserve" / "bin" / "python"  # .ci/run makes it
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LITSERVE_PYTHON.exists() and not IN_CI, reason="no .venv-litserve (python -m venv "
+                    ".venv-litserve && .venv-litserve/bin/pip install litserve onnxruntime pillow numpy)")
+def test_litserve_pairs_serves_the_int8_model_on_both_servers_and_times_it_in_process():
+    """scripts/benchmarks/litserve_pairs.py end to end, briefly: LitServe and this server each answer the same int8
+    model's requests, each rate set against LitServe's and against the in-process ceiling."""
+    pytest.importorskip("onnxruntime")
+    result = run_benchmark("litserve_pairs", "--litserve-python", str(LITSERVE_PYTHON), "--concurrency", "2",
+                           "--processes", "1", "--duration", "1", "--rounds", "1", "--calibration-images", "6",
+                           "--json")
+    ceiling = result.pop("in_process_images_per_s")
+    assert ceiling > 0 and list(result) == ["ours", "litserve"]
+    assert result["litserve"]["ratio_to_litserve"] == 1.0
+    for row in result.values():
+        assert row["images_per_s"] > 0 and row["p50_ms"] > 0 and len(row["rounds"]) == 1
+        assert row["of_in_process"] == pytest.approx(row["images_per_s"] / ceiling)
+    assert result["ours"]["ratio_to_litserve"] == pytest.approx(result["ours"]["images_per_s"] /
+                                                                result["litserve"]["images_per_s"])
 
 
 def test_http_cost_measures_each_protocol_against_grpc():

@@ -117,7 +117,7 @@ def test_a_client_sends_an_int8_model_with_repository_model_load_and_a_wrong_one
     INVALID_ARGUMENT naming the file as sent and what differs, and version 2 serves on."""
     out, _, _ = quantized
     workers = Workers(str(out), "--model-control", "explicit", "--runtime", "onnxruntime", "--precision", "int8",
-                      "--frontends", "1")
+                      "--frontends", "1", env={"TMPDIR": str(tmp_path)})  # its folder of files sent: the test's
     try:
         port, _ = workers.serving(1)
         sent_and_refused(f"127.0.0.1:{port}", out, tmp_path)

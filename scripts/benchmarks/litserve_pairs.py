@@ -6,12 +6,13 @@ The model: ``resnet-server quantize`` of seeded random weights, calibrated on ``
 default this Python) runs a LitAPI this script defines: each request's base64 raw uint8 224x224 image resized and
 cropped as this server preprocesses it (shorter side to 256, centre 224, ImageNet's mean and std), batched up to 8
 with a 5 ms ``batch_timeout``, one InferenceSession with every core's threads, softmax in float64, the top 5 in
-JSON. This server: ``resnet-server --runtime onnxruntime --precision int8 --frontends 1`` with ``--http-port``, asked
+JSON. This server: ``resnet-server --runtime onnxruntime --precision int8`` with ``--http-port``, asked
 ``POST /v1/classify`` with the same image (the own API's JSON: the raw tensor in base64, top 5). The client:
 ``--processes`` processes of aiohttp, ``--concurrency`` calls in flight each, for ``--duration`` seconds a window;
-rounds rotate the two servers' order. Reported: each server's images/s and p50 (medians of the rounds) and ours
-against LitServe's; with ``--grpc``, ours also through ``resnet-client bench`` (gRPC, raw uint8). Both servers are
-stopped (SIGTERM, by PID) when done.
+rounds rotate the two servers' order, and each round also times the model in process (``resnet-server bench-model``,
+batch 8: the ceiling both serve under). Reported: each server's images/s and p50 (medians of the rounds), against
+LitServe's and against the ceiling; with ``--grpc``, ours also through ``resnet-client bench`` (gRPC, raw uint8).
+Both servers are stopped (SIGTERM to their process groups, by PID) when done.
 
 Usage: python scripts/benchmarks/litserve_pairs.py [--litserve-python PY] [--concurrency 8] [--processes 2]
        [--duration 10] [--rounds 3] [--grpc] [--json]
@@ -43,26 +44,40 @@ BATCH, BATCH_TIMEOUT_S = 8, 0.005
 MEAN, STD = np.array([0.485, 0.456, 0.406], np.float32), np.array([0.229, 0.224, 0.225], np.float32)
 
 
-def serve_litserve(model: str, port: int) -> None:
-    """LitServe's side, run by ``--litserve-python`` (needs litserve, onnxruntime, numpy and pillow only)."""
-    import litserve
-    import onnxruntime
+def preprocessed(pixels: np.ndarray) -> np.ndarray:
+    """An HxWx3 uint8 image as this server preprocesses it: float32 [3, 224, 224]."""
     from PIL import Image
 
+    image = Image.fromarray(pixels)
+    scale = 256 / min(image.size)
+    image = image.resize((round(image.width * scale), round(image.height * scale)), Image.BILINEAR)
+    left, top = (image.width - 224) // 2, (image.height - 224) // 2
+    cropped = np.asarray(image.crop((left, top, left + 224, top + 224)), np.float32) / 255
+    return ((cropped - MEAN) / STD).transpose(2, 0, 1)
+
+
+try:  # only LitServe's side, run by --litserve-python, has litserve; its workers import this module
+    import litserve
+except ImportError:
+    litserve = None
+else:
     class ResNetInt8(litserve.LitAPI):
+        """The int8 model on ONNX Runtime: base64 raw images in, the top 5 classes out."""
+
+        def __init__(self, model: str, **batching) -> None:
+            super().__init__(**batching)
+            self.model = model
+
         def setup(self, device: str) -> None:
+            import onnxruntime
+
             options = onnxruntime.SessionOptions()
             options.intra_op_num_threads = len(os.sched_getaffinity(0))
-            self.session = onnxruntime.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+            self.session = onnxruntime.InferenceSession(self.model, options, providers=["CPUExecutionProvider"])
 
         def decode_request(self, request: dict) -> np.ndarray:
             pixels = np.frombuffer(base64.b64decode(request["data"]), np.uint8)
-            image = Image.fromarray(pixels.reshape(int(request["height"]), int(request["width"]), 3))
-            scale = 256 / min(image.size)
-            image = image.resize((round(image.width * scale), round(image.height * scale)), Image.BILINEAR)
-            left, top = (image.width - 224) // 2, (image.height - 224) // 2
-            cropped = np.asarray(image.crop((left, top, left + 224, top + 224)), np.float32) / 255
-            return ((cropped - MEAN) / STD).transpose(2, 0, 1)
+            return preprocessed(pixels.reshape(int(request["height"]), int(request["width"]), 3))
 
         def batch(self, inputs: list[np.ndarray]) -> np.ndarray:
             return np.stack(inputs)
@@ -80,8 +95,14 @@ def serve_litserve(model: str, port: int) -> None:
             top = np.argsort(probabilities)[::-1][:5]
             return {"top_k": [{"index": int(index), "probability": float(probabilities[index])} for index in top]}
 
-    api = ResNetInt8(max_batch_size=BATCH, batch_timeout=BATCH_TIMEOUT_S)
-    litserve.LitServer(api, accelerator="cpu", workers_per_device=1).run(port=port, generate_client_file=False)
+
+def serve_litserve(model: str, port: int) -> None:
+    """LitServe's side (needs litserve, onnxruntime, numpy and pillow only)."""
+    if litserve is None:
+        raise SystemExit("litserve is not installed in this Python")
+    api = ResNetInt8(model, max_batch_size=BATCH, batch_timeout=BATCH_TIMEOUT_S)
+    litserve.LitServer(api, accelerator="cpu", workers_per_device=1).run(host="127.0.0.1", port=port,
+                                                                              generate_client_file=False)
 
 
 def request_bodies(seed: int = 0) -> dict[str, bytes]:
@@ -183,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_litserve:
         serve_litserve(args.serve_litserve[0], int(args.serve_litserve[1]))
         return 0
-    from runtime_cost import quantized_model
+    from runtime_cost import in_process, quantized_model
 
     bodies = request_bodies()
     ours_port, ours_http, litserve_port = BASE_PORT, BASE_PORT + 1, BASE_PORT + 2
@@ -191,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         model = quantized_model(Path(folder), args.calibration_images)
         ours = [sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", str(ours_port), "--http-port",
-                str(ours_http), "--metrics-port", "0", "--frontends", "1", "--device", "cpu", "--runtime",
+                str(ours_http), "--metrics-port", "0", "--device", "cpu", "--runtime",
                 "onnxruntime", "--precision", "int8", "--weights", str(model)]
         theirs = [args.litserve_python, __file__, "--serve-litserve", str(model), str(litserve_port)]
         with started(ours, Path(folder) / "ours.log") as our_process, \
@@ -199,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             wait_until_answering(urls["ours"], bodies["ours"], our_process, "resnet-server")
             wait_until_answering(urls["litserve"], bodies["litserve"], their_process, "LitServe")
             measured: dict[str, list[tuple[float, float]]] = {name: [] for name in ("ours", "litserve", "ours grpc")}
+            ceilings = []
             for round_index in range(args.rounds):
                 order = ["ours", "litserve"] if round_index % 2 == 0 else ["litserve", "ours"]
                 for name in order:
@@ -207,18 +229,25 @@ def main(argv: list[str] | None = None) -> int:
                 if args.grpc:
                     measured["ours grpc"].append(grpc_point(ours_port, args.concurrency * args.processes,
                                                             args.duration))
-    litserve_rate = statistics.median(rate for rate, _ in measured["litserve"])
-    results = {name: {"images_per_s": statistics.median(rate for rate, _ in points),
-                      "p50_ms": statistics.median(p50 for _, p50 in points),
-                      "ratio_to_litserve": statistics.median(rate for rate, _ in points) / litserve_rate,
-                      "rounds": [round(rate, 1) for rate, _ in points]}
-               for name, points in measured.items() if points}
+                ceilings.append(in_process(ours[ours.index("--runtime"):], BATCH, args.duration))
+    litserve_rate, ceiling = statistics.median(rate for rate, _ in measured["litserve"]), statistics.median(ceilings)
+    results: dict[str, object] = {
+        name: {"images_per_s": statistics.median(rate for rate, _ in points),
+               "p50_ms": statistics.median(p50 for _, p50 in points),
+               "ratio_to_litserve": statistics.median(rate for rate, _ in points) / litserve_rate,
+               "of_in_process": statistics.median(rate for rate, _ in points) / ceiling,
+               "rounds": [round(rate, 1) for rate, _ in points]}
+        for name, points in measured.items() if points}
+    results["in_process_images_per_s"] = ceiling
     if args.json:
         print(json.dumps(results))
-    else:
-        for name, row in results.items():
+        return 0
+    print(f"in process (bench-model, batch {BATCH}): {ceiling:.1f} images/s")
+    for name, row in results.items():
+        if isinstance(row, dict):
             print(f"{name:>10}  {row['images_per_s']:7.1f} images/s  p50 {row['p50_ms']:7.1f} ms  "
-                  f"x{row['ratio_to_litserve']:.2f} of LitServe  rounds {row['rounds']}")
+                  f"x{row['ratio_to_litserve']:.2f} of LitServe  x{row['of_in_process']:.2f} of in process  "
+                  f"rounds {row['rounds']}")
     return 0
 
 
