@@ -9,7 +9,8 @@ with a 5 ms ``batch_timeout``, one InferenceSession with every core's threads, s
 JSON. This server: ``resnet-server --runtime onnxruntime --precision int8`` with ``--http-port``, asked
 ``POST /v1/classify`` with the same image (the own API's JSON: the raw tensor in base64, top 5). The client:
 ``--processes`` processes of aiohttp, ``--concurrency`` calls in flight each, for ``--duration`` seconds a window;
-rounds rotate the two servers' order, and each round also times the model in process (``resnet-server bench-model``,
+rounds rotate the two servers' order; while one is measured the other's processes are stopped (SIGSTOP), and each
+round also times the model in process with both stopped (``resnet-server bench-model``,
 batch 8: the ceiling both serve under). Reported: each server's images/s and p50 (medians of the rounds), against
 LitServe's and against the ceiling; with ``--grpc``, ours also through ``resnet-client bench`` (gRPC, raw uint8).
 Both servers are stopped (SIGTERM to their process groups, by PID) when done.
@@ -178,6 +179,17 @@ def started(command: list[str], log: Path) -> Iterator[subprocess.Popen]:
                 process.wait()
 
 
+@contextlib.contextmanager
+def paused(process: subprocess.Popen) -> Iterator[None]:
+    """The server's processes stopped (SIGSTOP to its process group) while the other is measured: an idle LitServe
+    keeps about a fifth of a core busy polling, which the other server would otherwise lose."""
+    os.killpg(process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(process.pid, signal.SIGCONT)
+
+
 def grpc_point(port: int, concurrency: int, duration: float) -> tuple[float, float]:
     done = subprocess.run([sys.executable, "-m", "resnet_client.cli", "--server", f"127.0.0.1:{port}", "bench",
                            "--duration", str(duration), "--warmup", "1", "--json", "--quiet", "--input", "uint8",
@@ -219,17 +231,21 @@ def main(argv: list[str] | None = None) -> int:
                 started(theirs, Path(folder) / "litserve.log") as their_process:
             wait_until_answering(urls["ours"], bodies["ours"], our_process, "resnet-server")
             wait_until_answering(urls["litserve"], bodies["litserve"], their_process, "LitServe")
+            processes = {"ours": our_process, "litserve": their_process}
             measured: dict[str, list[tuple[float, float]]] = {name: [] for name in ("ours", "litserve", "ours grpc")}
             ceilings = []
             for round_index in range(args.rounds):
                 order = ["ours", "litserve"] if round_index % 2 == 0 else ["litserve", "ours"]
                 for name in order:
-                    measured[name].append(measure(urls[name], bodies[name], args.concurrency, args.processes,
-                                                  args.duration))
+                    with paused(processes["litserve" if name == "ours" else "ours"]):
+                        measured[name].append(measure(urls[name], bodies[name], args.concurrency, args.processes,
+                                                      args.duration))
                 if args.grpc:
-                    measured["ours grpc"].append(grpc_point(ours_port, args.concurrency * args.processes,
-                                                            args.duration))
-                ceilings.append(in_process(ours[ours.index("--runtime"):], BATCH, args.duration))
+                    with paused(their_process):
+                        measured["ours grpc"].append(grpc_point(ours_port, args.concurrency * args.processes,
+                                                                args.duration))
+                with paused(our_process), paused(their_process):
+                    ceilings.append(in_process(ours[ours.index("--runtime"):], BATCH, args.duration))
     litserve_rate, ceiling = statistics.median(rate for rate, _ in measured["litserve"]), statistics.median(ceilings)
     results: dict[str, object] = {
         name: {"images_per_s": statistics.median(rate for rate, _ in points),

@@ -128,8 +128,10 @@ class Replicas:
         use_torch_threads(1)
         self.threads = args.torch_threads or len(os.sched_getaffinity(0))
         devices = resolve_devices(args.device)
-        self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"bench-{device}",
-                                            initializer=use_torch_threads, initargs=(self.threads,))
+        # ONNX Runtime's own pool computes its forward pass: the thread keeps one torch thread, as the engine's does.
+        onnx = args.runtime == "onnxruntime" or args.weights.endswith(".onnx")
+        self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"bench-{device}", initializer=use_torch_threads,
+                                            initargs=(1 if onnx else self.threads,))
                          for device in devices]
         # One at a time: compilations do not overlap, and a failure stops the rest.
         self.runners = [worker.submit(_warmed_runner, args, device, batch_sizes, self.threads).result()

@@ -122,8 +122,10 @@ class _ReplicaSetup:
         config, device = self.config, self.device
         if config.runtime == "onnxruntime" and device.type != "cpu":
             raise StartupError(f"--runtime onnxruntime runs on the CPU, not on {device}")
-        # This thread's OpenMP team: set here, since other threads (preprocessing) set theirs to 1.
-        use_torch_threads(self.torch_threads)
+        # This thread's OpenMP team: set here, since other threads (preprocessing) set theirs to 1. ONNX Runtime
+        # computes the forward pass on a thread pool of its own (torch_threads wide): a torch team beside it
+        # would spin on the same cores after each of the batch's small torch operations.
+        use_torch_threads(1 if config.runtime == "onnxruntime" else self.torch_threads)
         if self.serves_files:
             self.runner, self.weights = self.file_runner(config.weights)
             return self.runner
