@@ -21,7 +21,9 @@ class ServedProcess:
     def __init__(self, port: int, flags: list[str], tree: str = "") -> None:
         """``tree``: a checkout of another version whose server runs instead (its packages put first on the path)."""
         self.port = port
-        env = dict(os.environ)
+        # HTTP off unless the flags ask for it: several servers side by side would all want its default port. By
+        # its env twin, which a tree from before HTTP ignores.
+        env = {"RESNET_SERVER_HTTP_PORT": "0", **os.environ}
         if tree:
             env["PYTHONPATH"] = os.pathsep.join(str(Path(tree) / part) for part in ("server", "client"))
         self.process = subprocess.Popen(
