@@ -847,6 +847,21 @@ def test_litserve_pairs_serves_the_int8_model_on_both_servers_and_times_it_in_pr
                                                                 result["litserve"]["images_per_s"])
 
 
+def test_onnx_providers_times_each_provider_installed_against_the_cpus(tmp_path):
+    """scripts/benchmarks/onnx_providers.py end to end, briefly, on a small model of ResNet18's input: the CPU
+    provider (here, where plain onnxruntime is installed) measured and set against itself."""
+    pytest.importorskip("onnxruntime")
+    model = tmp_path / "small.onnx"
+    torch.onnx.export(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 7, stride=8), torch.nn.Flatten()),
+                      (torch.zeros(1, 3, 224, 224),), str(model), dynamo=False, input_names=["input"],
+                      output_names=["logits"], dynamic_axes={"input": {0: "n"}})
+    result = run_benchmark("onnx_providers", "--model", str(model), "--batch", "2", "--threads", "1", "--duration",
+                           "0.2", "--rounds", "2", "--json")
+    cpu = result["CPUExecutionProvider"]
+    assert cpu["images_per_s"] > 0 and cpu["ratio_to_cpu"] == 1.0 and cpu["largest_logit_difference"] == 0.0
+    assert len(cpu["rounds"]) == 2 and result["onnxruntime"]
+
+
 def test_http_cost_measures_each_protocol_against_grpc():
     """scripts/benchmarks/http_cost.py end to end, briefly: gRPC, HTTP binary and HTTP JSON each measured once
     against one server, each set against gRPC's."""
