@@ -64,3 +64,33 @@ def test_the_runtime_has_an_env_twin_and_a_bad_value_is_a_usage_error(capsys):
         parse_config(["--runtime", "tensorrt"], env={})
     assert exited.value.code == 2
     assert "argument --runtime: must be torch or onnxruntime, got 'tensorrt'" in capsys.readouterr().err
+
+
+def test_the_onnx_provider_has_an_env_twin_and_a_bad_value_is_a_usage_error(capsys):
+    assert parse_config([], env={"RESNET_SERVER_ONNX_PROVIDER": "openvino"}).onnx_provider == "openvino"
+    assert parse_config([], env={}).onnx_provider == "auto"
+    with pytest.raises(SystemExit) as exited:
+        parse_config(["--onnx-provider", "tensorrt"], env={})
+    assert exited.value.code == 2
+    assert "argument --onnx-provider: must be auto, cpu or openvino, got 'tensorrt'" in capsys.readouterr().err
+
+
+def test_openvino_asked_of_an_onnx_runtime_without_it_runs_on_the_cpu_provider_and_says_why(tmp_path, caplog):
+    """Plain onnxruntime (the server extra's) has no OpenVINO execution provider: asked for it, the session runs on
+    the CPU provider, a warning names what this ONNX Runtime has, and auto chooses the CPU provider at once."""
+    import onnxruntime
+    import torch
+
+    from resnet_server.engine.onnx_runtime import CPU, OPENVINO, OnnxNetwork, chosen_provider
+
+    if OPENVINO in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime is the OpenVINO build")
+    model = tmp_path / "small.onnx"
+    torch.onnx.export(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 7, stride=8), torch.nn.Flatten()),
+                      (torch.zeros(1, 3, 224, 224),), str(model), dynamo=False, input_names=["input"],
+                      output_names=["logits"], dynamic_axes={"input": {0: "n"}})
+    network = OnnxNetwork(model, threads=1, provider="openvino")
+    assert network.provider == CPU and network.describe().endswith(f"({CPU}, 1 thread)")
+    assert f"has no {OPENVINO} (it has" in caplog.text and f"running on {CPU} instead" in caplog.text
+    assert chosen_provider("auto") == CPU and chosen_provider("cpu") == CPU
+    assert network(torch.zeros(2, 3, 224, 224)).shape == (2, 4 * 28 * 28)

@@ -32,8 +32,9 @@ def session(model: str, provider: str, threads: int):
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     if provider == OPENVINO:
+        openvino_options = {"device_type": "CPU", "num_of_threads": str(threads)}
         return onnxruntime.InferenceSession(model, options, providers=[OPENVINO, CPU],
-                                            provider_options=[{"device_type": "CPU", "num_of_threads": threads}, {}])
+                                            provider_options=[openvino_options, {}])
     return onnxruntime.InferenceSession(model, options, providers=[CPU])
 
 

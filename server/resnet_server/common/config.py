@@ -113,6 +113,7 @@ class ServerConfig:
     event_loop: str = "auto"  # the front-ends' (resnet_server.common.event_loop)
     runner: str = "model"  # what runs the engines' batches (resnet_server.engine.runners)
     runtime: str = "torch"  # what runs the forward pass: PyTorch, or ONNX Runtime (resnet_server.engine.onnx_runtime)
+    onnx_provider: str = "auto"  # ONNX Runtime's execution provider: cpu, openvino, or auto (openvino where installed)
     fair_share: str = "auto"  # who shares a device fairly: callers by token, by peer address, or off
 
     def __post_init__(self) -> None:
@@ -175,6 +176,7 @@ def _one_of(*options: str) -> Callable[[str], str]:
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 RUNTIMES = ("torch", "onnxruntime")
+ONNX_PROVIDERS = ("auto", "cpu", "openvino")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MODEL_CONTROL_MODES = ("none", "explicit")
 FAIR_SHARE_MODES = ("auto", "token", "peer", "off")
@@ -183,9 +185,10 @@ FAIR_SHARE_MODES = ("auto", "token", "peer", "off")
 _CHOICES = {"precision": PRECISIONS, "compile_mode": COMPILE_MODES, "log_format": LOG_FORMATS,
             "event_loop": EVENT_LOOPS, "log_level": LOG_LEVELS, "cuda_graphs": AUTO_BOOLEAN,
             "decode_on_device": AUTO_BOOLEAN, "model_control": MODEL_CONTROL_MODES, "runtime": RUNTIMES,
-            "fair_share": FAIR_SHARE_MODES}
+            "fair_share": FAIR_SHARE_MODES, "onnx_provider": ONNX_PROVIDERS}
 _precision = _one_of(*PRECISIONS)
 _runtime = _one_of(*RUNTIMES)
+_onnx_provider = _one_of(*ONNX_PROVIDERS)
 _compile_mode = _one_of(*COMPILE_MODES)
 _log_format = _one_of(*LOG_FORMATS)
 _model_control = _one_of(*MODEL_CONTROL_MODES)
@@ -483,6 +486,11 @@ FLAGS: list[tuple[str, FlagType, str]] = [
                           "SHA-256 and the versions) and run by ONNX Runtime's CPU execution provider with "
                           "--torch-threads' threads; fp32 on CPU devices, not with --compile or --torchscript (the "
                           "server extra installs it; docs/operations.md)"),
+    ("onnx-provider", _onnx_provider, "with --runtime onnxruntime, its execution provider: cpu (ONNX Runtime's own "
+                                      "kernels), openvino (Intel's OpenVINO, through ONNX Runtime's OpenVINO execution "
+                                      "provider: onnxruntime-openvino installed in place of onnxruntime), or auto: "
+                                      "openvino where that build is installed, else cpu; one that fails to load falls "
+                                      "back to cpu with a warning saying why (docs/operations.md)"),
     ("runner", runner_spec, "what runs each batch: model; or, to measure the serving path's own cost, free[:MS]: no "
                             "forward pass, ready-made scores landing MS ms after the launch (answers meaningless); or "
                             "faulty:FILE: the model, its batches failing as FILE says (fault injection for tests; "

@@ -59,6 +59,7 @@ class EngineConfig:
     max_pixels: int  # checked again before a JPEG is decoded here (the front-end checked its header)
     runner: str
     runtime: str
+    onnx_provider: str  # ONNX Runtime's execution provider, as --onnx-provider says (resnet_server.engine.onnx_runtime)
     grace_period: float
     uses_cuda_graphs: bool  # --cuda-graphs resolved (ServerConfig.uses_cuda_graphs)
     largest_batch: int  # the histograms' and statistics' widest batch

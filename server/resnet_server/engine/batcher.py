@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 # of the device's time to the wait.
 TURN_WAIT_SHARE = 0.05
 
+
 @dataclass(frozen=True)
 class BatchOutput:
     """A batch's results on the CPU, row i for the batch's item i (NumPy views of one host tensor)."""

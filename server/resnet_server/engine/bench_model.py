@@ -40,6 +40,7 @@ from resnet_server.common.config import (
     _boolean,
     _compile_mode,
     _device_list,
+    _onnx_provider,
     _precision,
     _runtime,
     graph_problem,
@@ -161,13 +162,13 @@ def _warmed_runner(args: argparse.Namespace, device: torch.device, batch_sizes: 
                    ) -> ModelRunner:
     if args.weights.endswith(".onnx"):  # a model served as it is (resnet-server quantize's int8)
         runner = ModelRunner(None, device, args.precision, runtime="onnxruntime", threads=threads,
-                             network=OnnxNetwork(Path(args.weights), threads))
+                             network=OnnxNetwork(Path(args.weights), threads, args.onnx_provider))
     else:
         runner = ModelRunner(build_model(load_weights(args.weights, device), device), device, args.precision,
                              channels_last=args.channels_last, compiled=args.compile, compile_mode=args.compile_mode,
                              fold_batch_norms=args.fold_batch_norms, torchscript=args.torchscript,
                              cuda_graphs=args.cuda_graphs, runtime=args.runtime, threads=threads,
-                             compile_cache=args.compile_cache)
+                             compile_cache=args.compile_cache, onnx_provider=args.onnx_provider)
     runner.warm_up(batch_sizes)
     return runner
 
@@ -204,6 +205,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              ".onnx file with --runtime onnxruntime")
     parser.add_argument("--runtime", type=_runtime, default="torch",
                         help="torch or onnxruntime, as resnet-server --runtime (default %(default)s)")
+    parser.add_argument("--onnx-provider", type=_onnx_provider, default="auto",
+                        help="as resnet-server --onnx-provider (default %(default)s)")
     parser.add_argument("--compile-cache", default=None,
                         help="as resnet-server --compile-cache: where --runtime onnxruntime keeps its export")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model, as resnet-server --compile")

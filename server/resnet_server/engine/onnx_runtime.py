@@ -1,6 +1,7 @@
 """ONNX Runtime as the forward pass (``--runtime onnxruntime``): the served model, batch norms folded, exported to
-ONNX and run by an InferenceSession on the CPU execution provider, with as many intra-op threads as the replica's
-torch team. Imported only when that runtime is asked for.
+ONNX and run by an InferenceSession on the execution provider ``--onnx-provider`` chooses (the CPU's, or
+OpenVINO's where the onnxruntime-openvino build is installed), with as many threads as the replica's torch team
+would have. Imported only when that runtime is asked for.
 
 An export is kept in a folder (``--compile-cache``, else one under the temp folder) named by the SHA-256 of the
 exported network's tensors and the versions of torch, onnx and onnxruntime, so a restart or a replica with the same
@@ -24,7 +25,8 @@ from resnet_server.common.preprocess import FLOAT_SHAPE
 
 log = logging.getLogger(__name__)
 
-PROVIDER = "CPUExecutionProvider"
+CPU, OPENVINO = "CPUExecutionProvider", "OpenVINOExecutionProvider"
+PROVIDERS = {"cpu": CPU, "openvino": OPENVINO}  # --onnx-provider's names
 OPSET = 17
 INPUT, OUTPUT = "input", "logits"
 
@@ -68,19 +70,51 @@ def exported(model: torch.nn.Module, cache: str | None) -> Path:
     return path
 
 
-class OnnxNetwork:
-    """Logits [B, 1000] of a float32 NCHW batch [B, 3, 224, 224], computed by ONNX Runtime."""
+def chosen_provider(asked: str) -> str:
+    """The execution provider ``--onnx-provider asked`` means here: auto is OpenVINO's where the installed ONNX
+    Runtime has it (the onnxruntime-openvino build), else the CPU provider."""
+    import onnxruntime
 
-    def __init__(self, path: Path, threads: int) -> None:
+    if asked == "auto":
+        return OPENVINO if OPENVINO in onnxruntime.get_available_providers() else CPU
+    return PROVIDERS[asked]
+
+
+class OnnxNetwork:
+    """Logits [B, 1000] of a float32 NCHW batch [B, 3, 224, 224], computed by ONNX Runtime on ``provider``
+    (``--onnx-provider``); a provider other than the CPU's that fails to load falls back to the CPU's, with a
+    warning saying why."""
+
+    def __init__(self, path: Path, threads: int, provider: str = "cpu") -> None:
+        import onnxruntime
+
+        self.path, self.threads = path, threads
+        self.version = onnxruntime.__version__
+        chosen = chosen_provider(provider)
+        try:
+            self.session = self._session(chosen)
+        except Exception as exc:  # noqa: BLE001 - ONNX Runtime's own errors, of a provider that would not load
+            if chosen == CPU:
+                raise
+            log.warning("the %s execution provider failed to load %s (%s: %s); running on %s instead", chosen,
+                        path.name, type(exc).__name__, str(exc)[:200], CPU)
+            self.session = self._session(CPU)
+        if chosen not in self.session.get_providers():  # ONNX Runtime drops a provider it lacks, with its own log
+            log.warning("this ONNX Runtime (%s) has no %s (it has %s); running on %s instead", self.version, chosen,
+                        ", ".join(onnxruntime.get_available_providers()), CPU)
+        self.provider = self.session.get_providers()[0]
+
+    def _session(self, provider: str):
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = threads
+        options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = onnxruntime.InferenceSession(str(path), options, providers=[PROVIDER])
-        self.path, self.threads = path, threads
-        self.version = onnxruntime.__version__
+        if provider == CPU:
+            return onnxruntime.InferenceSession(str(self.path), options, providers=[CPU])
+        return onnxruntime.InferenceSession(str(self.path), options, providers=[provider, CPU], provider_options=[
+            {"device_type": "CPU", "num_of_threads": str(self.threads)}, {}])
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         batch = np.ascontiguousarray(inputs.numpy(), dtype=np.float32)
@@ -88,7 +122,8 @@ class OnnxNetwork:
         return torch.from_numpy(logits)
 
     def describe(self) -> str:
-        return f"on ONNX Runtime {self.version} ({PROVIDER}, {self.threads} threads)"
+        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
+        return f"on ONNX Runtime {self.version} ({self.provider}, {threads})"
 
     def unlike_resnet18(self) -> str | None:
         """What in the model's inputs or outputs differs from ResNet18's, or None."""

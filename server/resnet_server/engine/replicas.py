@@ -147,7 +147,7 @@ class _ReplicaSetup:
                               compiled=config.compile, compile_mode=config.compile_mode,
                               compile_cache=config.compile_cache, torchscript=config.torchscript,
                               cuda_graphs=config.uses_cuda_graphs, runtime=config.runtime,
-                              threads=self.torch_threads)
+                              threads=self.torch_threads, onnx_provider=config.onnx_provider)
         sizes = bucket_sizes(self.batch_limit, device.type == "cuda")
         try:
             runner.warm_up(sizes)
@@ -168,7 +168,7 @@ class _ReplicaSetup:
         model of the precision served."""
         path = Path(source)
         try:
-            network = onnx_runtime.OnnxNetwork(path, self.torch_threads)
+            network = onnx_runtime.OnnxNetwork(path, self.torch_threads, self.config.onnx_provider)
         except Exception as exc:  # onnxruntime's own errors: a missing, truncated or foreign file
             raise WeightsError(f"weights {source}: not an ONNX model ONNX Runtime can load "
                                f"({type(exc).__name__})") from exc

@@ -58,11 +58,11 @@ class ModelRunner:
                  channels_last: bool = True, compiled: bool = False, compile_mode: str = "default",
                  compile_cache: str | None = None, fold_batch_norms: bool = True, torchscript: bool = False,
                  cuda_graphs: bool = False, runtime: str = "torch", threads: int = 1,
-                 network: onnx_runtime.OnnxNetwork | None = None) -> None:
+                 network: onnx_runtime.OnnxNetwork | None = None, onnx_provider: str = "cpu") -> None:
         self.device = device
         # ``runtime`` onnxruntime: the model exported to ONNX and run by ONNX Runtime with ``threads`` intra-op
-        # threads (resnet_server.engine.onnx_runtime), on plain NCHW float32 batches.
-        self.runtime, self.threads = runtime, threads
+        # threads (resnet_server.engine.onnx_runtime) on ``onnx_provider``, on plain NCHW float32 batches.
+        self.runtime, self.threads, self.onnx_provider = runtime, threads, onnx_provider
         self.runs_on = ""  # the runtime's own description, other than torch's
         channels_last = channels_last and runtime == "torch"
         self.precision = precision
@@ -157,7 +157,7 @@ class ModelRunner:
         """What runs the forward pass: the model itself, compiled, traced and frozen, or exported to ONNX."""
         if self.runtime == "onnxruntime":
             return self._runs_on(onnx_runtime.OnnxNetwork(onnx_runtime.exported(self.model, self.compile_cache),
-                                                          self.threads))
+                                                          self.threads, self.onnx_provider))
         if self.compile_mode is not None:  # compiled
             return inductor.compile_model(self.model, self.compile_mode)
         if self.torchscript:  # the softmax too: one call a batch
