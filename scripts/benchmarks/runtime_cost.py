@@ -1,5 +1,5 @@
 """What each runtime and precision does on this CPU, in process and served: PyTorch fp32 and bf16, ONNX Runtime fp32
-and int8.
+and int8 (on the CPU provider, and on OpenVINO's too where the onnxruntime-openvino build is installed).
 
 In process: ``resnet-server bench-model`` (the same runner the engine builds, no gRPC) times the forward pass at
 ``--batch`` for ``--duration`` seconds. Served: a ``resnet-server --frontends 1 --device cpu`` a setting on
@@ -64,10 +64,19 @@ def in_process(flags: list[str], batch: int, duration: float) -> float:
 
 
 def settings_for(int8: Path, cache: str) -> dict[str, list[str]]:
-    """Each setting's flags, as resnet-server and bench-model both take them."""
-    return {"torch fp32": [], "torch bf16": ["--precision", "bf16"],
-            "onnxruntime fp32": ["--runtime", "onnxruntime", "--compile-cache", cache],
-            "onnxruntime int8": ["--runtime", "onnxruntime", "--precision", "int8", "--weights", str(int8)]}
+    """Each setting's flags, as resnet-server and bench-model both take them; OpenVINO's where this Python's ONNX
+    Runtime is the onnxruntime-openvino build."""
+    import onnxruntime
+
+    onnx = {"fp32": ["--runtime", "onnxruntime", "--compile-cache", cache],
+            "int8": ["--runtime", "onnxruntime", "--precision", "int8", "--weights", str(int8)]}
+    providers = ["cpu"] + (["openvino"] if "OpenVINOExecutionProvider" in onnxruntime.get_available_providers() else [])
+    settings = {"torch fp32": [], "torch bf16": ["--precision", "bf16"]}
+    for provider in providers:
+        for precision, flags in onnx.items():
+            name = f"onnxruntime {precision}" + ("" if provider == "cpu" else f" {provider}")
+            settings[name] = [*flags, "--onnx-provider", provider]
+    return settings
 
 
 def summary(measured: dict[str, list[tuple[float, float, float]]]) -> dict[str, dict]:
@@ -103,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown := [name for name in chosen if name not in every]:
             parser.error(f"unknown settings {unknown}; choose from {list(every)}")
         settings = {name: every[name] for name in chosen}
-        if "onnxruntime int8" in settings:
+        if any(name.startswith("onnxruntime int8") for name in settings):
             quantized_model(Path(folder), args.calibration_images)
         setting_flags = {BASE_PORT + index: flags for index, flags in enumerate(settings.values())}
         with serving({port: ["--metrics-port", "0", *flags] for port, flags in setting_flags.items()}) as by_port:
