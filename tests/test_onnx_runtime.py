@@ -57,22 +57,18 @@ def test_onnxruntime_refuses_what_it_cannot_serve(flags, error):
     assert str(caught.value) == error
 
 
-def test_the_runtime_has_an_env_twin_and_a_bad_value_is_a_usage_error(capsys):
-    assert parse_config([], env={"RESNET_SERVER_RUNTIME": "onnxruntime"}).runtime == "onnxruntime"
-    assert parse_config([], env={}).runtime == "torch"
+@pytest.mark.parametrize(("flag", "value", "default", "choices"), [
+    ("runtime", "onnxruntime", "torch", "torch or onnxruntime"),
+    ("onnx-provider", "openvino", "auto", "auto, cpu or openvino"),
+])
+def test_each_flag_has_an_env_twin_and_a_bad_value_is_a_usage_error(capsys, flag, value, default, choices):
+    field = flag.replace("-", "_")
+    assert getattr(parse_config([], env={f"RESNET_SERVER_{field.upper()}": value}), field) == value
+    assert getattr(parse_config([], env={}), field) == default
     with pytest.raises(SystemExit) as exited:
-        parse_config(["--runtime", "tensorrt"], env={})
+        parse_config([f"--{flag}", "tensorrt"], env={})
     assert exited.value.code == 2
-    assert "argument --runtime: must be torch or onnxruntime, got 'tensorrt'" in capsys.readouterr().err
-
-
-def test_the_onnx_provider_has_an_env_twin_and_a_bad_value_is_a_usage_error(capsys):
-    assert parse_config([], env={"RESNET_SERVER_ONNX_PROVIDER": "openvino"}).onnx_provider == "openvino"
-    assert parse_config([], env={}).onnx_provider == "auto"
-    with pytest.raises(SystemExit) as exited:
-        parse_config(["--onnx-provider", "tensorrt"], env={})
-    assert exited.value.code == 2
-    assert "argument --onnx-provider: must be auto, cpu or openvino, got 'tensorrt'" in capsys.readouterr().err
+    assert f"argument --{flag}: must be {choices}, got 'tensorrt'" in capsys.readouterr().err
 
 
 def test_openvino_asked_of_an_onnx_runtime_without_it_runs_on_the_cpu_provider_and_says_why(tmp_path, caplog):
