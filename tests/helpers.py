@@ -14,6 +14,7 @@ import shutil
 import socket
 import sys
 import threading
+import time
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from torchvision.io import ImageReadMode, decode_image
@@ -422,3 +424,35 @@ def async_methods_seen() -> tuple[list[str], list]:
     each kind, since a grpc.aio channel files an interceptor under the first kind it is."""
     methods: list[str] = []
     return methods, [_AsyncUnarySeen(methods), _AsyncStreamSeen(methods)]
+
+
+class HealthProbe:
+    """Health checks on the front-end, one after another on a thread, each timed."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self._stub = health_pb2_grpc.HealthStub(self._channel)
+        self.times: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._probe)
+        self._thread.start()
+
+    def _probe(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self._stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            self.times.append(time.monotonic() - started)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._channel.close()
+
+
+def small_onnx_model(path: Path) -> Path:
+    """An ONNX model of ResNet18's input (float [N, 3, 224, 224]) that costs little to run: a strided convolution,
+    [N, 3136] out."""
+    torch.onnx.export(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 7, stride=8), torch.nn.Flatten()),
+                      (torch.zeros(1, 3, 224, 224),), str(path), dynamo=False, input_names=["input"],
+                      output_names=["logits"], dynamic_axes={"input": {0: "n"}})
+    return path

@@ -35,6 +35,7 @@ from tests.helpers import (
     load_script,
     needs_perf_analyzer,
     serving,
+    small_onnx_model,
     wait_for,
 )
 
@@ -851,10 +852,7 @@ def test_onnx_providers_times_each_provider_installed_against_the_cpus(tmp_path)
     """scripts/benchmarks/onnx_providers.py end to end, briefly, on a small model of ResNet18's input: the CPU
     provider (here, where plain onnxruntime is installed) measured and set against itself."""
     pytest.importorskip("onnxruntime")
-    model = tmp_path / "small.onnx"
-    torch.onnx.export(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 7, stride=8), torch.nn.Flatten()),
-                      (torch.zeros(1, 3, 224, 224),), str(model), dynamo=False, input_names=["input"],
-                      output_names=["logits"], dynamic_axes={"input": {0: "n"}})
+    model = small_onnx_model(tmp_path / "small.onnx")
     result = run_benchmark("onnx_providers", "--model", str(model), "--batch", "2", "--threads", "1", "--duration",
                            "0.2", "--rounds", "2", "--json")
     cpu = result["CPUExecutionProvider"]

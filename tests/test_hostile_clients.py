@@ -11,7 +11,6 @@ that never reads. An RPC or a field added later is tried without anyone remember
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from resnet_client.api import grpc_predict_v2_pb2 as oip
-from tests.helpers import free_port, load_script
+from tests.helpers import HealthProbe, free_port, load_script
 from tests.server_process import Workers, gone
 
 HEALTH_WITHIN = 1.0
@@ -41,29 +40,6 @@ def test_the_cases_cover_every_method_that_takes_a_field():
 def peak_rss_mb(pid: int) -> float:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) / 1024
-
-
-class HealthProbe:
-    """Health checks on the front-end, one after another on a thread, each timed."""
-
-    def __init__(self, target: str) -> None:
-        self._channel = grpc.insecure_channel(target)
-        self._stub = health_pb2_grpc.HealthStub(self._channel)
-        self.times: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._probe)
-        self._thread.start()
-
-    def _probe(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            self._stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
-            self.times.append(time.monotonic() - started)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._channel.close()
 
 
 @pytest.fixture(scope="module")

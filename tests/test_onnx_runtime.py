@@ -10,7 +10,7 @@ import tritonclient.grpc as tc
 from resnet_client import Client
 from resnet_server import __version__
 from resnet_server.common.config import ConfigError, parse_config
-from tests.helpers import random_rgb
+from tests.helpers import random_rgb, small_onnx_model
 
 pytest.importorskip("onnxruntime")
 PIXELS = [random_rgb(seed) for seed in (91, 92, 93)]
@@ -81,10 +81,7 @@ def test_openvino_asked_of_an_onnx_runtime_without_it_runs_on_the_cpu_provider_a
 
     if OPENVINO in onnxruntime.get_available_providers():
         pytest.skip("this onnxruntime is the OpenVINO build")
-    model = tmp_path / "small.onnx"
-    torch.onnx.export(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 7, stride=8), torch.nn.Flatten()),
-                      (torch.zeros(1, 3, 224, 224),), str(model), dynamo=False, input_names=["input"],
-                      output_names=["logits"], dynamic_axes={"input": {0: "n"}})
+    model = small_onnx_model(tmp_path / "small.onnx")
     network = OnnxNetwork(model, threads=1, provider="openvino")
     assert network.provider == CPU and network.describe().endswith(f"({CPU}, 1 thread)")
     assert f"has no {OPENVINO} (it has" in caplog.text and f"running on {CPU} instead" in caplog.text
