@@ -15,7 +15,7 @@ import torch
 
 from resnet_client import Client
 from resnet_server.common.config import HOW_TO_QUANTIZE, ConfigError, parse_config
-from tests.helpers import encode, random_rgb
+from tests.helpers import HealthProbe, encode, random_rgb
 from tests.server_process import Workers
 
 onnx = pytest.importorskip("onnx")
@@ -147,10 +147,41 @@ def sent_and_refused(target: str, out: Path, tmp_path: Path) -> None:
         refusals["linear.onnx"]
     assert "1/fp32.onnx: an fp32 model, served as --precision int8" in refusals["fp32.onnx"]
     assert "1/weights.pt: not an ONNX model" in refusals["weights.pt"]
+    worst_values_refused_in_short_while_health_answers(triton, target, out)
     with Client(target) as client:
         info = client.model_info()
         assert info.weights_version == 2 and info.weights_sha256 == hashlib.sha256(out.read_bytes()).hexdigest()
         assert len(client.classify([encode(PIXELS[0])])) == 1
+
+
+def worst_values_refused_in_short_while_health_answers(triton, target: str, out: Path) -> None:
+    """Within --max-weights-mb (50): a precision of 30 MiB in the model's metadata, and an input of a type no ONNX
+    type has with a dimension named in 8 MiB; each refused naming at most 64 characters of the client's text,
+    while health on the same front-end answers within a second."""
+    from tritonclient.utils import InferenceServerException
+
+    long_precision = onnx.load(str(out))
+    next(entry for entry in long_precision.metadata_props if entry.key == "resnet_precision").value = "p" * (30 << 20)
+    odd_input = onnx.ModelProto(ir_version=8, graph=onnx.GraphProto(name="odd"))
+    odd_input.opset_import.add(version=17)
+    tensor = odd_input.graph.input.add(name="input").type.tensor_type
+    tensor.elem_type = 999
+    tensor.shape.dim.add(dim_param="n" * (8 << 20))
+    probe = HealthProbe(target)
+    try:
+        refusals = {}
+        for name, model in (("precision", long_precision), ("input", odd_input)):
+            with pytest.raises(InferenceServerException) as caught:
+                triton.load_model("resnet18", files={f"file:1/{name}.onnx": model.SerializeToString()})
+            assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+            refusals[name] = caught.value.message()
+    finally:
+        probe.stop()
+    assert f"1/precision.onnx: an {'p' * 64} model, served as --precision int8" in refusals["precision"]
+    assert f"1/input.onnx: not a ResNet18 model: its input is type 999 ['{'n' * 64}'], not float [N, 3, 224, 224]" \
+        in refusals["input"]
+    assert all(len(message) < 400 for message in refusals.values()), refusals
+    assert probe.times and max(probe.times) < 1.0, max(probe.times)
 
 
 def test_int8_without_a_quantized_model_is_a_usage_error_saying_how_to_make_one(quantized, weights_file):

@@ -14,7 +14,8 @@ from resnet_server.common.model import WeightsError
 # logs when it serves it; a model without a precision is an fp32 export.
 SOURCE_SHA256, CALIBRATION_SHA256, PRECISION = "resnet_source_sha256", "resnet_calibration_sha256", "resnet_precision"
 INPUT_SHAPE, OUTPUT_SHAPE = (3, 224, 224), (1000,)
-MOST_SHOWN_DIMENSIONS = 8
+# A file a client sends is the client's text: messages show at most this much of it.
+MOST_SHOWN_DIMENSIONS, MOST_SHOWN_CHARACTERS = 8, 64
 
 Tensor = tuple[str, Sequence[object]]  # an input's or output's element type ("float") and shape (ints, names, None)
 
@@ -27,14 +28,26 @@ def unlike_resnet18(inputs: Sequence[Tensor], outputs: Sequence[Tensor]) -> str 
         element, dimensions = tensors[0]
         if element != "float" or len(dimensions) != 1 + len(shape) or tuple(dimensions[1:]) != shape:
             wanted = ", ".join(map(str, shape))
-            return f"its {kind} is {element} {list(dimensions)[:MOST_SHOWN_DIMENSIONS]}, not float [N, {wanted}]"
+            shown = [_clipped(dimension) for dimension in list(dimensions)[:MOST_SHOWN_DIMENSIONS]]
+            return f"its {kind} is {_clipped(element)} {shown}, not float [N, {wanted}]"
     return None
 
 
 def unlike_served(recorded: dict[str, str], precision: str) -> str | None:
     """Why a model whose metadata says ``recorded`` is not one to serve as ``--precision precision``, or None."""
     made_as = recorded.get(PRECISION, "fp32")
-    return None if made_as == precision else f"an {made_as} model, served as --precision {precision}"
+    if made_as == precision:
+        return None
+    return f"an {made_as[:MOST_SHOWN_CHARACTERS]} model, served as --precision {precision}"
+
+
+def recorded_text(recorded: dict[str, str], key: str) -> str:
+    """What the model records under ``key``, at most a SHA-256's length of it, for a log line."""
+    return recorded.get(key, "")[:MOST_SHOWN_CHARACTERS]
+
+
+def _clipped(value: object) -> object:
+    return value[:MOST_SHOWN_CHARACTERS] if isinstance(value, str) else value
 
 
 def check_onnx_file(path: Path, name: str, precision: str) -> None:
@@ -60,7 +73,10 @@ def _tensor(value) -> Tensor:
     import onnx
 
     tensor_type = value.type.tensor_type
-    element = onnx.TensorProto.DataType.Name(tensor_type.elem_type).lower() if tensor_type.elem_type else "none"
+    try:
+        element = onnx.TensorProto.DataType.Name(tensor_type.elem_type).lower() if tensor_type.elem_type else "none"
+    except ValueError:  # a number no ONNX type has
+        element = f"type {tensor_type.elem_type}"
     dimensions = [dimension.dim_value if dimension.HasField("dim_value") else (dimension.dim_param or None)
                   for dimension in tensor_type.shape.dim]
     return element, dimensions

@@ -99,9 +99,10 @@ class OnnxNetwork:
             log.warning("the %s execution provider failed to load %s (%s: %s); running on %s instead", chosen,
                         path.name, type(exc).__name__, str(exc)[:200], CPU)
             self.session = self._session(CPU)
-        if chosen not in self.session.get_providers():  # ONNX Runtime drops a provider it lacks, with its own log
-            log.warning("this ONNX Runtime (%s) has no %s (it has %s); running on %s instead", self.version, chosen,
-                        ", ".join(onnxruntime.get_available_providers()), CPU)
+        else:
+            if chosen not in self.session.get_providers():  # ONNX Runtime drops a provider it lacks, unasked
+                log.warning("this ONNX Runtime (%s) has no %s (it has %s); running on %s instead", self.version,
+                            chosen, ", ".join(onnxruntime.get_available_providers()), CPU)
         self.provider = self.session.get_providers()[0]
 
     def _session(self, provider: str):

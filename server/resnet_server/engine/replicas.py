@@ -181,8 +181,8 @@ class _ReplicaSetup:
                              threads=self.torch_threads, network=network)
         runner.warm_up(bucket_sizes(self.batch_limit, False))
         sha256 = file_sha256(path)
-        made = f"; quantized from weights of SHA-256 {recorded[onnx_file.SOURCE_SHA256]}, calibrated on images " \
-            f"of SHA-256 {recorded.get(onnx_file.CALIBRATION_SHA256, '')}" \
+        made = f"; quantized from weights of SHA-256 {onnx_file.recorded_text(recorded, onnx_file.SOURCE_SHA256)}, " \
+            f"calibrated on images of SHA-256 {onnx_file.recorded_text(recorded, onnx_file.CALIBRATION_SHA256)}" \
             if onnx_file.SOURCE_SHA256 in recorded else ""
         log.info("replica %s serves the ONNX model %s (SHA-256 %s)%s", self.name, source, sha256, made)
         return runner, LoadedWeights({}, source, sha256=sha256)
