@@ -31,3 +31,18 @@ def test_client_package_does_not_import_torch():
     code = ("import sys, resnet_client, resnet_client.cli; "
             "assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+def test_what_each_process_imports_loads_no_library_it_does_not_use():
+    """At run time, not only as lint-imports reads the imports: the boundary the processes share (the slab, its
+    protocol, the control pipes) loads neither torch nor grpc, the engine no grpc (the client package's names load
+    on first use, so the server's one import from it, the refused-batch wire format, brings no grpc with it),
+    and the client's names still resolve."""
+    import subprocess
+    import sys
+
+    code = ("import sys, resnet_server.boundary.link, resnet_server.boundary.control; "
+            "assert not {'torch', 'grpc'} & set(sys.modules), sorted({'torch', 'grpc'} & set(sys.modules)); "
+            "import resnet_server.engine.main; assert 'grpc' not in sys.modules; "
+            "from resnet_client import Client, SharedMemory, classify_files; assert 'grpc' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)

@@ -9,8 +9,6 @@ from torchvision.models import ResNet18_Weights
 
 from resnet_server.common.errors import InvalidInput
 from resnet_server.common.preprocess import (
-    CROP_SHAPE,
-    FLOAT_SHAPE,
     STD,
     CroppedImage,
     EncodedImage,
@@ -20,6 +18,7 @@ from resnet_server.common.preprocess import (
     preprocess,
     transform,
 )
+from resnet_server.common.shapes import CROP_SHAPE, FLOAT_SHAPE
 from tests.helpers import encode, random_rgb
 
 ONE_GREY_LEVEL = 1.0 / 255.0 / min(STD)  # in normalised units

@@ -30,7 +30,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # the perf_analyzer driver is a tool of scripts/
 import perf_analyzer  # noqa: E402
 
-from resnet_server.common.preprocess import FLOAT_SHAPE
+from resnet_server.common.shapes import FLOAT_SHAPE
 from resnet_server.engine.bench_model import Replicas, add_model_arguments, parse_model_arguments
 
 

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from resnet_server.boundary.queue_share import check_share
-from resnet_server.common.postprocess import NUM_CLASSES
-from resnet_server.common.preprocess import FLOAT_SHAPE
+from resnet_server.common.shapes import FLOAT_SHAPE, NUM_CLASSES
 
 FREE = 0
 # A front-end process's number (the supervisor's, from 1) is below PROCESS_OWNERS. Each of its connections to an

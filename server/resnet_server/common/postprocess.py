@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-NUM_CLASSES = 1000
-
 
 def temperature_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """softmax(logits / T) per row; logits [B, C], temperatures [B] (float64: any finite T > 0 is valid).

@@ -31,10 +31,12 @@ from resnet_server.common.devices import to_device
 from resnet_server.common.errors import InvalidInput
 from resnet_server.common.image_header import declared_size, image_format
 from resnet_server.common.model import IMAGENET_WEIGHTS
+from resnet_server.common.shapes import CROP, CROP_SHAPE, FLOAT_SHAPE, RESIZE
 
 PRESET = IMAGENET_WEIGHTS.transforms()
-CROP = PRESET.crop_size[0]
-RESIZE = PRESET.resize_size[0]
+if (PRESET.crop_size[0], PRESET.resize_size[0]) != (CROP, RESIZE):  # resnet_server.common.shapes sizes the buffers
+    raise ImportError(f"torchvision's preset crops {PRESET.crop_size} after {PRESET.resize_size}, not {CROP} "
+                      f"after {RESIZE} as resnet_server.common.shapes says")
 MEAN, STD = list(PRESET.mean), list(PRESET.std)
 
 
@@ -83,7 +85,6 @@ def _normalisation(device: torch.device, width: int) -> tuple[torch.Tensor, torc
     return scale.float().repeat(width).to(device), shift.float().repeat(width).to(device)
 
 
-FLOAT_SHAPE = (3, CROP, CROP)
 ENCODINGS = ("jpeg", "png", "gif", "webp")
 RAW_FORMATS = ("uint8 [H, W, 3] RGB", f"float32 {list(FLOAT_SHAPE)} normalised")
 
@@ -137,7 +138,6 @@ class CroppedImage(NamedTuple):
 
 
 ImageInput = EncodedImage | RawImage
-CROP_SHAPE = (CROP, CROP, 3)  # a front-end's crop, as it travels: HWC
 
 
 def preprocess(image: ImageInput, max_pixels: int, crop_only: bool = False) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 from resnet_server.common.errors import ComputeFailed, DeadlineExpired, Overloaded, ServingError, Unavailable
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.postprocess import top_k
-from resnet_server.common.preprocess import FLOAT_SHAPE
+from resnet_server.common.shapes import FLOAT_SHAPE
 from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.common.work import WorkItem

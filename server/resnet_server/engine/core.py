@@ -50,8 +50,9 @@ from resnet_server.boundary.slab import FREE, Slab
 from resnet_server.common.device_decode import DeferredJpeg
 from resnet_server.common.errors import ServingError
 from resnet_server.common.metrics import Metrics
-from resnet_server.common.preprocess import FLOAT_SHAPE, CroppedImage, RawImage, SlotBytes
+from resnet_server.common.preprocess import CroppedImage, RawImage, SlotBytes
 from resnet_server.common.sections import EngineConfig
+from resnet_server.common.shapes import FLOAT_SHAPE
 from resnet_server.common.work import ModelInput, WorkItem
 from resnet_server.engine.batcher import Answers, BatchOutput
 from resnet_server.engine.registered_slab import device_rows, register_slab

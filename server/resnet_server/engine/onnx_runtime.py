@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from resnet_server.common import onnx_file
-from resnet_server.common.preprocess import FLOAT_SHAPE
+from resnet_server.common.shapes import FLOAT_SHAPE
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,8 @@ from resnet_server.common.device_decode import DeferredJpeg, decode_batch
 from resnet_server.common.devices import to_device
 from resnet_server.common.errors import InvalidInput
 from resnet_server.common.postprocess import temperature_softmax
-from resnet_server.common.preprocess import FLOAT_SHAPE, CroppedImage, RawImage, cropped_batch, raw_batch, whole_batch
+from resnet_server.common.preprocess import CroppedImage, RawImage, cropped_batch, raw_batch, whole_batch
+from resnet_server.common.shapes import FLOAT_SHAPE
 from resnet_server.common.work import ModelInput
 from resnet_server.engine import inductor, onnx_runtime
 

@@ -25,8 +25,8 @@ from resnet_server.common.errors import (
 )
 from resnet_server.common.logs import current_protocol
 from resnet_server.common.metrics import Metrics
-from resnet_server.common.postprocess import NUM_CLASSES
 from resnet_server.common.preprocess import ImageInput, RawImage, check_header, check_raw, preprocess
+from resnet_server.common.shapes import NUM_CLASSES
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.common.work import ImageOutput, ModelInput, WorkItem
 from resnet_server.frontend.fair_share import EVERYONE, CallerId

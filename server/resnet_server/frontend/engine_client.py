@@ -48,7 +48,8 @@ from resnet_server.boundary.slab import Slab, connection_owner
 from resnet_server.common import errors
 from resnet_server.common.device_decode import DeferredJpeg
 from resnet_server.common.errors import Overloaded, OverShare, ServingError, StartupError, Unavailable
-from resnet_server.common.preprocess import CROP_SHAPE, FLOAT_SHAPE, ImageBytes, RawImage, SlotBytes, copy_into
+from resnet_server.common.preprocess import ImageBytes, RawImage, SlotBytes, copy_into
+from resnet_server.common.shapes import CROP_SHAPE, FLOAT_SHAPE
 from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.work import ImageOutput, WorkItem
 

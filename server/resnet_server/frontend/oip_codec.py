@@ -19,7 +19,8 @@ import numpy as np
 
 from resnet_server.common.errors import InvalidInput, NotFound
 from resnet_server.common.model import MODEL_NAME
-from resnet_server.common.preprocess import CROP, EncodedImage, ImageInput, RawImage
+from resnet_server.common.preprocess import EncodedImage, ImageInput, RawImage
+from resnet_server.common.shapes import CROP
 from resnet_server.common.work import ImageOutput
 from resnet_server.frontend.core import DEFAULT_TOP_K
 from resnet_server.frontend.shared_memory import Region

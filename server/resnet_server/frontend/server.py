@@ -32,9 +32,10 @@ from resnet_server.common.lifetime import exit_at_once
 from resnet_server.common.logs import log_trace_ids
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.model import IMAGENET_WEIGHTS, MODEL_NAME, MODEL_VERSION
-from resnet_server.common.preprocess import CROP, ENCODINGS, MEAN, RAW_FORMATS, RESIZE, STD
+from resnet_server.common.preprocess import ENCODINGS, MEAN, RAW_FORMATS, STD
 from resnet_server.common.sections import FrontendConfig
 from resnet_server.common.served import ServedWeights
+from resnet_server.common.shapes import CROP, RESIZE
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.frontend.bounds import WireBounds, served_bounds
 from resnet_server.frontend.classifier_service import ClassifierService
