@@ -71,82 +71,124 @@ def statistics_while(triton: tc.InferenceServerClient, done: threading.Event) ->
     return counts
 
 
+class TwoWorkers:
+    """One server, as ``resnet-server`` runs it, with two front-ends on one port; the tests below take it in turn
+    (module order), the last draining it with SIGTERM."""
+
+    def __init__(self, weights: str) -> None:
+        self.workers = Workers(weights)
+        self.port, self.frontends = self.workers.serving()
+        self.workers.read_until(1, f"metrics of every process on http://0.0.0.0:{self.workers.metrics_port}/metrics")
+        self.target = f"127.0.0.1:{self.port}"
+        self.metrics_port = self.workers.metrics_port
+
+    def served(self) -> list[int]:
+        """Each front-end's answered requests, from the supervisor's merged /metrics."""
+        return [int(scraped_value(self.metrics_port, served_by(i))) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_workers(weights_file):
+    running = TwoWorkers(str(weights_file[0]))
+    yield running
+    running.workers.close()
+
+
+@pytest.mark.slow
+def test_the_ports_chosen_are_served_and_each_childs_metrics_listens_on_loopback(two_workers):
+    """The server listens on the two ports its user chose; its children's own /metrics on loopback ports that the
+    system picked (from its ephemeral range), one each."""
+    workers = two_workers.workers
+    ports = listening_ports([workers.process.pid, *two_workers.frontends, *workers.engine_pids()])
+    # (gRPC's own listener is not always found among the front-ends' fds in /proc: seen once on a clean clone;
+    # clients reach it in the next test, and it must not be among the others.)
+    chosen = {("127.0.0.1", two_workers.port), ("0.0.0.0", two_workers.metrics_port)}
+    assert ("0.0.0.0", two_workers.metrics_port) in ports
+    assert len(ports - chosen) == 3 and all(host == "127.0.0.1" and port >= ephemeral_ports()[0]
+                                              for host, port in ports - chosen)
+
+
+@pytest.mark.slow
+def test_connections_to_either_worker_answer_alike(two_workers, reference):
+    answers = []
+    for _ in range(6):  # each client its own connection, so the kernel hands them to either worker
+        with Client(two_workers.target, timeout=30, own_connection=True) as client:
+            answers.append(client.classify([IMAGE], full=True)[0].probabilities)
+    expected = reference.probabilities(reference.input_from_bytes(IMAGE))
+    for probabilities in answers:
+        np.testing.assert_allclose(probabilities, expected, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_closed_loop_reaches_both_workers_and_every_count_of_it_agrees(two_workers):
+    """The bench's closed loop over sixteen connections of one process reaches both workers, and the supervisor's
+    /metrics, both workers' samples labelled by worker, counts every image it sent (its window records the calls
+    that ended inside it: all but the sixteen or fewer still in flight as it closed). ModelStatistics, asked over
+    and over meanwhile, answers each time whole (no torn row) with counts that never go back."""
+    url, target = f"http://127.0.0.1:{two_workers.metrics_port}/metrics", two_workers.target
+    request = pb.ClassifyRequest(images=[pb.Image(encoded=IMAGE)], top_k=1).SerializeToString()
+    served_before = sum(two_workers.served())
+    before, scraped = scrape(url), time.monotonic()
+    with tc.InferenceServerClient(target) as triton, ThreadPoolExecutor(1) as pool:
+        loading = threading.Event()
+        reading = pool.submit(statistics_while, triton, loading)
+        records = closed_loop(LoadSpec(target, request, 16, None, 0.0, 1.0, {"timeout": 30}, connections=16))
+        loading.set()
+        counts = reading.result()
+    after = scrape(url)
+    cores = server_cpu(before, after, time.monotonic() - scraped)  # the bench's split of the server's CPU
+    assert set(cores) == {"frontends", "engines", "supervisor"}
+    assert cores["frontends"] > 0 and cores["engines"] > 0 and sum(cores.values()) <= os.cpu_count() + 0.5
+    assert len(counts) >= 5 and counts == sorted(counts)
+    served = two_workers.served()
+    assert all(count > 0 for count in served), served
+    # The engine formed the batches of both front-ends' calls: every batch is in its series alone.
+    assert scraped_value(two_workers.metrics_port, 'resnet_batch_size_count{device="cpu",worker="0"}') == 0
+    computed = after[("resnet_batch_size_sum", "cpu")] - before[("resnet_batch_size_sum", "cpu")]
+    assert computed == sum(served) - served_before
+    assert len(records) <= computed <= len(records) + 16
+
+
+@pytest.mark.slow
+def test_every_process_reports_on_the_one_metrics_port_and_triton_statistics_count_both_workers(two_workers):
+    """Each process is up on the supervisor's /metrics, with its memory (the soak's reading,
+    scripts/benchmarks/soak.py), and Triton's ModelStatistics, asked of whichever worker takes the call, counts
+    both workers' images and batches (their totals share memory), as Prometheus does."""
+    port = two_workers.metrics_port
+    assert [scraped_value(port, f'resnet_worker_up{{worker="{worker}"}}')
+            for worker in ("0", "1", "engine-cpu")] == [1, 1, 1]
+    memory = load_script("soak").rss(port)
+    assert set(memory) == {"0", "1", "engine-cpu", "supervisor"} and all(value > 2**20 for value in memory.values())
+    with tc.InferenceServerClient(two_workers.target) as triton:
+        (model,) = triton.get_inference_statistics("resnet18", as_json=True)["model_stats"]
+    assert int(model["inference_count"]) == sum(two_workers.served())
+    batches = scrape(f"http://127.0.0.1:{port}/metrics")[("resnet_batch_size_count", "cpu")]
+    assert int(model["execution_count"]) == batches
+
+
 @needs_promtool
 @pytest.mark.slow
-def test_workers_share_one_port_answer_alike_and_drain_on_sigterm(weights_file, reference, tmp_path):
-    workers = Workers(str(weights_file[0]))
-    try:
-        port, pids = workers.serving()
-        workers.read_until(1, f"metrics of every process on http://0.0.0.0:{workers.metrics_port}/metrics")
-        # The server listens on the two ports its user chose; its children's own /metrics on loopback ports that
-        # the system picked (from its ephemeral range), one each.
-        ports = listening_ports([workers.process.pid, *pids, *workers.engine_pids()])
-        # (gRPC's own listener is not always found among the front-ends' fds in /proc: seen once on a clean clone;
-        # clients reach it below, and it must not be among the others.)
-        chosen = {("127.0.0.1", port), ("0.0.0.0", workers.metrics_port)}
-        assert ("0.0.0.0", workers.metrics_port) in ports
-        assert len(ports - chosen) == 3 and all(host == "127.0.0.1" and port >= ephemeral_ports()[0]
-                                                  for host, port in ports - chosen)
-        target = f"127.0.0.1:{port}"
-        answers = []
-        for _ in range(6):  # each client its own connection, so the kernel hands them to either worker
-            with Client(target, timeout=30, own_connection=True) as client:
-                answers.append(client.classify([IMAGE], full=True)[0].probabilities)
-        expected = reference.probabilities(reference.input_from_bytes(IMAGE))
-        for probabilities in answers:
-            np.testing.assert_allclose(probabilities, expected, atol=1e-5)
-        # The bench's closed loop over sixteen connections of one process reaches both workers, and the
-        # supervisor's /metrics, both workers' samples labelled by worker, counts every image it sent (its
-        # window records the calls that ended inside it: all but the sixteen or fewer still in flight as it closed).
-        url = f"http://127.0.0.1:{workers.metrics_port}/metrics"
-        request = pb.ClassifyRequest(images=[pb.Image(encoded=IMAGE)], top_k=1).SerializeToString()
-        before, scraped = scrape(url), time.monotonic()
-        with tc.InferenceServerClient(target) as triton, ThreadPoolExecutor(1) as pool:
-            # ModelStatistics asked over and over while both workers write: each answer whole (every request
-            # counted with its queue time, no torn row), and the counts never going back.
-            loading = threading.Event()
-            reading = pool.submit(statistics_while, triton, loading)
-            records = closed_loop(LoadSpec(target, request, 16, None, 0.0, 1.0, {"timeout": 30}, connections=16))
-            loading.set()
-            counts = reading.result()
-        after = scrape(url)
-        cores = server_cpu(before, after, time.monotonic() - scraped)  # the bench's split of the server's CPU
-        assert set(cores) == {"frontends", "engines", "supervisor"}
-        assert cores["frontends"] > 0 and cores["engines"] > 0 and sum(cores.values()) <= os.cpu_count() + 0.5
-        assert len(counts) >= 5 and counts == sorted(counts)
-        served = [scraped_value(workers.metrics_port, served_by(i)) for i in range(2)]
-        assert all(count > 0 for count in served), served
-        assert [scraped_value(workers.metrics_port, f'resnet_worker_up{{worker="{worker}"}}')
-                for worker in ("0", "1", "engine-cpu")] == [1, 1, 1]
-        # The soak's memory reading (scripts/benchmarks/soak.py) finds every process of the server on its one /metrics.
-        memory = load_script("soak").rss(workers.metrics_port)
-        assert set(memory) == {"0", "1", "engine-cpu", "supervisor"} and all(value > 2**20 for value in memory.values())
-        # The engine formed the batches of both front-ends' calls: every batch is in its series alone.
-        assert scraped_value(workers.metrics_port, 'resnet_batch_size_count{device="cpu",worker="0"}') == 0
-        computed = after[("resnet_batch_size_sum", "cpu")] - before[("resnet_batch_size_sum", "cpu")]
-        assert computed == sum(served) - 6
-        assert len(records) <= computed <= len(records) + 16
-        # Triton's ModelStatistics, asked of whichever worker takes the call, counts both workers' images and
-        # batches (their totals share memory), as Prometheus does.
-        with tc.InferenceServerClient(target) as triton:
-            (model,) = triton.get_inference_statistics("resnet18", as_json=True)["model_stats"]
-        assert int(model["inference_count"]) == sum(served)
-        assert int(model["execution_count"]) == after[("resnet_batch_size_count", "cpu")]
-        # A real Prometheus scraping the one metrics port sees both workers, counts the same requests, and
-        # evaluates every alerting rule against their series, none firing.
-        with Prometheus(f"127.0.0.1:{workers.metrics_port}", tmp_path) as prometheus:
-            wait_for(prometheus.started, timeout=30)
-            counted = 'sum by (worker) (resnet_requests_total{code="OK"})'
-            wait_for(lambda: {int(r["metric"]["worker"]): float(r["value"][1]) for r in prometheus.query(counted)}
-                     == dict(enumerate(served)), timeout=30)
-            assert [float(r["value"][1]) for r in prometheus.query("sum(resnet_worker_up)")] == [3]
-            wait_for(prometheus.evaluated_rules, timeout=30)
-            rules = prometheus.evaluated_rules()
-            assert set(rules) == ALERT_RULES
-            assert all((rule["health"], rule["state"]) == ("ok", "inactive") for rule in rules.values()), rules
-        workers.terminate([*pids, *workers.engine_pids()])
-    finally:
-        workers.close()
+def test_a_real_prometheus_counts_both_workers_and_no_alert_fires(two_workers, tmp_path):
+    """A real Prometheus scraping the one metrics port sees both workers, counts the same requests, and evaluates
+    every alerting rule against their series, none firing."""
+    served = two_workers.served()
+    with Prometheus(f"127.0.0.1:{two_workers.metrics_port}", tmp_path) as prometheus:
+        wait_for(prometheus.started, timeout=30)
+        counted = 'sum by (worker) (resnet_requests_total{code="OK"})'
+        wait_for(lambda: {int(r["metric"]["worker"]): float(r["value"][1]) for r in prometheus.query(counted)}
+                 == dict(enumerate(served)), timeout=30)
+        assert [float(r["value"][1]) for r in prometheus.query("sum(resnet_worker_up)")] == [3]
+        wait_for(prometheus.evaluated_rules, timeout=30)
+        rules = prometheus.evaluated_rules()
+        assert set(rules) == ALERT_RULES
+        assert all((rule["health"], rule["state"]) == ("ok", "inactive") for rule in rules.values()), rules
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_server_and_ends_every_child(two_workers):
+    """The last of the tests on ``two_workers``: the supervisor exits 0 and every child has ended."""
+    workers = two_workers.workers
+    workers.terminate([*two_workers.frontends, *workers.engine_pids()])
 
 
 @pytest.mark.slow

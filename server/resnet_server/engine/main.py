@@ -7,6 +7,7 @@ import select
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch
@@ -44,11 +45,24 @@ log = logging.getLogger(__name__)
 REPORT_SECONDS = 10.0
 
 
-def engine_main(link: EngineLink, device: str, config: EngineConfig, live_owners: list[int],
-                statistics: SharedRow | None, with_metrics: bool, reports: Connection, orders: Connection) -> None:
-    """An engine process: report where its /metrics listens (``with_metrics``), load, report Ready to the
-    supervisor, serve until SIGTERM, then drain. ``reports`` and ``orders``: its pipes with the supervisor (the
-    messages of resnet_server.boundary.control)."""
+@dataclass(frozen=True)
+class EngineArgs:
+    """What the supervisor hands an engine process it starts."""
+
+    link: EngineLink  # the front-ends' way in: the engine's socket and slab
+    device: str
+    config: EngineConfig
+    live_owners: list[int]  # the front-ends alive now (a new engine frees the slots of any other)
+    statistics: SharedRow | None  # its row of the statistics every process writes
+    with_metrics: bool  # serve /metrics (on a port of its own, reported)
+    reports: Connection  # the pipe to the supervisor (resnet_server.boundary.control's reports)
+    orders: Connection  # the pipe from it (its orders)
+
+
+def engine_main(args: EngineArgs) -> None:
+    """An engine process: report where its /metrics listens, load, report Ready to the supervisor, serve until
+    SIGTERM, then drain."""
+    link, device, config = args.link, args.device, args.config
     die_with_supervisor()
     configure_logging(config.observability.log_level, config.observability.log_format)
     # Ctrl-C reaches every process of the group; the supervisor stops the engines last, with SIGTERM.
@@ -57,14 +71,14 @@ def engine_main(link: EngineLink, device: str, config: EngineConfig, live_owners
     # The batcher's thread gives the GIL up at every torch call and must win it back from the socket readers and
     # the finisher: the flag bounds that wait here, where the forward pass is launched (Python's own is 5 ms).
     sys.setswitchinterval(config.switch_interval_ms / 1000)
-    to_supervisor = Reports(reports.fileno())
-    metrics = Metrics(config.largest_batch, statistics)
-    http = serve_child_metrics(metrics.registry) if with_metrics else None
+    to_supervisor = Reports(args.reports.fileno())
+    metrics = Metrics(config.largest_batch, args.statistics)
+    http = serve_child_metrics(metrics.registry) if args.with_metrics else None
     if http is not None:
         to_supervisor.send(MetricsPort(http.server_port))
     engine = Engine(link, torch.device(device), config, metrics)
     try:
-        engine.start(live_owners)
+        engine.start(args.live_owners)
     except StartupError as exc:
         print(f"resnet-server: error: engine {link.name}: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -73,7 +87,7 @@ def engine_main(link: EngineLink, device: str, config: EngineConfig, live_owners
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     to_supervisor.send(Ready(engine.info()))
     log.info("engine %s ready on %s", link.name, device)
-    threading.Thread(target=follow_orders, args=(engine, engine_order_inbox(orders.fileno()), to_supervisor),
+    threading.Thread(target=follow_orders, args=(engine, engine_order_inbox(args.orders.fileno()), to_supervisor),
                      name="engine-orders", daemon=True).start()
     exit_code = watch(engine, config, stop)
     engine.stop(config.grace_period)

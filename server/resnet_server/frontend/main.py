@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from resnet_server.boundary.control import Bound, MetricsPort, Outbox, Serving, frontend_order_inbox
@@ -18,25 +19,39 @@ from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.server import run
 
 
-def frontend_main(config: FrontendConfig, index: int, engines: list[EngineLink], owner: int, statistics: SharedRow,
-                   pipes: tuple[Connection, Connection], load_first: bool, with_metrics: bool,
-                   served: ServedWeights, trace_settings: dict[str, list[str]], regions: list[RegionSpec]) -> None:
+@dataclass(frozen=True)
+class FrontendArgs:
+    """What the supervisor hands a front-end process it starts."""
+
+    config: FrontendConfig
+    index: int  # its place among the front-ends (its statistics row, its name in logs)
+    engines: list[EngineLink]
+    owner: int  # the number its slots carry in every engine's slab
+    statistics: SharedRow
+    reports: Connection  # the pipe to the supervisor (resnet_server.boundary.control's reports)
+    orders: Connection  # the pipe from it (its orders)
+    load_first: bool  # a replacement: connect to the engines before binding, so its siblings serve until then
+    with_metrics: bool  # serve /metrics (on a port of its own, reported)
+    served: ServedWeights  # the weights every engine serves now
+    trace_settings: dict[str, list[str]]  # Triton's trace settings as set while serving
+    regions: list[RegionSpec]  # the clients' shared-memory regions registered now
+
+
+def frontend_main(args: FrontendArgs) -> None:
     """A front-end process: a gRPC server (resnet_server.frontend.server.run) over the engines, reporting where its
-    /metrics listens (``with_metrics``), its port once bound, then that it serves. A replacement connects before it
-    binds (``load_first``): until then its siblings take every new connection. ``pipes``: its reports to the supervisor
-    and the supervisor's orders to it; ``served``: the weights every engine serves now; ``trace_settings``:
-    Triton's trace settings as set while serving; ``regions``: the clients' shared-memory regions registered now."""
-    reports, orders = pipes
+    /metrics listens, its port once bound, then that it serves."""
+    config = args.config
     die_with_supervisor()
     map_huge_blocks()
     configure_logging(config.observability.log_level, config.observability.log_format)
-    metrics = Metrics(config.largest_batch, statistics)
+    metrics = Metrics(config.largest_batch, args.statistics)
     # The pipes stay open as long as the process: their ends are read and written by descriptor.
-    control = ModelControl(served, config.uploads, Outbox(reports.fileno()), frontend_order_inbox(orders.fileno()),
-                           trace_settings, regions)
-    if with_metrics:
+    control = ModelControl(args.served, config.uploads, Outbox(args.reports.fileno()),
+                           frontend_order_inbox(args.orders.fileno()), args.trace_settings, args.regions)
+    if args.with_metrics:
         control.report(MetricsPort(serve_child_metrics(metrics.registry).server_port))
-    code = run(config, index, engines, owner, metrics, on_bound=lambda ports: control.report(Bound(*ports)),
-               on_serving=lambda: control.report(Serving()), load_first=load_first, control=control)
+    code = run(config, args.index, args.engines, args.owner, metrics,
+               on_bound=lambda ports: control.report(Bound(*ports)), on_serving=lambda: control.report(Serving()),
+               load_first=args.load_first, control=control)
     control.stopped(code)
     raise SystemExit(code)

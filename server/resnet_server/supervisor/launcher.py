@@ -88,8 +88,8 @@ from resnet_server.common.sections import engine_config, frontend_config
 from resnet_server.common.served import ServedWeights
 from resnet_server.common.shared_regions import RegionLimits, RegionTable
 from resnet_server.common.statistics import SharedRow, shared_rows
-from resnet_server.engine.main import engine_main
-from resnet_server.frontend.main import frontend_main
+from resnet_server.engine.main import EngineArgs, engine_main
+from resnet_server.frontend.main import FrontendArgs, frontend_main
 from resnet_server.supervisor.child_process import ChildProcess
 from resnet_server.supervisor.reloads import Outcome, Reloads
 
@@ -440,9 +440,10 @@ class Supervisor:
         receiver, sender = _children.Pipe(duplex=False)
         orders, to_child = _children.Pipe(duplex=False)
         live_owners = [child.owner for child in self.children.values() if child.owner]
-        process = _children.Process(target=engine_main, name=f"resnet-engine-{link.name}", args=(
-            link, str(self.devices[index]), engine_config(config, served.source, served.version), live_owners,
-            SharedRow(self.statistics, self.frontends + index), bool(config.metrics_port), sender, orders))
+        process = _children.Process(target=engine_main, name=f"resnet-engine-{link.name}", args=(EngineArgs(
+            link=link, device=str(self.devices[index]), config=engine_config(config, served.source, served.version),
+            live_owners=live_owners, statistics=SharedRow(self.statistics, self.frontends + index),
+            with_metrics=bool(config.metrics_port), reports=sender, orders=orders),))
         return self._started(f"engine-{index}", process, (receiver, sender), (orders, to_child), quick_ends)
 
     def start_frontend(self, index: int, port: int, load_first: bool = False, quick_ends: int = 0) -> _Child | None:
@@ -451,11 +452,11 @@ class Supervisor:
         receiver, sender = _children.Pipe(duplex=False)
         orders, to_child = _children.Pipe(duplex=False)
         owner = next(self._owners)
-        process = _children.Process(target=frontend_main, name=f"resnet-frontend-{index}", args=(
-            frontend_config(self.config, port, self.frontends, str(self.uploads), self.http_port or None), index,
-            self.links, owner,
-            SharedRow(self.statistics, index), (sender, orders), load_first, bool(self.config.metrics_port),
-            self.reloads.served, self.trace_settings, self.regions.specs()))
+        process = _children.Process(target=frontend_main, name=f"resnet-frontend-{index}", args=(FrontendArgs(
+            config=frontend_config(self.config, port, self.frontends, str(self.uploads), self.http_port or None),
+            index=index, engines=self.links, owner=owner, statistics=SharedRow(self.statistics, index),
+            reports=sender, orders=orders, load_first=load_first, with_metrics=bool(self.config.metrics_port),
+            served=self.reloads.served, trace_settings=self.trace_settings, regions=self.regions.specs()),))
         child = self._started(f"frontend-{index}", process, (receiver, sender), (orders, to_child), quick_ends)
         if child is not None:
             child.owner, child.replacement = owner, load_first
