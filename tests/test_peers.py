@@ -39,6 +39,7 @@ from resnet_server.boundary.protocol import (
 from resnet_server.boundary.slab import SLOT_INPUT_BYTES, Slab, SlabLayout, connection_owner, create_slab_memory
 from resnet_server.common.metrics import Metrics
 from resnet_server.common.preprocess import RawImage
+from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.work import WorkItem
 from resnet_server.engine.batcher import Answers, Batcher
 from resnet_server.engine.core import Ticket
@@ -248,15 +249,19 @@ def test_one_message_the_front_end_cannot_handle_leaves_the_others_read_with_it_
     key, address = secrets.token_bytes(32), f"\0resnet-test-{secrets.token_hex(6)}"
     listener = Listener(address, "AF_UNIX")
     link = EngineLink("cpu", address, key, layout, create_slab_memory(layout))
-    info = EngineInfo("cpu", "cpu", "test", "", 8, False, True, 5.0, 1, "a stand-in", False)
+    no_time = BatchTiming(0.0, 0.0, 0.0)
+    info = EngineInfo(name="cpu", device="cpu", weights="test", warning="", max_batch_size=8, decode_on_device=False,
+                      in_rotation=True, switch_interval_ms=5.0, torch_threads=1, runs="a stand-in", takes_crops=False)
 
     def stand_in() -> None:
         connection = listener.accept()
         accept_hello(connection, key)
         send(connection, Ready(info))
         (entry,) = receive_at_engine(connection).entries
-        unknown = Done([Answer(entry.slot + 1, [(0, 1.0)], 0.0)], (0.0, 0.0, 0.0), True, 1)
-        answer = Done([Answer(entry.slot, [(3, 0.5)], 0.0)], (0.0, 0.0, 0.0), True, 1)
+        unknown = Done(answers=[Answer(entry.slot + 1, [(0, 1.0)], 0.0)], timing=no_time, in_rotation=True,
+                       weights_version=1)
+        answer = Done(answers=[Answer(entry.slot, [(3, 0.5)], 0.0)], timing=no_time, in_rotation=True,
+                      weights_version=1)
         os.write(connection.fileno(), frame(unknown) + frame(answer))
         with contextlib.suppress(EOFError):
             connection.recv_bytes()  # until the front-end closes

@@ -22,6 +22,7 @@ from resnet_server.boundary.protocol import (
     frontend_messages,
     send,
 )
+from resnet_server.common.statistics import BatchTiming
 
 
 @pytest.fixture()
@@ -41,7 +42,8 @@ def read_until(reader, count: int) -> list:
 
 def test_every_message_waiting_is_read_at_once_in_order(pipe):
     ours, theirs = pipe
-    sent = [Done([Answer(3, [(7, 0.5)], 0.001)], (0.1, 0.2, 0.3), True, 2), Health(False),
+    sent = [Done(answers=[Answer(3, [(7, 0.5)], 0.001)], timing=BatchTiming(0.1, 0.2, 0.3), in_rotation=True,
+                 weights_version=2), Health(False),
             Failed([1, 2], "Overloaded", "full", True), Released([4])]
     for message in sent:
         send(theirs, message)

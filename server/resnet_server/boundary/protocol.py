@@ -29,6 +29,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import msgspec
 
 from resnet_server.boundary.slab import SlabLayout
+from resnet_server.common.statistics import BatchTiming
 
 
 class Kind(enum.IntEnum):
@@ -67,7 +68,7 @@ class SlotEntry(msgspec.Struct, array_like=True, frozen=True):
     call: int  # its call's request id: Submit.request_ids[call] (an id once a call, not once an image)
 
 
-class EngineInfo(msgspec.Struct, frozen=True):
+class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     """What an engine tells the supervisor and each front-end once its model is warm."""
 
     name: str  # the replica's name, e.g. cuda:0
@@ -113,9 +114,9 @@ class Cancel(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.CANCEL))
     slots: list[int]  # callers gone: drop what has not been computed (answered by Released)
 
 
-class Done(msgspec.Struct, array_like=True, frozen=True, tag=int(Kind.DONE)):
+class Done(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag=int(Kind.DONE)):
     answers: list[Answer]
-    timing: tuple[float, float, float]  # the batch's input, infer and output seconds
+    timing: BatchTiming  # the batch's input, infer and output seconds
     in_rotation: bool
     weights_version: int  # of the weights that computed the batch
     batch: int = 0  # the batch's number on its engine, counted from 1 (tracing links the calls it served)

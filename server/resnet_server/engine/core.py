@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, Listener
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -53,6 +54,7 @@ from resnet_server.common.metrics import Metrics
 from resnet_server.common.preprocess import CroppedImage, RawImage, SlotBytes
 from resnet_server.common.sections import EngineConfig
 from resnet_server.common.shapes import FLOAT_SHAPE
+from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.work import ModelInput, WorkItem
 from resnet_server.engine.batcher import Answers, BatchOutput
 from resnet_server.engine.registered_slab import device_rows, register_slab
@@ -354,11 +356,10 @@ class Engine:
         answers: defaultdict[_FrontEnd, dict[int, Answer]] = defaultdict(dict)
         for item, slot, top, queued in zip(items, slots, output.top_k, output.queue_seconds, strict=True):
             answers[item.caller.owner][slot] = Answer(slot, top, queued)
-        timing = (output.timing.input, output.timing.infer, output.timing.output)
-        healthy = self.replica.healthy
-        batch = (output.weights_version, output.number, len(items), list(output.buckets))
+        batch = BatchFacts(output.timing, self.replica.healthy, output.weights_version, output.number, len(items),
+                           list(output.buckets))
         for frontend, answered in answers.items():
-            self._answer(frontend, list(answered), functools.partial(_done, answered, timing, healthy, batch))
+            self._answer(frontend, list(answered), functools.partial(_done, answered, batch))
 
     def _fail(self, items: list[Item], exc: BaseException) -> None:
         error, message, healthy = type(exc).__name__, str(exc), self.replica.healthy
@@ -399,11 +400,22 @@ class Engine:
             frontend.send(Health(True))
 
 
-def _done(answered: dict[int, Answer], timing: tuple[float, float, float], healthy: bool,
-          batch: tuple[int, int, int, list[int]], held: list[int]) -> Done:
-    """The answers of those of a front-end's slots that are still held; ``batch``: its weights' version, its
-    number, its size and the bucket sizes it ran at."""
-    return Done([answered[slot] for slot in held], timing, healthy, *batch)
+class BatchFacts(NamedTuple):
+    """What every front-end's Done of one batch says of it beside its own answers."""
+
+    timing: BatchTiming
+    in_rotation: bool
+    weights_version: int
+    number: int
+    size: int
+    buckets: list[int]
+
+
+def _done(answered: dict[int, Answer], batch: BatchFacts, held: list[int]) -> Done:
+    """The answers of those of a front-end's slots that are still held."""
+    return Done(answers=[answered[slot] for slot in held], timing=batch.timing, in_rotation=batch.in_rotation,
+                weights_version=batch.weights_version, batch=batch.number, batch_size=batch.size,
+                buckets=batch.buckets)
 
 
 def _slots_by_frontend(items: list[Item]) -> dict[_FrontEnd, list[int]]:

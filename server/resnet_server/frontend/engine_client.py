@@ -50,7 +50,6 @@ from resnet_server.common.device_decode import DeferredJpeg
 from resnet_server.common.errors import Overloaded, OverShare, ServingError, StartupError, Unavailable
 from resnet_server.common.preprocess import ImageBytes, RawImage, SlotBytes, copy_into
 from resnet_server.common.shapes import CROP_SHAPE, FLOAT_SHAPE
-from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.work import ImageOutput, WorkItem
 
 log = logging.getLogger(__name__)
@@ -359,7 +358,7 @@ class EngineClient:
         return item
 
     def _on_done(self, done: Done) -> None:
-        batch_timing = BatchTiming(*done.timing)
+        batch_timing = done.timing
         for answer in done.answers:
             item = self._take(answer.slot)
             probabilities, logits = self.slab.output(answer.slot).copy()  # both rows at once: the slot is freed next
