@@ -11,6 +11,17 @@ from tests.helpers import EngineSet, Faults, Reference, ServerThread, base_confi
 os.environ.setdefault("RESNET_SERVER_HTTP_PORT", "0")
 
 
+SERVERS_OF_THEIR_OWN = {"make_server", "engines", "hostile_target", "two_workers"}  # fixtures that start them
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow, besides the tests marked so: a lab test (`-m "not slow"` replaces the default `-m "not lab"`), and
+    one that starts servers of its own (seconds each). The rest share the session's ``server``."""
+    for item in items:
+        if item.get_closest_marker("lab") or SERVERS_OF_THEIR_OWN & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def weights_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("weights") / "resnet18-seeded.pth"

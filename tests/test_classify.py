@@ -110,6 +110,7 @@ def test_default_temperature_and_top_k(client):
     assert sorted(score.index for score in everything.top_k) == list(range(1000))
 
 
+@pytest.mark.slow
 def test_batches_form_under_concurrency_and_results_do_not_depend_on_them(server, reference):
     images = [encode(random_rgb(100 + i)) for i in range(16)]
     before_batches = server.sample("resnet_batch_size_count", device="cpu")

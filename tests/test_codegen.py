@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.helpers import ROOT, load_script
 
 # The grpcio-tools release that wrote a file stamps it (the least grpcio it runs with): a newer patch release
@@ -33,6 +35,7 @@ def test_client_package_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
 
 
+@pytest.mark.slow
 def test_what_each_process_imports_loads_no_library_it_does_not_use():
     """At run time, not only as lint-imports reads the imports: the boundary the processes share (the slab, its
     protocol, the control pipes) loads neither torch nor grpc, the engine no grpc (the client package's names load

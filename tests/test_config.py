@@ -202,6 +202,7 @@ def test_what_a_process_would_refuse_is_refused_before_any_process_starts(tmp_pa
     assert parse_config(two_hosts, env={}).metrics_port == 9000  # two sockets after all
 
 
+@pytest.mark.slow
 def test_a_flag_that_does_not_go_with_another_exits_2_before_any_process_starts(tmp_path):
     """ConfigError (flags each valid, together not) is the same usage error as argparse's, from the command."""
     (tmp_path / "server.pem").write_text("")

@@ -142,6 +142,7 @@ def test_past_the_queue_bound_a_load_is_refused_at_once():
     assert outcomes == [Outcome("RESOURCE_EXHAUSTED", f"{MOST_QUEUED} loads and unloads wait already; retry later")]
 
 
+@pytest.mark.slow
 def test_concurrent_trace_settings_on_two_frontends_neither_stall_nor_deadlock_the_supervisor(weights_file):
     """The review's N1: concurrent TraceSettings of 200 KB on two front-ends deadlocked the supervisor and a
     front-end for good. Now the large ones are refused unread, and hundreds of valid ones at once pass through the

@@ -49,6 +49,7 @@ def sent_to_engines(caplog, kind: type) -> list:
             if record.name == "resnet_server.boundary.protocol" and isinstance(record.engine_message, kind)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("crops", [False, True], ids=["floats", "crops"])
 def test_a_front_end_in_another_process_answers_as_the_shared_server(engines, server, faults, caplog, crops):
     """Images the front-end preprocesses (the JPEG: a CPU engine decodes none; the one too large for its slot) go
@@ -97,6 +98,7 @@ def test_one_batch_holds_calls_from_two_front_ends(engines):
     assert second.sample("resnet_images_total", device="cpu", code="OK") == 1
 
 
+@pytest.mark.slow
 def test_overload_from_two_front_ends_is_bounded_by_the_one_queue(engines):
     # A queue of four images for the whole server; batches wait up to 3 s for eight, so images stay queued. The
     # queue's own bound, without fair share (one caller: its last slot would be kept for another).
@@ -116,6 +118,7 @@ def test_overload_from_two_front_ends_is_bounded_by_the_one_queue(engines):
     assert engine_set.taken_slots() == 0
 
 
+@pytest.mark.slow
 def test_deadline_and_cancel_free_their_slots_before_compute(engines):
     engine_set = engines(max_batch_size=8, max_batch_delay_ms=2000)
     frontend = engine_set.frontend()
@@ -135,6 +138,7 @@ def test_deadline_and_cancel_free_their_slots_before_compute(engines):
     wait_for(lambda: engine_set.taken_slots() == 0)
 
 
+@pytest.mark.slow
 def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_one_is_not_answered(engines,
                                                                                                   caplog):
     from resnet_server.common.preprocess import RawImage
@@ -171,6 +175,7 @@ def test_calls_of_one_loop_turn_reach_the_engine_as_one_message_and_a_withdrawn_
     wait_for(lambda: engine_set.taken_slots() == 0)  # the withdrawn one's slot too, whether dropped or computed
 
 
+@pytest.mark.slow
 def test_an_engine_killed_mid_batch_fails_its_calls_at_once_and_its_front_end_rejoins_the_new_one(engines):
     engine_set = engines(max_batch_size=8, max_batch_delay_ms=20_000)
     frontend = engine_set.frontend()
@@ -195,6 +200,7 @@ def test_an_engine_killed_mid_batch_fails_its_calls_at_once_and_its_front_end_re
     client.close()
 
 
+@pytest.mark.slow
 def test_a_front_end_process_killed_with_calls_queued_leaves_no_slot_taken(engines):
     engine_set = engines(max_batch_size=8, max_batch_delay_ms=20_000, max_queue=8)
     port = engine_set.start_frontend(0)
@@ -215,6 +221,7 @@ def test_a_front_end_process_killed_with_calls_queued_leaves_no_slot_taken(engin
         assert len(client.classify([PIXELS] * 8)) == 8  # the whole queue is free again
 
 
+@pytest.mark.slow
 def test_a_front_end_started_while_its_engine_restarts_waits_for_it_then_serves(engines):
     engine_set = engines()
     engine = engine_set.engine_pid()

@@ -137,6 +137,7 @@ class _Submits(logging.Handler):
             self.submits.append(message)
 
 
+@pytest.mark.slow
 def test_a_long_infer_id_reaches_the_engine_and_the_log_cut_to_64_printable_characters(server):
     long_id = "line one\nforged line " + "x" * 200  # ids are at most 256 bytes (resnet_server.frontend.bounds)
     seen = _Submits()

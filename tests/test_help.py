@@ -39,6 +39,7 @@ COMMANDS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("command", "parser"), COMMANDS, ids=[" ".join(command) for command, _ in COMMANDS])
 def test_every_command_answers_help_with_every_flag(command, parser):
     done = subprocess.run([str(BIN / command[0]), *command[1:], "--help"], capture_output=True, text=True,
@@ -56,6 +57,7 @@ SCRIPTS = sorted(path.relative_to(ROOT).as_posix() for path in
                  if "__main__" in (text := path.read_text()) and ("argparse" in text or "check_parser(" in text))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_with_flags_answers_help(script):
     done = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
@@ -91,6 +93,7 @@ def test_the_container_proof_refuses_an_unknown_stage_before_it_starts_anything(
     assert done.stderr == "run.sh: unknown stage 'stak' in STAGES (build, compile, stack)\n"
 
 
+@pytest.mark.slow
 def test_the_server_help_shows_each_default_and_environment_twin():
     done = subprocess.run([str(BIN / "resnet-server"), "-h"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COLUMNS": "400"})
@@ -99,6 +102,7 @@ def test_the_server_help_shows_each_default_and_environment_twin():
     assert "GOAWAY, +-10% jitter" in done.stdout  # a literal %, which argparse once choked on
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("absent", "named"), [("torch", "torch, torchvision"),  # torchvision needs torch
                                                ("grpc_reflection", "grpc_reflection")])
 def test_a_client_only_install_says_how_to_get_the_server(absent, named):
@@ -112,6 +116,7 @@ def test_a_client_only_install_says_how_to_get_the_server(absent, named):
                            "needs its extra: pip install 'resnet-grpc[server]'\n")
 
 
+@pytest.mark.slow
 def test_a_front_end_process_loads_none_of_the_engines_modules():
     """What a front-end process imports (its entry point and everything under it) holds no module of the engine
     package: the front-end reaches engines only through the boundary."""

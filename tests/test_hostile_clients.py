@@ -58,6 +58,7 @@ def hostile_target(weights_file, tmp_path_factory):
         workers.close()
 
 
+@pytest.mark.slow
 def test_every_fields_worst_value_is_refused_while_health_answers(hostile_target):
     _, target, _, _ = hostile_target
     options = [("grpc.max_send_message_length", 64 * MIB), ("grpc.max_receive_message_length", 64 * MIB)]
@@ -86,6 +87,7 @@ def assert_all_refused_and_unharmed(answered: dict[str, str], allowed: set[str],
     assert not any(gone(pid) for pid in pids)
 
 
+@pytest.mark.slow
 def test_every_http_routes_worst_values_are_refused_while_health_answers(hostile_target):
     """The same over HTTP: each hostile body, path or header set is refused with a 4xx (or the connection closed
     before it was all sent), health on the gRPC port answers within a second throughout, and no process grows past
@@ -100,6 +102,7 @@ def test_every_http_routes_worst_values_are_refused_while_health_answers(hostile
     assert_all_refused_and_unharmed(answered, hostile.HTTP_ALLOWED, probe, hostile_target)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name, id_, raw_bytes", [
     ("x" * (8 * MIB), "y" * MIB, 0),  # the review's N5: long names echoed in every refusal
     ("x" * 250, "y" * 250, MIB),  # refusals under every bound, each message 1 MiB

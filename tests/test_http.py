@@ -291,6 +291,7 @@ def test_extensions_refused_as_on_grpc(triton):
     assert triton.get_trace_settings() == {"trace_level": ["OFF"]}
 
 
+@pytest.mark.slow
 @needs_perf_analyzer
 def test_perf_analyzer_over_http(server):
     """Triton's load generator over HTTP (binary tensors, the uint8 model, 16 in flight): every request answered."""
@@ -375,6 +376,7 @@ def test_a_full_queue_is_429_while_accepted_work_is_answered(make_server, faults
     assert busy.sample("resnet_requests_total", device="cpu", code="RESOURCE_EXHAUSTED", protocol="http") == 1
 
 
+@pytest.mark.slow
 def test_the_front_ends_share_the_http_port(weights_file):
     """resnet-server with two front-ends, as users run it: both bind the HTTP port the first one got, each
     answers some of the connections the kernel spreads over them, a model unloaded and loaded through one is so
@@ -435,6 +437,7 @@ def test_a_body_that_does_not_arrive_in_time_is_408_and_the_server_serves_on(mak
 KSERVE_PYTHON = ROOT / ".venv-kserve" / "bin" / "python"  # .ci/run makes it: pip install kserve
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not KSERVE_PYTHON.exists() and not IN_CI, reason="no .venv-kserve (python -m venv .venv-kserve "
                     "&& .venv-kserve/bin/pip install kserve): the SDK pins protobuf < 7")
 def test_the_kserve_sdks_rest_client_answers_as_grpc_does(server, triton_grpc, tmp_path):

@@ -79,6 +79,7 @@ def test_every_manifest_validates_against_the_kubernetes_schema(rendered, overla
                      "NetworkPolicy", "PersistentVolumeClaim", "PodMonitor", "PrometheusRule"}
 
 
+@pytest.mark.slow
 @needs_tools
 @pytest.mark.parametrize("overlay", ["cpu", "gpu", "tls", "http-readiness"])
 def test_checkov_fails_no_check_and_every_skipped_one_says_why(rendered, overlay, tmp_path):

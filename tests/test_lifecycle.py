@@ -161,6 +161,7 @@ def test_a_connection_past_max_connection_age_is_closed_once_its_call_is_answere
         channel.unsubscribe(record)
 
 
+@pytest.mark.slow
 def test_a_client_gets_through_again_once_a_stopped_server_is_back_on_its_port(weights_file):
     port = free_port()
     first = EngineSet(base_config(str(weights_file[0]), port=port))
@@ -236,6 +237,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_a_replica_that_fails_to_start_ends_start_up_without_waiting_for_the_others(weights_file, tmp_path):
     script = tmp_path / "one_replica_fails.py"
     script.write_text(ONE_REPLICA_FAILS)
@@ -321,6 +323,7 @@ def test_a_replacement_front_end_that_ends_before_serving_is_replaced_not_the_se
         process.wait(60)
 
 
+@pytest.mark.slow
 def test_a_supervised_front_end_keeps_its_port_while_its_engine_is_replaced(weights_file, faults):
     """The review's N17: every front-end used to give up at the moment its broken engine did, and the port
     refused connections until the new engine was warm. Now the engine alone is replaced; the same front-end answers

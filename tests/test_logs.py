@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from resnet_server.common.logs import JsonFormatter, TextFormatter, current_request
 
 
@@ -40,6 +42,7 @@ def test_a_line_written_while_a_call_is_served_names_its_request_id():
     assert line.endswith("resnet_server.frontend.shared_memory: region left out request_id=client-id-7")
 
 
+@pytest.mark.slow
 def test_the_server_logs_json_from_start_to_stop(weights_file):
     process = subprocess.Popen(
         [sys.executable, "-m", "resnet_server", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",

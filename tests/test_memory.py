@@ -75,6 +75,7 @@ def _handed_back(result: dict, size: int) -> list[int]:
     return faults
 
 
+@pytest.mark.slow
 def test_a_forward_pass_faults_in_no_memory_once_warm():
     result = _probe("keep")
     assert result["kept"] is True
@@ -84,6 +85,7 @@ def test_a_forward_pass_faults_in_no_memory_once_warm():
     assert max(_handed_back(result, 16)) < 500, result
 
 
+@pytest.mark.slow
 def test_keeping_freed_memory_mends_a_heap_that_hands_it_back():
     """Whether glibc's own settings fault depends on the heap's state, so the regime that does is set on purpose:
     the passes then fault (the count can see it), and keep_freed_memory called after it brings them to none."""
@@ -93,6 +95,7 @@ def test_keeping_freed_memory_mends_a_heap_that_hands_it_back():
     assert max(_handed_back(mended, 8) + _handed_back(mended, 16)) < 500, mended
 
 
+@pytest.mark.slow
 def test_the_operators_own_settings_stand():
     """glibc's environment settings, here the regime that hands memory back: the server leaves malloc be (and
     says so), so the passes fault as the operator asked."""

@@ -89,6 +89,7 @@ def raw_entry(slot: int, top_k: int) -> SlotEntry:
     return SlotEntry(slot, ImageKind.RAW, "uint8", PIXELS.shape, PIXELS.nbytes, 1.0, top_k, None, 0)
 
 
+@pytest.mark.slow
 def test_a_front_end_that_stops_reading_holds_up_no_one_else_and_is_cut_off(engines):
     engine_set = engines(max_batch_size=8)
     link = engine_set.links[0]
@@ -178,6 +179,7 @@ def test_each_connection_owns_slots_under_a_number_of_its_own():
     assert connection_owner(7, 2048) == first and connection_owner((1 << 20) - 1, 2047) == (1 << 31) - 1
 
 
+@pytest.mark.slow
 def test_a_front_end_reconnected_to_a_new_engine_takes_slots_as_a_new_owner(engines):
     engine_set = engines(max_batch_delay_ms=20_000, max_batch_size=8)
     link = engine_set.links[0]
@@ -205,6 +207,7 @@ def test_a_front_end_reconnected_to_a_new_engine_takes_slots_as_a_new_owner(engi
         slab.close()
 
 
+@pytest.mark.slow
 def test_slots_of_a_front_end_that_died_with_its_engine_are_freed(engines, faults):
     engine_set = engines(runner=faults.runner)
     port = engine_set.start_frontend(0)
@@ -230,6 +233,7 @@ def test_slots_of_a_front_end_that_died_with_its_engine_are_freed(engines, fault
     wait_for(lambda: engine_set.taken_slots() == 0, timeout=30)
 
 
+@pytest.mark.slow
 def test_a_stuck_batch_ends_its_engine(engines, faults):
     engine_set = engines(runner=faults.runner, stuck_batch_timeout=2.0)
     frontend = engine_set.frontend()

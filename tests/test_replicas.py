@@ -429,6 +429,7 @@ def test_an_fp32_cpu_server_on_a_bf16_cpu_logs_the_bf16_hint_once(make_server, c
     assert hints() == 0
 
 
+@pytest.mark.slow
 def test_random_batch_sizes_run_only_warmed_shapes_and_match_the_unsplit_answer(weights_file):
     """Past warm-up the network sees no shape it was not warmed with: a batch whose size is no bucket is split
     into buckets on the CPU, and its answers equal one pass over the whole batch."""
@@ -459,6 +460,7 @@ def test_a_replica_uses_every_core_on_the_cpu_and_one_host_thread_for_a_gpu_unle
     assert [replica_torch_threads(ServerConfig(torch_threads=3), device) for device in (cpu, gpu)] == [3, 3]
 
 
+@pytest.mark.slow
 def test_a_rebuilt_runner_replaces_the_first_one_which_nothing_keeps(weights_file):
     """A TorchScript (or compiled) replica builds a new runner for new weights: once it serves, the first runner,
     its graph and its tensors, are freed, not kept for the life of the engine."""

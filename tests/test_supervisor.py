@@ -275,6 +275,7 @@ def test_an_engine_killed_under_load_fails_its_calls_unavailable_is_restarted_an
         workers.close()
 
 
+@pytest.mark.slow
 def test_no_child_outlives_a_supervisor_killed_with_sigkill(weights_file):
     shared_memory = set(os.listdir("/dev/shm"))
     workers = Workers(str(weights_file[0]))
@@ -289,6 +290,7 @@ def test_no_child_outlives_a_supervisor_killed_with_sigkill(weights_file):
         workers.close()
 
 
+@pytest.mark.slow
 def test_what_the_fork_server_imports_touches_no_device_and_starts_no_thread():
     """Children are forked from a process that has imported these: one with CUDA initialised, or with a thread
     (an OpenMP team, say) running, would hand its children a state they cannot use."""
@@ -305,6 +307,7 @@ def test_a_crash_looping_child_is_replaced_after_a_growing_pause():
     assert restart_delay(50) == MOST_RESTART_DELAY
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("flags", "error"), [
     (["--device", "cuda:99"], "resnet-server: error: "),  # refused by the supervisor: no engine starts
     (["--weights", "garbage.pth"], "resnet-server: error: engine cpu: "),  # refused by the engine, loading
@@ -333,6 +336,7 @@ def test_an_engine_that_cannot_start_ends_the_server_with_its_error_and_no_front
         assert "ERROR resnet_server.supervisor.main: stopped: resnet-engine-cpu (pid" in done.stderr.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_compile_without_a_cpp_compiler_ends_the_server_saying_why(weights_file, tmp_path):
     """What the image built with COMPILER=false (no g++) does with --compile on a CPU: the engine's warm-up finds
     no C++ compiler for inductor's kernels, and the server ends (exit 1) naming the flag, the cause and the way
@@ -454,6 +458,7 @@ def test_a_child_dying_mid_scrape_costs_only_its_own_series(answer):
             http.server_close()
 
 
+@pytest.mark.slow
 def test_the_server_refuses_a_metrics_port_already_taken_before_starting_any_process(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
