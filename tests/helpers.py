@@ -36,7 +36,7 @@ from resnet_server.common.event_loop import new_event_loop
 from resnet_server.common.metrics import Metrics, serve_child_metrics
 from resnet_server.common.sections import frontend_config
 from resnet_server.common.statistics import SharedRow
-from resnet_server.frontend.server import App
+from resnet_server.frontend.server import FrontendServer
 from resnet_server.supervisor.merged_metrics import serve_merged_metrics
 
 TEST_SEED = 1234
@@ -72,7 +72,7 @@ def base_config(weights: str, **overrides) -> ServerConfig:
 
 
 class ServerThread:
-    """A front-end (an App) of the engine processes ``engines``, as owner ``owner`` in their slabs, on its own
+    """A front-end (a FrontendServer) of the engine processes ``engines``, as owner ``owner`` in their slabs, on its own
     asyncio loop in a daemon thread: tests talk to it over real gRPC and read its series. Where its engines serve
     their own /metrics (``engine_metrics_ports``), it serves its own too on a loopback port, as a front-end process
     does for the supervisor; ``metrics_port`` is then the server's merged /metrics (EngineSet)."""
@@ -80,7 +80,8 @@ class ServerThread:
     def __init__(self, config: ServerConfig, engines, owner: int, engine_metrics_ports=(),
                  statistics: SharedRow | None = None) -> None:
         self.metrics = Metrics(config.largest_batch, statistics)  # its row of the server's statistics
-        self.app = App(frontend_config(config, config.port, config.frontends or 1), self.metrics, engines, owner)
+        self.app = FrontendServer(frontend_config(config, config.port, config.frontends or 1), self.metrics, engines,
+                                  owner)
         self.engine_metrics_ports = list(engine_metrics_ports)
         self.metrics_http = serve_child_metrics(self.metrics.registry) if self.engine_metrics_ports else None
         self.metrics_port = 0

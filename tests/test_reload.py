@@ -264,14 +264,14 @@ def test_what_the_weights_are_called_follows_every_reload():
     """The review's N23: a front-end that connected while a client's file was served kept naming that (deleted)
     file after a later reload from --weights."""
     from resnet_server.common.served import ServedWeights
-    from resnet_server.frontend.model_control import ModelControl
+    from resnet_server.frontend.supervisor_client import SupervisorClient
 
     uploads = "/tmp/resnet-weights-x"
-    control = ModelControl(ServedWeights(f"{uploads}/a.weights", 2), uploads)  # connected while a client's file
+    control = SupervisorClient(ServedWeights(f"{uploads}/a.weights", 2), uploads)  # connected while a client's file
     assert control.weights_shown(f"{uploads}/a.weights") == "a file a client sent (RepositoryModelLoad)"
     control.served = ServedWeights("/srv/resnet18.pt", 3)  # then --weights again (SIGHUP, or a load with no file)
     assert control.weights_shown(f"{uploads}/a.weights") == "/srv/resnet18.pt"
-    control = ModelControl(ServedWeights("imagenet", 1), uploads)
+    control = SupervisorClient(ServedWeights("imagenet", 1), uploads)
     assert control.weights_shown("imagenet:IMAGENET1K_V1") == "imagenet:IMAGENET1K_V1"
 
 

@@ -1,6 +1,6 @@
 """Thin servicer for ``resnet.v1.Classifier``: protobuf in, core call, protobuf out.
 
-All decisions live in :class:`~resnet_server.frontend.core.InferenceCore`; this module only converts messages
+All decisions live in :class:`~resnet_server.frontend.core.Dispatcher`; this module only converts messages
 and raises domain errors, which the registration (resnet_server.frontend.handlers) answers as status codes.
 """
 
@@ -17,10 +17,10 @@ from resnet_server.common.errors import InvalidInput, Unavailable
 from resnet_server.common.logs import current_request
 from resnet_server.common.work import ImageOutput
 from resnet_server.frontend.classify_request import ReadRequest
-from resnet_server.frontend.core import ClassifyCall, InferenceCore
+from resnet_server.frontend.core import ClassifyCall, Dispatcher
 from resnet_server.frontend.fair_share import EVERYONE, CallerId
-from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.streams import in_order
+from resnet_server.frontend.supervisor_client import SupervisorClient
 from resnet_server.frontend.tracing import CallTrace, Tracing, traced
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["Classifier"].full_name
@@ -62,19 +62,19 @@ def to_result(output: ImageOutput, labels: list[str], request: pb.ClassifyReques
 class ClassifierService(pb_grpc.ClassifierServicer):
     """Answers UNAVAILABLE until :meth:`attach` hands it the loaded core."""
 
-    def __init__(self, control: ModelControl) -> None:
-        self._core: InferenceCore | None = None
+    def __init__(self, control: SupervisorClient) -> None:
+        self._core: Dispatcher | None = None
         self._info = pb.ModelInfo()
         self._labels: list[str] = []
         self._control = control
-        self.tracing: Tracing | None = None  # set by the App when tracing is on
+        self.tracing: Tracing | None = None  # set by the FrontendServer when tracing is on
 
-    def attach(self, core: InferenceCore, model_info: pb.ModelInfo) -> None:
+    def attach(self, core: Dispatcher, model_info: pb.ModelInfo) -> None:
         self._core = core
         self._info = model_info
         self._labels = list(model_info.labels)
 
-    def _ready_core(self) -> InferenceCore:
+    def _ready_core(self) -> Dispatcher:
         if self._core is None:
             raise Unavailable("the model is still loading; retry when health reports SERVING")
         return self._core

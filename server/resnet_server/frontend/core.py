@@ -1,7 +1,7 @@
 """The transport-independent core: validate, decode off the loop, route, batch, await.
 
 Both gRPC APIs (our own ``resnet.v1`` and the Open Inference Protocol) call
-:meth:`InferenceCore.classify`; it also records the per-device request metrics, so every
+:meth:`Dispatcher.classify`; it also records the per-device request metrics, so every
 path is measured the same way.
 """
 
@@ -80,7 +80,7 @@ def decoder_for(image: ImageInput, replica: EngineHandle) -> Callable | None:
     return defer_or_preprocess if replica.decode_on_device and fits else preprocess
 
 
-class InferenceCore:
+class Dispatcher:
     def __init__(self, router: Router, metrics: Metrics, limits: Limits, default_temperature: float,
                  preprocess_threads: int, on_no_replica_left: Callable[[], None] = lambda: None,
                  client_of: Callable[[Any], CallerId] = lambda context: EVERYONE) -> None:

@@ -1,4 +1,4 @@
-"""A front-end's handle on one engine process: the replica that ``InferenceCore`` routes calls to.
+"""A front-end's handle on one engine process: the replica that ``Dispatcher`` routes calls to.
 
 ``submit`` takes a slot of the engine's slab per image (none free: RESOURCE_EXHAUSTED at once, since the
 slab is the whole server's queue for that device), writes the image into it and sends the slot numbers.
@@ -107,7 +107,7 @@ class _Session:
 
     connection: Connection
     messages: MessageReader[ToFrontEnd]  # the engine's messages after Ready
-    loop: asyncio.AbstractEventLoop  # the loop that reads them (kept: see InferenceCore)
+    loop: asyncio.AbstractEventLoop  # the loop that reads them (kept: see Dispatcher)
     outgoing: _Outgoing
 
     def close(self) -> None:
@@ -132,7 +132,7 @@ class EngineClient:
         self._slab_owner = owner  # this connection's number in the slab (resnet_server.boundary.slab.connection_owner)
         self.slab = Slab(link.slab_fd, link.layout)
         self.inline_bytes = link.layout.inline_bytes  # larger images are preprocessed here, not sent as they came
-        self.pending = 0  # images routed here and not yet answered (InferenceCore keeps it)
+        self.pending = 0  # images routed here and not yet answered (Dispatcher keeps it)
         self._decoding = 0  # images of calls routed here being decoded (room_for)
         self._share_logged: dict[str, float] = {}  # a caller refused for its share -> when that was last logged
         self._info: EngineInfo | None = None  # the last connection's: kept while it reconnects

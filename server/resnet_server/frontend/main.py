@@ -15,8 +15,8 @@ from resnet_server.common.sections import FrontendConfig
 from resnet_server.common.served import ServedWeights
 from resnet_server.common.shared_regions import RegionSpec
 from resnet_server.common.statistics import SharedRow
-from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.server import run
+from resnet_server.frontend.supervisor_client import SupervisorClient
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def frontend_main(args: FrontendArgs) -> None:
     configure_logging(config.observability.log_level, config.observability.log_format)
     metrics = Metrics(config.largest_batch, args.statistics)
     # The pipes stay open as long as the process: their ends are read and written by descriptor.
-    control = ModelControl(args.served, config.uploads, Outbox(args.reports.fileno()),
+    control = SupervisorClient(args.served, config.uploads, Outbox(args.reports.fileno()),
                            frontend_order_inbox(args.orders.fileno()), args.trace_settings, args.regions)
     if args.with_metrics:
         control.report(MetricsPort(serve_child_metrics(metrics.registry).server_port))

@@ -22,7 +22,7 @@ from resnet_server.common.errors import FailedPrecondition, InvalidInput, NotFou
 from resnet_server.common.logs import current_request
 from resnet_server.common.model import MODEL_NAME
 from resnet_server.common.statistics import ModelStatistics
-from resnet_server.frontend.core import ClassifyCall, InferenceCore
+from resnet_server.frontend.core import ClassifyCall, Dispatcher
 from resnet_server.frontend.handlers import grpc_status
 from resnet_server.frontend.infer_parameters import (
     SHM_BYTE_SIZE,
@@ -33,7 +33,6 @@ from resnet_server.frontend.infer_parameters import (
     temperature_parameter,
     top_k_parameter,
 )
-from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.oip_codec import (
     DECLARED_INPUTS,
     INPUT_NAME,
@@ -53,6 +52,7 @@ from resnet_server.frontend.repository_service import RepositoryService
 from resnet_server.frontend.request_ids import call_id
 from resnet_server.frontend.shared_memory_service import SharedMemoryService, cuda_register
 from resnet_server.frontend.streams import in_order
+from resnet_server.frontend.supervisor_client import SupervisorClient
 from resnet_server.frontend.tracing import CallTrace, Tracing, checked_settings, traced
 from resnet_server.frontend.triton_model import model_config, model_metadata, model_statistics
 from resnet_server.frontend.wire import TooMany, Unreadable, WireError, parse_whole, pull_out
@@ -107,19 +107,19 @@ MODEL_INFER, MODEL_STREAM_INFER = "inference.GRPCInferenceService/ModelInfer", \
 class InferenceService(oip_grpc.GRPCInferenceServiceServicer):
     """Answers UNAVAILABLE (and ready=false) until :meth:`attach` hands it the loaded core."""
 
-    def __init__(self, statistics: ModelStatistics, control: ModelControl, repository: RepositoryService,
+    def __init__(self, statistics: ModelStatistics, control: SupervisorClient, repository: RepositoryService,
                  shared_memory: SharedMemoryService, runtime: str = "torch") -> None:
         self._runtime = runtime  # what runs the forward pass (--runtime): Triton's platform says it
-        self._core: InferenceCore | None = None
+        self._core: Dispatcher | None = None
         self._labels: list[str] = []
         self._info: pb.ModelInfo | None = None
         self._statistics = statistics
         self._control = control
         self._repository = repository
         self.shared_memory = shared_memory
-        self.tracing: Tracing | None = None  # set by the App when tracing is on
+        self.tracing: Tracing | None = None  # set by the FrontendServer when tracing is on
 
-    def attach(self, core: InferenceCore, labels: list[str], info: pb.ModelInfo) -> None:
+    def attach(self, core: Dispatcher, labels: list[str], info: pb.ModelInfo) -> None:
         self._core, self._labels, self._info = core, labels, info
 
     def ready(self) -> bool:

@@ -28,7 +28,7 @@ from resnet_server.common.memory import give_back_freed_memory
 from resnet_server.common.model import WeightsError, check_weights_file
 from resnet_server.common.onnx_file import check_onnx_file
 from resnet_server.common.threads import in_the_background
-from resnet_server.frontend.model_control import ModelControl
+from resnet_server.frontend.supervisor_client import SupervisorClient
 from resnet_server.frontend.wire import (
     LENGTH_DELIMITED,
     MOST_OTHER_FIELDS,
@@ -110,7 +110,7 @@ def _file(entry_view: memoryview) -> tuple[str, memoryview] | None:
 class RepositoryService:
     """The three RPCs' work; InferenceService answers them with it."""
 
-    def __init__(self, control: ModelControl, explicit: bool, max_weights_bytes: int, names: list[str],
+    def __init__(self, control: SupervisorClient, explicit: bool, max_weights_bytes: int, names: list[str],
                  precision: str = "fp32") -> None:
         self.control = control
         self.precision = precision  # an ONNX model sent must have been made in it (--precision)

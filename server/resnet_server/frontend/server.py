@@ -40,19 +40,19 @@ from resnet_server.common.threads import use_torch_threads
 from resnet_server.frontend.bounds import WireBounds, served_bounds
 from resnet_server.frontend.classifier_service import ClassifierService
 from resnet_server.frontend.classify_request import read_classify_request
-from resnet_server.frontend.core import InferenceCore, Limits
+from resnet_server.frontend.core import Dispatcher, Limits
 from resnet_server.frontend.engine_client import EngineClient
 from resnet_server.frontend.fair_share import callers_by, resolved_mode
 from resnet_server.frontend.handlers import registered
 from resnet_server.frontend.http_api import HttpApi
 from resnet_server.frontend.http_server import HttpListener
-from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.oip_codec import DECLARED_INPUTS
 from resnet_server.frontend.oip_service import MOST_RAW_INPUT_CONTENTS, InferenceService, read_infer_request
 from resnet_server.frontend.repository_service import RepositoryService, read_load_request
 from resnet_server.frontend.router import EngineHandle, Router
 from resnet_server.frontend.security import TokenAuthInterceptor, load_tokens, server_credentials
 from resnet_server.frontend.shared_memory_service import SharedMemoryService
+from resnet_server.frontend.supervisor_client import SupervisorClient
 from resnet_server.frontend.temperature import default_temperature
 from resnet_server.frontend.tracing import Tracing
 
@@ -69,12 +69,12 @@ SERVICE_NAMES = (pb.DESCRIPTOR.services_by_name["Classifier"].full_name, OIP_SER
 OnBound = Callable[[tuple[int, int]], object]  # hears the gRPC and HTTP ports once bound (0: no HTTP)
 
 
-class App:
+class FrontendServer:
     """One front-end process's gRPC server (classifier, OIP, health, reflection) over the engines. ``metrics``: its
     series and statistics, made and served by the caller (resnet_server.frontend.main, or a test reading them)."""
 
     def __init__(self, config: FrontendConfig, metrics: Metrics, engines: Sequence[EngineLink],
-                 owner: int, index: int = 0, control: ModelControl | None = None) -> None:
+                 owner: int, index: int = 0, control: SupervisorClient | None = None) -> None:
         self.config, self.index = config, index  # this front-end's index among config.frontends
         self.links, self.owner = list(engines), owner  # one engine process per device; its number in their slabs
         self.metrics = metrics
@@ -86,9 +86,9 @@ class App:
         self.temperature, self.temperature_source = default_temperature(config)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # grpc-stubs predates grpc.aio
         self.port = 0
-        self.core: InferenceCore | None = None
+        self.core: Dispatcher | None = None
         # What it knows of the weights served, and its way to reload them (none for a front-end run alone).
-        self.control = control or ModelControl(ServedWeights("", 1), "")
+        self.control = control or SupervisorClient(ServedWeights("", 1), "")
         self.control.on_change(self._weights_changed)
         self.classifier = ClassifierService(self.control)
         repository = RepositoryService(self.control, config.model_control == "explicit", config.max_weights_mb << 20,
@@ -209,7 +209,7 @@ class App:
                                                       sha256=replicas[0].info.weights_sha256)
         self.control.connected_source = self.control.served.source
         limits = Limits(config.max_images_per_request, config.max_pixels)
-        self.core = InferenceCore(Router(replicas), self.metrics, limits, self.temperature,
+        self.core = Dispatcher(Router(replicas), self.metrics, limits, self.temperature,
                                   config.preprocess_threads, self._no_replica_left,
                                   callers_by(resolved_mode(config.fair_share, bool(self.tokens)), self.token_entries))
         info = model_info(config, replicas, self.temperature, self.temperature_source)
@@ -459,13 +459,14 @@ def model_info(config: FrontendConfig, replicas: Sequence[EngineHandle], tempera
 
 async def serve(config: FrontendConfig, index: int, engines: Sequence[EngineLink], owner: int, metrics: Metrics,
                 on_bound: OnBound | None = None, on_serving: Callable[[], object] | None = None,
-                load_first: bool = False, control: ModelControl | None = None) -> int:
+                load_first: bool = False, control: SupervisorClient | None = None) -> int:
     """Run until SIGTERM or SIGINT (exit code 0), or until no replica has been in rotation for
     --unhealthy-exit-after seconds (1), then drain within the grace period. ``on_bound`` and ``load_first``: see
-    App.start; ``on_serving`` hears when health says SERVING; ``metrics``: a front-end's (see App)."""
+    FrontendServer.start; ``on_serving`` hears when health says SERVING; ``metrics``: a front-end's (see
+    FrontendServer)."""
     use_torch_threads(1)  # the event loop computes nothing: no OpenMP team to slow the replicas' (common.threads)
     sys.setswitchinterval(config.switch_interval_ms / 1000)
-    app = App(config, metrics, engines, owner, index, control)
+    app = FrontendServer(config, metrics, engines, owner, index, control)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, app.request_stop, f"{sig.name} received")
@@ -505,7 +506,7 @@ async def _unless_stopped(work: Awaitable[object], stop: asyncio.Event) -> bool:
 
 def run(config: FrontendConfig, index: int, engines: Sequence[EngineLink], owner: int, metrics: Metrics,
         on_bound: OnBound | None = None, on_serving: Callable[[], object] | None = None,
-        load_first: bool = False, control: ModelControl | None = None) -> int:
+        load_first: bool = False, control: SupervisorClient | None = None) -> int:
     """Serve until stopped and drain; serve()'s exit code, or exit 1 at once with the error in one line if
     start-up fails."""
     try:

@@ -20,9 +20,9 @@ from resnet_client.api import grpc_predict_v2_pb2 as oip
 from resnet_server.common.errors import InvalidInput, NotFound, PermissionDenied, Unimplemented
 from resnet_server.common.sections import FrontendConfig
 from resnet_server.common.shared_regions import RegionLimits, RegionSpec, RegionTable
-from resnet_server.frontend.model_control import ModelControl
 from resnet_server.frontend.security import presented_token
 from resnet_server.frontend.shared_memory import OpenRegions, Region, open_region
+from resnet_server.frontend.supervisor_client import SupervisorClient
 
 Metadata = Iterable[tuple[str, str | bytes]] | None
 
@@ -30,7 +30,7 @@ Metadata = Iterable[tuple[str, str | bytes]] | None
 class SharedMemoryService:
     """The RPCs' work (InferenceService answers them with it), and the regions this front-end has open."""
 
-    def __init__(self, control: ModelControl, config: FrontendConfig, tokens_on: bool) -> None:
+    def __init__(self, control: SupervisorClient, config: FrontendConfig, tokens_on: bool) -> None:
         self.allowed = config.allow_client_shm
         # Encoded images are read whole from a region, to be decoded: no more of them than a request may carry.
         self.most_encoded_bytes = config.network.max_message_mb << 20

@@ -44,7 +44,7 @@ from resnet_server.common.served import ServedWeights
 from resnet_server.common.shared_regions import RegionSpec
 
 
-class ModelControl:
+class SupervisorClient:
     """What this front-end knows of the weights served, and its requests to change them."""
 
     def __init__(self, served: ServedWeights, uploads: str, reports: Outbox | None = None,
