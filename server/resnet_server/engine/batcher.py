@@ -40,6 +40,7 @@ from resnet_server.common.shapes import FLOAT_SHAPE
 from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.threads import use_torch_threads
 from resnet_server.common.work import WorkItem
+from resnet_server.engine.batch_metrics import BatchMetrics
 from resnet_server.engine.caller_waits import WaitBackoff
 from resnet_server.engine.fair_queue import FairQueue
 from resnet_server.engine.runner import PendingScores
@@ -158,19 +159,10 @@ class Batcher:
         self._probe_interval = probe_interval  # 0: an evicted batcher stays out
         self._next_probe = 0.0  # time.monotonic() of the next probe while out of rotation
         self._on_rejoin = on_rejoin  # called on the worker thread when a probe brings it back
-        self._probes = metrics.probes
-        self._queue_depth = metrics.queue_depth.labels(name)
-        self._batches_in_flight = metrics.batches_in_flight.labels(name)
-        self._queue_wait = metrics.queue_wait.labels(name)
-        self._compute_time = metrics.compute.labels(name)
-        self._part_seconds = tuple(metrics.batch_part.labels(name, part) for part in BatchTiming._fields)
-        self._batch_size = metrics.batch_size.labels(name)
-        self._padded = metrics.padded.labels(name)
-        self._dropped = metrics.dropped
-        came_back, ran_out = (metrics.caller_waits.labels(name, outcome) for outcome in ("came_back", "ran_out"))
+        self._recorded = BatchMetrics(name, metrics)
+        came_back, ran_out = self._recorded.wait_came_back, self._recorded.wait_ran_out
         self._loop_waits = WaitBackoff(came_back, ran_out)  # --wait-for-callers-ms
         self._turn_waits = WaitBackoff(came_back, ran_out)  # for a caller's turn (see _wait_for_a_turn_taker)
-        self._statistics = metrics.statistics
 
     @property
     def in_rotation(self) -> bool:
@@ -220,7 +212,7 @@ class Batcher:
             if self._stopping:
                 raise Unavailable("server is shutting down")
             self._queue.extend(items)
-            self._queue_depth.set(len(self._queue))
+            self._recorded.queued(len(self._queue))
             self._cond.notify()
 
     def use_runner(self, runner: ModelRunner) -> None:
@@ -239,9 +231,9 @@ class Batcher:
             waiting = [item for item in items if item in self._queue]
             for item in waiting:
                 self._queue.remove(item)
-            self._queue_depth.set(len(self._queue))
+            self._recorded.queued(len(self._queue))
         if waiting:
-            self._dropped.labels(self.name, "cancelled").inc(len(waiting))
+            self._recorded.dropped("cancelled", len(waiting))
         return waiting
 
     def _run(self) -> None:
@@ -287,7 +279,7 @@ class Batcher:
                 if self._queue:  # else every image waited for was withdrawn meanwhile: wait for work again
                     break
             batch = self._queue.take(self.max_batch_size)
-            self._queue_depth.set(len(self._queue))
+            self._recorded.queued(len(self._queue))
             return batch
 
     def swap(self, action: Callable[[], None], version: int, timeout: float) -> None:
@@ -331,12 +323,12 @@ class Batcher:
         try:
             self._compute_split_on_oom(torch.zeros((1, *FLOAT_SHAPE)), torch.ones(1, dtype=torch.float64)).wait()
         except Exception as exc:  # noqa: BLE001 - any failure keeps the replica out; the next probe decides again
-            self._probes.labels(self.name, "failed").inc()
+            self._recorded.probed(passed=False)
             self._next_probe = time.monotonic() + self._probe_interval
             log.warning("replica %s failed its probe (%s: %s); next probe in %gs", self.name, type(exc).__name__,
                         exc, self._probe_interval)
             return
-        self._probes.labels(self.name, "passed").inc()
+        self._recorded.probed(passed=True)
         self._batch_passed()
 
     def _batch_passed(self) -> None:
@@ -416,7 +408,7 @@ class Batcher:
             if reason is None:
                 live.append(item)
                 continue
-            self._dropped.labels(self.name, reason).inc()
+            self._recorded.dropped(reason)
             (expired if reason == "deadline" else cancelled).append(item)
         if expired:
             self._fail(expired, DeadlineExpired("deadline passed while the image waited in the queue"))
@@ -442,7 +434,7 @@ class Batcher:
         with self._cond:
             self._in_flight += 1
             self._launch_times.append(launched.started)
-            self._batches_in_flight.set(self._in_flight)
+            self._recorded.in_flight(self._in_flight)
         if self._most_in_flight == 1:  # nothing to overlap (the CPU): answered here, with no hand-off
             self._settle(launched)
         else:
@@ -463,7 +455,7 @@ class Batcher:
         with self._cond:
             self._in_flight -= 1
             self._launch_times.popleft()
-            self._batches_in_flight.set(self._in_flight)
+            self._recorded.in_flight(self._in_flight)
             self._cond.notify_all()
 
     def _finish(self, launched: _Launched) -> None:
@@ -480,7 +472,7 @@ class Batcher:
             self._fail(batch, ComputeFailed(f"inference failed on {self.name} (request id {ids[0]})"))
             return
         self._batch_passed()
-        self._record(batch, launched.started, output.timing)
+        self._recorded.answered(output.queue_seconds, self._runner.padding_for(len(batch)), output.timing)
         with self._cond:
             self._answered, self._answered_at = len(batch), time.monotonic()
             self._answered_callers = frozenset(item.client for item in batch)
@@ -525,13 +517,3 @@ class Batcher:
             first = self._compute_split_on_oom(inputs[:half], temperatures[:half]).wait()
             second = self._compute_split_on_oom(inputs[half:], temperatures[half:]).wait()
             return PendingScores(torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]]))
-
-    def _record(self, batch: list[WorkItem], started: float, timing: BatchTiming) -> None:
-        self._batch_size.observe(len(batch))
-        self._padded.inc(self._runner.padding_for(len(batch)))
-        self._compute_time.observe(timing.total)
-        for counter, seconds in zip(self._part_seconds, timing, strict=True):
-            counter.inc(seconds)
-        self._statistics.record_batch(len(batch), timing)
-        for item in batch:
-            self._queue_wait.observe(started - item.enqueued)
