@@ -24,8 +24,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, Listener
-from typing import NamedTuple
 
+import msgspec
 import numpy as np
 import torch
 
@@ -54,7 +54,6 @@ from resnet_server.common.metrics import Metrics
 from resnet_server.common.preprocess import CroppedImage, RawImage, SlotBytes
 from resnet_server.common.sections import EngineConfig
 from resnet_server.common.shapes import FLOAT_SHAPE
-from resnet_server.common.statistics import BatchTiming
 from resnet_server.common.work import ModelInput, WorkItem
 from resnet_server.engine.batcher import Answers, BatchOutput
 from resnet_server.engine.registered_slab import device_rows, register_slab
@@ -356,8 +355,10 @@ class Engine:
         answers: defaultdict[_FrontEnd, dict[int, Answer]] = defaultdict(dict)
         for item, slot, top, queued in zip(items, slots, output.top_k, output.queue_seconds, strict=True):
             answers[item.caller.owner][slot] = Answer(slot, top, queued)
-        batch = BatchFacts(output.timing, self.replica.healthy, output.weights_version, output.number, len(items),
-                           list(output.buckets))
+        # What every front-end's Done says of the batch; each front-end's copy takes its own answers.
+        batch = Done(answers=[], timing=output.timing, in_rotation=self.replica.healthy,
+                     weights_version=output.weights_version, batch=output.number, batch_size=len(items),
+                     buckets=list(output.buckets))
         for frontend, answered in answers.items():
             self._answer(frontend, list(answered), functools.partial(_done, answered, batch))
 
@@ -400,22 +401,9 @@ class Engine:
             frontend.send(Health(True))
 
 
-class BatchFacts(NamedTuple):
-    """What every front-end's Done of one batch says of it beside its own answers."""
-
-    timing: BatchTiming
-    in_rotation: bool
-    weights_version: int
-    number: int
-    size: int
-    buckets: list[int]
-
-
-def _done(answered: dict[int, Answer], batch: BatchFacts, held: list[int]) -> Done:
-    """The answers of those of a front-end's slots that are still held."""
-    return Done(answers=[answered[slot] for slot in held], timing=batch.timing, in_rotation=batch.in_rotation,
-                weights_version=batch.weights_version, batch=batch.number, batch_size=batch.size,
-                buckets=batch.buckets)
+def _done(answered: dict[int, Answer], batch: Done, held: list[int]) -> Done:
+    """``batch``'s Done with the answers of those of a front-end's slots that are still held."""
+    return msgspec.structs.replace(batch, answers=[answered[slot] for slot in held])
 
 
 def _slots_by_frontend(items: list[Item]) -> dict[_FrontEnd, list[int]]:
